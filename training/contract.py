@@ -1,0 +1,591 @@
+"""The run contract: what the control plane (Airflow) and the data plane (training) agree on.
+
+This module is the seam between the two planes. It imports only the standard library, so the
+Airflow image can use it without torch. It defines:
+
+- ``RunConfig``: the validated run configuration (JSON round-trip, clear errors on bad values);
+- ``RunDir``: the run-dir layout (config, events log, checkpoints, evaluation result);
+- the checkpoint layout and commit protocol (``CheckpointCatalog``);
+- the events-log schema (``EventLog``, ``Event``);
+- exit codes and failure classes (``ExitCode``, ``FailureClass``).
+
+Change it deliberately: both planes, and runs already on disk, depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import os
+import re
+import socket
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+CONTRACT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# Exit codes and failure classes
+# --------------------------------------------------------------------------------------------
+
+
+class FailureClass(str, enum.Enum):
+    """Why a run ended; decides what the control plane does next."""
+
+    SUCCESS = "success"
+    #: The user's code or config is wrong. Never retried, never replaces a node.
+    USER_ERROR = "user_error"
+    #: In-job restarts ran out: suspect hardware. The control plane may replace the node.
+    RESTARTS_EXHAUSTED = "restarts_exhausted"
+    #: Training ran but made no progress (no new committed checkpoint / steps) in time.
+    NO_PROGRESS = "no_progress"
+    #: The launcher itself failed in a way not covered above (e.g. killed from outside).
+    UNKNOWN = "unknown"
+
+    @property
+    def retryable(self) -> bool:
+        """Whether relaunching (possibly on a replaced node) can help."""
+        return self in (FailureClass.RESTARTS_EXHAUSTED, FailureClass.NO_PROGRESS)
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``python -m training.launch``: the pod's, and so the Job's, exit code."""
+
+    SUCCESS = 0
+    UNKNOWN = 1
+    #: Bad config or arguments: rejected before anything expensive starts.
+    CONFIG_ERROR = 2
+    #: sysexits EX_TEMPFAIL: restarts exhausted, a relaunch elsewhere may succeed.
+    RESTARTS_EXHAUSTED = 75
+    #: sysexits EX_CONFIG-adjacent: the user's code failed deterministically; do not retry.
+    USER_ERROR = 78
+    #: The same code NVRx 0.7's ft_launcher uses for "no progress".
+    NO_PROGRESS = 93
+
+
+_EXIT_TO_CLASS = {
+    ExitCode.SUCCESS: FailureClass.SUCCESS,
+    ExitCode.CONFIG_ERROR: FailureClass.USER_ERROR,
+    ExitCode.USER_ERROR: FailureClass.USER_ERROR,
+    ExitCode.RESTARTS_EXHAUSTED: FailureClass.RESTARTS_EXHAUSTED,
+    ExitCode.NO_PROGRESS: FailureClass.NO_PROGRESS,
+}
+
+_CLASS_TO_EXIT = {
+    FailureClass.SUCCESS: ExitCode.SUCCESS,
+    FailureClass.USER_ERROR: ExitCode.USER_ERROR,
+    FailureClass.RESTARTS_EXHAUSTED: ExitCode.RESTARTS_EXHAUSTED,
+    FailureClass.NO_PROGRESS: ExitCode.NO_PROGRESS,
+    FailureClass.UNKNOWN: ExitCode.UNKNOWN,
+}
+
+
+def failure_class_for_exit(code: int) -> FailureClass:
+    """The failure class a launcher exit code stands for (unknown codes -> UNKNOWN)."""
+    try:
+        return _EXIT_TO_CLASS.get(ExitCode(code), FailureClass.UNKNOWN)
+    except ValueError:
+        return FailureClass.UNKNOWN
+
+
+def exit_code_for(failure: FailureClass) -> ExitCode:
+    return _CLASS_TO_EXIT[failure]
+
+
+# --------------------------------------------------------------------------------------------
+# Run configuration
+# --------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A run config value is wrong. The message names the field and what to do."""
+
+
+RESTART_MODES = ("layered", "injob", "inprocess", "none")
+DEVICES = ("auto", "cpu", "cuda")
+#: Model presets; the shapes live in training/model.py (which needs torch).
+MODEL_PRESETS = ("tiny", "small", "1b", "8b")
+FAULT_KINDS = (
+    "exception",  # a Python exception in one rank (recovered in-process)
+    "hang",  # a Python-level busy hang in one rank (soft timeout)
+    "sigstop",  # SIGSTOP of one rank: the process freezes (hard timeout / heartbeat)
+    "sigkill",  # SIGKILL of one rank
+    "oom",  # exit 137, as the kernel's OOM killer would
+    "node_loss",  # every rank of one node dies at once
+    "checkpoint_crash",  # the async checkpoint writer dies mid-save
+    "user_bug",  # raises on every attempt: must end as USER_ERROR, never retried
+)
+_RUN_ID_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class FaultDrill:
+    """A deterministic fault: ``kind`` at training step ``step`` in global rank ``rank``.
+
+    ``attempt`` is the launcher restart round it fires in (0 = the first launch); ``node``
+    selects the node for ``node_loss`` (rank is ignored there). A ``user_bug`` fires on
+    every attempt, by definition.
+    """
+
+    kind: str
+    step: int
+    rank: int = 0
+    attempt: int = 0
+    node: int = 0
+
+    def validate(self, cfg: "RunConfig", where: str) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ConfigError(f"{where}.kind={self.kind!r} is not a fault kind; use one of {', '.join(FAULT_KINDS)}")
+        if not 1 <= self.step <= cfg.steps:
+            raise ConfigError(f"{where}.step={self.step} must be between 1 and steps={cfg.steps}")
+        if not 0 <= self.rank < cfg.world_size:
+            raise ConfigError(f"{where}.rank={self.rank} must be a global rank in [0, {cfg.world_size})")
+        if not 0 <= self.node < cfg.nodes:
+            raise ConfigError(f"{where}.node={self.node} must be a node index in [0, {cfg.nodes})")
+        if not 0 <= self.attempt <= 100:
+            raise ConfigError(f"{where}.attempt={self.attempt} must be between 0 and 100")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range: it must be between {lo} and {hi}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range: it must be between {lo} and {hi}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs; both planes build it, one JSON file carries it."""
+
+    run_id: str
+    run_dir: str
+    dataset_dir: str
+    model: str = "tiny"
+    nodes: int = 1
+    procs_per_node: int = 2
+    steps: int = 100
+    batch_size: int = 8  # sequences per rank per step
+    seq_len: int = 128
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 1234
+    checkpoint_interval: int = 10  # steps between checkpoints
+    keep_checkpoints: int = 3  # committed checkpoints retention keeps
+    restart_mode: str = "layered"
+    max_restarts: int = 3  # in-job (ft_launcher) restarts
+    max_inprocess_restarts: int = 5  # in-process (Wrapper) restarts per launcher round
+    collective_timeout_s: float = 3.0  # gloo/NCCL timeout; bounds in-process restart latency
+    heartbeat_timeout_s: float = 30.0  # ft_launcher: a rank silent this long is restarted
+    initial_heartbeat_timeout_s: float = 120.0  # ...except before its first heartbeat
+    hang_timeout_s: float = 10.0  # Wrapper soft timeout (hard = 2x): Python-level hangs
+    stall_timeout_s: float = 1800.0  # no new committed checkpoint this long -> NO_PROGRESS
+    device: str = "auto"
+    rdzv_port: int = 29400
+    log_interval: int = 1
+    eval_batches: int = 8
+    faults: tuple[FaultDrill, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        # Accept faults as dicts (from JSON) and normalise to FaultDrill tuples.
+        faults = []
+        for i, f in enumerate(self.faults or ()):
+            if isinstance(f, FaultDrill):
+                faults.append(f)
+            elif isinstance(f, dict):
+                unknown = set(f) - {x.name for x in dataclasses.fields(FaultDrill)}
+                if unknown:
+                    raise ConfigError(f"faults[{i}] has unknown field(s) {sorted(unknown)}")
+                try:
+                    faults.append(FaultDrill(**f))
+                except TypeError as e:
+                    raise ConfigError(f"faults[{i}] is incomplete: {e}; it needs kind and step") from None
+            else:
+                raise ConfigError(f"faults[{i}] must be an object with kind and step, got {f!r}")
+        object.__setattr__(self, "faults", tuple(faults))
+        self.validate()
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def layout(self) -> "RunDir":
+        return RunDir(self.run_dir)
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id):
+            raise ConfigError(
+                f"run_id={self.run_id!r} must be 1-63 lowercase letters, digits or '-', "
+                "starting and ending with a letter or digit (it names Kubernetes objects)"
+            )
+        for name in ("run_dir", "dataset_dir"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
+        _check_choice("model", self.model, MODEL_PRESETS)
+        _check_int("nodes", self.nodes, 1, 1024)
+        _check_int("procs_per_node", self.procs_per_node, 1, 64)
+        _check_int("steps", self.steps, 1, 10_000_000)
+        _check_int("batch_size", self.batch_size, 1, 65_536)
+        _check_int("seq_len", self.seq_len, 8, 131_072)
+        _check_float("lr", self.lr, 0.0, 10.0)
+        if self.lr == 0:
+            raise ConfigError("lr must be greater than 0")
+        _check_float("weight_decay", self.weight_decay, 0.0, 10.0)
+        _check_float("grad_clip", self.grad_clip, 0.0, 1e6)
+        _check_int("seed", self.seed, 0, 2**31 - 1)
+        _check_int("checkpoint_interval", self.checkpoint_interval, 1, 10_000_000)
+        _check_int("keep_checkpoints", self.keep_checkpoints, 1, 1000)
+        _check_choice("restart_mode", self.restart_mode, RESTART_MODES)
+        _check_int("max_restarts", self.max_restarts, 0, 1000)
+        _check_int("max_inprocess_restarts", self.max_inprocess_restarts, 0, 1000)
+        _check_float("collective_timeout_s", self.collective_timeout_s, 0.5, 3600.0)
+        _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 1.0, 86_400.0)
+        _check_float("initial_heartbeat_timeout_s", self.initial_heartbeat_timeout_s, 1.0, 86_400.0)
+        _check_float("hang_timeout_s", self.hang_timeout_s, 1.0, 86_400.0)
+        _check_float("stall_timeout_s", self.stall_timeout_s, 1.0, 30 * 86_400.0)
+        _check_choice("device", self.device, DEVICES)
+        _check_int("rdzv_port", self.rdzv_port, 1024, 65_000)
+        _check_int("log_interval", self.log_interval, 1, 1_000_000)
+        _check_int("eval_batches", self.eval_batches, 1, 100_000)
+        if self.restart_mode in ("layered", "injob") and self.heartbeat_timeout_s <= self.collective_timeout_s + 1:
+            # An in-process restart pauses heartbeats for about one collective timeout; a shorter
+            # heartbeat timeout makes ft_launcher kill ranks that were recovering by themselves.
+            raise ConfigError(
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed collective_timeout_s + 1 "
+                f"= {self.collective_timeout_s + 1} so in-process restarts are not cut short"
+            )
+        for i, f in enumerate(self.faults):
+            f.validate(self, f"faults[{i}]")
+
+    # -- (de)serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["faults"] = [dataclasses.asdict(f) for f in self.faults]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"a run config must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown run config field(s) {unknown}; known fields: {sorted(known)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in data and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"run config is missing required field(s) {missing}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"run config is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "RunConfig":
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read run config {path}: {e.strerror}") from None
+        return cls.from_json(text)
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def fault_at(self, step: int, rank: int, attempt: int, node: int) -> FaultDrill | None:
+        """The drill that fires at this step in this rank and launcher attempt, if any."""
+        for f in self.faults:
+            if f.step != step:
+                continue
+            if f.kind != "user_bug" and f.attempt != attempt:
+                continue
+            if f.kind == "node_loss" and f.node == node:
+                return f
+            if f.kind != "node_loss" and f.rank == rank:
+                return f
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Run-dir and checkpoint layout
+# --------------------------------------------------------------------------------------------
+
+CHECKPOINT_PREFIX = "step_"
+COMMIT_MARKER = "COMMITTED.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so a reader sees the old file or the whole new one, never part."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename durable (matters on a crash, not for correctness of readers)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class RunDir:
+    """The layout of one run's folder (a local folder, or FSx for Lustre on EKS)::
+
+        <run_dir>/
+          run.json                 the config as launched
+          events.jsonl             append-only events log (schema: Event)
+          eval.json                written by training.evaluate
+          control/USER_ERROR.json  written by the first rank that hits a user error
+          logs/                    launcher logs, one per node
+          checkpoints/
+            latest                 name of the newest committed checkpoint (atomic rename)
+            step_00000010/         one DCP checkpoint: a shard file per rank + .metadata
+              COMMITTED.json       the commit marker, written last, by rank 0
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    config = property(lambda self: self.root / "run.json")
+    events = property(lambda self: self.root / "events.jsonl")
+    eval_result = property(lambda self: self.root / "eval.json")
+    control = property(lambda self: self.root / "control")
+    user_error_marker = property(lambda self: self.root / "control" / "USER_ERROR.json")
+    logs = property(lambda self: self.root / "logs")
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    latest_pointer = property(lambda self: self.root / "checkpoints" / "latest")
+
+    def create(self) -> None:
+        for d in (self.root, self.control, self.logs, self.checkpoints):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    committed: bool
+    world_size: int | None = None
+    committed_at: float | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path.name
+
+
+class CheckpointCatalog:
+    """The checkpoints of one run and the commit protocol, readable without torch.
+
+    Protocol: every rank writes its shard into ``step_N/``; when all ranks have finished (the
+    writer's finalize synchronises them) rank 0 writes DCP's ``.metadata`` and then the commit
+    marker atomically, then moves ``latest``. A folder without the marker is torn: it is never
+    loaded and never counted. The marker, not ``latest``, is the source of truth — ``latest`` is a
+    convenience for humans and tools that cannot list a folder.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike | RunDir):
+        self.layout = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+
+    def _scan(self) -> Iterator[CheckpointInfo]:
+        root = self.layout.checkpoints
+        if not root.is_dir():
+            return
+        for p in root.iterdir():
+            if not (p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)):
+                continue
+            try:
+                step = int(p.name[len(CHECKPOINT_PREFIX):])
+            except ValueError:
+                continue
+            marker = read_commit_marker(p)
+            if marker is None:
+                yield CheckpointInfo(step, p, committed=False)
+            else:
+                yield CheckpointInfo(step, p, True, marker.get("world_size"), marker.get("committed_at"))
+
+    def all(self) -> list[CheckpointInfo]:
+        return sorted(self._scan(), key=lambda c: c.step)
+
+    def committed(self) -> list[CheckpointInfo]:
+        return [c for c in self.all() if c.committed]
+
+    def torn(self) -> list[CheckpointInfo]:
+        return [c for c in self.all() if not c.committed]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed checkpoint, or None."""
+        committed = self.committed()
+        return committed[-1] if committed else None
+
+    def commit(self, step: int, world_size: int, extra: dict[str, Any] | None = None) -> CheckpointInfo:
+        """Mark ``step`` committed and move ``latest`` (rank 0 only, after every rank finished)."""
+        path = self.layout.checkpoint_dir(step)
+        if not (path / ".metadata").is_file():
+            raise RuntimeError(f"cannot commit {path}: DCP .metadata is missing (the save did not finish)")
+        now = time.time()
+        marker = {"step": step, "world_size": world_size, "committed_at": now,
+                  "contract_version": CONTRACT_VERSION, **(extra or {})}
+        atomic_write_text(path / COMMIT_MARKER, json.dumps(marker, sort_keys=True))
+        atomic_write_text(self.layout.latest_pointer, path.name + "\n")
+        return CheckpointInfo(step, path, True, world_size, now)
+
+    def apply_retention(self, keep: int) -> list[Path]:
+        """Delete all but the newest ``keep`` committed checkpoints, and torn folders older than the
+        newest committed one (they can never be loaded). Newer torn folders are left alone: a save
+        may still be writing them. Returns what was deleted."""
+        committed = self.committed()
+        if not committed:
+            return []
+        newest = committed[-1].step
+        doomed = [c.path for c in committed[:-keep]] if len(committed) > keep else []
+        doomed += [c.path for c in self.torn() if c.step < newest]
+        for p in doomed:
+            # Remove the marker first so a crash mid-delete leaves a torn (ignored) folder.
+            try:
+                (p / COMMIT_MARKER).unlink()
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(p, ignore_errors=True)
+        return doomed
+
+
+def read_commit_marker(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((Path(path) / COMMIT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Events log
+# --------------------------------------------------------------------------------------------
+
+
+class Event(str, enum.Enum):
+    """Event types in ``events.jsonl``. Every line is one JSON object with at least
+    ``ts`` (unix seconds), ``event``, ``run_id``, ``host``, ``pid`` and, when known, ``rank``,
+    ``node_rank``, ``attempt`` (launcher restart round) and ``iteration`` (in-process round).
+
+    Type-specific fields:
+      launch_begin       nodes, procs_per_node, restart_mode, command
+      train_begin        start_step, world_size, device, resumed_from (checkpoint id or null)
+      step               step, loss, tokens_per_s, step_s
+      checkpoint_begin   step, blocking_s (time the training loop was stopped for the save)
+      checkpoint_commit  step, checkpoint_id, save_s (begin -> commit, wall seconds)
+      checkpoint_skip    checkpoint_id, reason (a torn checkpoint passed over at resume)
+      fault_injected     kind, step (a drill fired; written before the fault happens)
+      fault_detected     layer, kind, step, error
+      restart_begin      layer ("inprocess" | "injob" | "node"), reason
+      restart_end        layer, latency_s (fault detected -> training resumed)
+      train_end          step, status
+      final              failure_class, exit_code, step, message (one per launcher, per node)
+      eval               checkpoint_id, step, val_loss, perplexity
+    """
+
+    LAUNCH_BEGIN = "launch_begin"
+    TRAIN_BEGIN = "train_begin"
+    STEP = "step"
+    CHECKPOINT_BEGIN = "checkpoint_begin"
+    CHECKPOINT_COMMIT = "checkpoint_commit"
+    CHECKPOINT_SKIP = "checkpoint_skip"
+    FAULT_INJECTED = "fault_injected"
+    FAULT_DETECTED = "fault_detected"
+    RESTART_BEGIN = "restart_begin"
+    RESTART_END = "restart_end"
+    TRAIN_END = "train_end"
+    FINAL = "final"
+    EVAL = "eval"
+
+
+class EventLog:
+    """Append-only JSON-lines log. Each record is written with one ``write`` on an ``O_APPEND``
+    descriptor, so lines from concurrent processes never interleave."""
+
+    def __init__(self, path: str | os.PathLike, **context: Any):
+        self.path = Path(path)
+        self.context = {"host": socket.gethostname(), "pid": os.getpid(), **context}
+
+    def bind(self, **context: Any) -> "EventLog":
+        log = EventLog(self.path)
+        log.context = {**self.context, **context}
+        return log
+
+    def emit(self, event: Event | str, **fields: Any) -> dict[str, Any]:
+        name = event.value if isinstance(event, Event) else Event(event).value
+        record = {"ts": round(time.time(), 6), "event": name, **self.context, **fields}
+        line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+        return record
+
+
+def read_events(path: str | os.PathLike, event: Event | str | None = None) -> list[dict[str, Any]]:
+    """All records (optionally of one type). A torn last line (writer killed mid-write) is skipped."""
+    want = None if event is None else (event.value if isinstance(event, Event) else event)
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if want is None or rec.get("event") == want:
+                    out.append(rec)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def final_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The run's outcome: the last ``final`` record (the worst across nodes if several ended the
+    same launch), or None while it is still running."""
+    finals = read_events(RunDir(run_dir).events, Event.FINAL)
+    if not finals:
+        return None
+    last_launch = max((r.get("launch_id", "") for r in finals), default="")
+    same = [r for r in finals if r.get("launch_id", "") == last_launch]
+    failed = [r for r in same if r.get("failure_class") != FailureClass.SUCCESS.value]
+    return (failed or same)[-1]
