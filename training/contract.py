@@ -566,17 +566,37 @@ def read_events(path: str | os.PathLike, event: Event | str | None = None) -> li
     want = None if event is None else (event.value if isinstance(event, Event) else event)
     out = []
     try:
-        with open(path) as f:
+        with open(path, errors="replace") as f:
             for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if want is None or rec.get("event") == want:
+                rec = _parse_event_line(line.strip())
+                if rec is not None and (want is None or rec.get("event") == want):
                     out.append(rec)
     except FileNotFoundError:
         pass
     return out
+
+
+def _parse_event_line(line: str) -> dict[str, Any] | None:
+    """One record; if a killed writer left a partial record in front of it on the same line, the
+    complete record that ends the line."""
+    if not line:
+        return None
+    try:
+        rec = json.loads(line)
+        return rec if isinstance(rec, dict) else None
+    except ValueError:
+        pass
+    decoder = json.JSONDecoder()
+    start = line.find("{", 1)
+    while start != -1:
+        try:
+            rec, end = decoder.raw_decode(line, start)
+            if end == len(line) and isinstance(rec, dict) and "event" in rec:
+                return rec
+        except ValueError:
+            pass
+        start = line.find("{", start + 1)
+    return None
 
 
 def final_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -1,0 +1,163 @@
+"""The run contract (training/contract.py): torch-free, validated, stable on disk."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from training.contract import (
+    COMMIT_MARKER,
+    CheckpointCatalog,
+    ConfigError,
+    Event,
+    EventLog,
+    ExitCode,
+    FailureClass,
+    RunConfig,
+    RunDir,
+    failure_class_for_exit,
+    final_status,
+    read_events,
+)
+
+
+def make(**kw):
+    base = dict(run_id="demo-1", run_dir="/tmp/run", dataset_dir="/tmp/data")
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def test_json_round_trip_keeps_every_field():
+    cfg = make(nodes=2, procs_per_node=4, faults=[{"kind": "sigkill", "step": 5, "rank": 3, "attempt": 1}])
+    again = RunConfig.from_json(cfg.to_json())
+    assert again == cfg
+    assert again.faults[0].kind == "sigkill" and again.world_size == 8
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("run_id", "Bad_ID", "run_id"),
+    ("nodes", 0, "nodes=0 is out of range"),
+    ("procs_per_node", "2", "procs_per_node must be an integer"),
+    ("steps", True, "steps must be an integer"),
+    ("lr", -1.0, "lr=-1.0 is out of range"),
+    ("restart_mode", "magic", "restart_mode='magic' is not valid; use one of layered"),
+    ("model", "70b", "model='70b' is not valid"),
+    ("device", "tpu", "device='tpu'"),
+    ("checkpoint_interval", 0, "checkpoint_interval=0"),
+])
+def test_bad_values_are_rejected_with_the_field_named(field, value, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        make(**{field: value})
+
+
+def test_bad_fault_drills_are_rejected():
+    with pytest.raises(ConfigError, match=r"faults\[0\].kind='meteor'"):
+        make(faults=[{"kind": "meteor", "step": 1}])
+    with pytest.raises(ConfigError, match=r"faults\[0\].rank=2 must be a global rank in \[0, 2\)"):
+        make(faults=[{"kind": "sigkill", "step": 1, "rank": 2}])
+    with pytest.raises(ConfigError, match=r"faults\[0\].step=500 must be between 1 and steps=100"):
+        make(faults=[{"kind": "exception", "step": 500}])
+    with pytest.raises(ConfigError, match="unknown field"):
+        make(faults=[{"kind": "exception", "step": 1, "when": "now"}])
+
+
+def test_unknown_and_missing_fields_are_named():
+    with pytest.raises(ConfigError, match=r"unknown run config field\(s\) \['stepz'\]"):
+        RunConfig.from_dict({"run_id": "a", "run_dir": "r", "dataset_dir": "d", "stepz": 3})
+    with pytest.raises(ConfigError, match=r"missing required field\(s\) \['dataset_dir'\]"):
+        RunConfig.from_dict({"run_id": "a", "run_dir": "r"})
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        RunConfig.from_json("{nope")
+
+
+def test_heartbeat_must_outlast_an_inprocess_restart():
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s=3.0 must exceed"):
+        make(heartbeat_timeout_s=3.0, collective_timeout_s=3.0)
+
+
+def test_fault_selection_by_step_rank_attempt_and_node():
+    cfg = make(nodes=2, procs_per_node=1, faults=[
+        {"kind": "exception", "step": 3, "rank": 1},
+        {"kind": "sigkill", "step": 5, "rank": 0, "attempt": 1},
+        {"kind": "node_loss", "step": 7, "node": 1},
+        {"kind": "user_bug", "step": 9, "rank": 0},
+    ])
+    assert cfg.fault_at(3, rank=1, attempt=0, node=1).kind == "exception"
+    assert cfg.fault_at(3, rank=0, attempt=0, node=0) is None
+    assert cfg.fault_at(5, rank=0, attempt=0, node=0) is None
+    assert cfg.fault_at(5, rank=0, attempt=1, node=0).kind == "sigkill"
+    assert cfg.fault_at(7, rank=1, attempt=0, node=1).kind == "node_loss"
+    assert cfg.fault_at(7, rank=0, attempt=0, node=0) is None
+    assert cfg.fault_at(9, rank=0, attempt=4, node=0).kind == "user_bug"  # every attempt
+
+
+def test_exit_codes_map_to_failure_classes_both_ways():
+    assert failure_class_for_exit(0) is FailureClass.SUCCESS
+    assert failure_class_for_exit(ExitCode.USER_ERROR) is FailureClass.USER_ERROR
+    assert failure_class_for_exit(75) is FailureClass.RESTARTS_EXHAUSTED
+    assert failure_class_for_exit(93) is FailureClass.NO_PROGRESS
+    assert failure_class_for_exit(137) is FailureClass.UNKNOWN
+    assert not FailureClass.USER_ERROR.retryable and FailureClass.RESTARTS_EXHAUSTED.retryable
+
+
+def _fake_checkpoint(layout, step, committed):
+    d = layout.checkpoint_dir(step)
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"x")
+    (d / ".metadata").write_bytes(b"m")
+    if committed:
+        CheckpointCatalog(layout).commit(step, world_size=2)
+    return d
+
+
+def test_catalog_ignores_torn_checkpoints_and_retention_keeps_last_k(tmp_path):
+    layout = RunDir(tmp_path)
+    layout.create()
+    for step in (10, 20, 30, 40):
+        _fake_checkpoint(layout, step, committed=True)
+    _fake_checkpoint(layout, 25, committed=False)  # torn, older than the newest
+    _fake_checkpoint(layout, 50, committed=False)  # torn or still being written
+    cat = CheckpointCatalog(layout)
+    assert cat.latest().step == 40
+    assert layout.latest_pointer.read_text().strip() == "step_00000040"
+    assert [c.step for c in cat.torn()] == [25, 50]
+    deleted = cat.apply_retention(keep=2)
+    assert sorted(p.name for p in deleted) == ["step_00000010", "step_00000020", "step_00000025"]
+    assert [c.step for c in cat.all()] == [30, 40, 50]  # a newer torn folder is not ours to delete
+    assert json.loads((layout.checkpoint_dir(40) / COMMIT_MARKER).read_text())["world_size"] == 2
+
+
+def test_commit_refuses_a_checkpoint_without_metadata(tmp_path):
+    layout = RunDir(tmp_path)
+    layout.checkpoint_dir(5).mkdir(parents=True)
+    with pytest.raises(RuntimeError, match="metadata is missing"):
+        CheckpointCatalog(layout).commit(5, world_size=1)
+
+
+def test_events_log_appends_and_skips_a_torn_line(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl", run_id="r", rank=0)
+    log.emit(Event.STEP, step=1, loss=5.0)
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"ts": 1, "event": "st')  # a writer killed mid-line
+    log.emit(Event.FINAL, failure_class="success", exit_code=0)
+    recs = read_events(tmp_path / "events.jsonl")
+    assert [r["event"] for r in recs] == ["step", "final"]
+    assert recs[0]["run_id"] == "r" and "host" in recs[0] and "pid" in recs[0]
+    assert final_status(tmp_path)["failure_class"] == "success"
+
+
+def test_final_status_reports_a_failed_node_over_a_successful_one(tmp_path):
+    log = EventLog(RunDir(tmp_path).events, run_id="r")
+    log.emit(Event.FINAL, node_rank=1, failure_class="restarts_exhausted", exit_code=75)
+    log.emit(Event.FINAL, node_rank=0, failure_class="success", exit_code=0)
+    assert final_status(tmp_path)["failure_class"] == "restarts_exhausted"
+    assert final_status(tmp_path / "nothing") is None
+
+
+def test_the_contract_and_launcher_never_import_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import training.contract, training.launch\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
