@@ -192,10 +192,10 @@ class RunConfig:
     restart_mode: str = "layered"
     max_restarts: int = 3  # in-job (ft_launcher) restarts
     max_inprocess_restarts: int = 5  # in-process (Wrapper) restarts per launcher round
-    collective_timeout_s: float = 3.0  # gloo/NCCL timeout; bounds in-process restart latency
-    heartbeat_timeout_s: float = 30.0  # ft_launcher: a rank silent this long is restarted
-    initial_heartbeat_timeout_s: float = 120.0  # ...except before its first heartbeat
-    hang_timeout_s: float = 10.0  # Wrapper soft timeout (hard = 2x): Python-level hangs
+    collective_timeout_s: float = 30.0  # gloo/NCCL timeout; bounds in-process restart latency
+    heartbeat_timeout_s: float = 120.0  # ft_launcher: a rank silent this long is restarted
+    initial_heartbeat_timeout_s: float = 600.0  # ...before its first heartbeat (start, restore)
+    hang_timeout_s: float = 60.0  # Wrapper soft timeout (hard = 2x): no progress this long -> restart
     stall_timeout_s: float = 1800.0  # no new committed checkpoint this long -> NO_PROGRESS
     device: str = "auto"
     rdzv_port: int = 29400
@@ -274,6 +274,12 @@ class RunConfig:
             raise ConfigError(
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed collective_timeout_s + 1 "
                 f"= {self.collective_timeout_s + 1} so in-process restarts are not cut short"
+            )
+        if self.restart_mode == "layered" and self.hang_timeout_s >= self.heartbeat_timeout_s:
+            # Otherwise ft_launcher kills a hung rank before the Wrapper can recover it in place.
+            raise ConfigError(
+                f"hang_timeout_s={self.hang_timeout_s} must be below heartbeat_timeout_s="
+                f"{self.heartbeat_timeout_s} in layered mode, so hangs are recovered in-process first"
             )
         for i, f in enumerate(self.faults):
             f.validate(self, f"faults[{i}]")

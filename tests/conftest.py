@@ -1,0 +1,94 @@
+"""Shared fixtures: a small real-text dataset and a helper that runs training end to end."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from training.contract import RunConfig, read_events
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    """~1 MB of the standard library's json/ and email/ sources as byte-token shards."""
+    src = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for pkg in ("json", "email", "collections"):
+        for f in sorted((stdlib / pkg).rglob("*.py")):
+            dst = src / pkg / f.relative_to(stdlib / pkg)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(f.read_bytes())
+    out = tmp_path_factory.mktemp("dataset")
+    subprocess.run([sys.executable, "-m", "training.prepare_data", str(src), str(out), "--val-fraction", "0.1"],
+                   check=True, cwd=REPO, capture_output=True)
+    return out
+
+
+#: Short timeouts so fault drills resolve in seconds on a loaded 2-core machine.
+FAST = dict(model="tiny", seq_len=64, batch_size=4, collective_timeout_s=3.0, heartbeat_timeout_s=30.0,
+            initial_heartbeat_timeout_s=90.0, hang_timeout_s=15.0, device="cpu", checkpoint_interval=3,
+            eval_batches=4)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    rc: int
+    output: str
+
+    @property
+    def events(self) -> list[dict]:
+        return read_events(self.cfg.layout.events)
+
+    def of(self, event: str) -> list[dict]:
+        return [r for r in self.events if r["event"] == event]
+
+    def losses(self) -> dict[int, float]:
+        """Loss per step; a step replayed after a restart must log the same loss, so keep the last."""
+        return {r["step"]: r["loss"] for r in self.of("step")}
+
+
+def write_config(tmp_path: Path, dataset: Path, run_id: str, **overrides) -> RunConfig:
+    fields = dict(FAST, run_id=run_id, run_dir=str(tmp_path / run_id), dataset_dir=str(dataset),
+                  rdzv_port=free_port())
+    fields.update(overrides)
+    cfg = RunConfig(**fields)
+    (tmp_path / f"{run_id}.json").write_text(cfg.to_json())
+    return cfg
+
+
+def launch(cfg: RunConfig, cfg_path: Path, *, node_rank: int | None = None, timeout: float = 300) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "training.launch", "--config", str(cfg_path)]
+    if node_rank is not None:
+        cmd += ["--node-rank", str(node_rank), "--rdzv-host", "127.0.0.1"]
+    log = open(Path(cfg_path).with_suffix(f".node{node_rank or 0}.log"), "w")
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def run_training(tmp_path: Path, dataset: Path, run_id: str, timeout: float = 300, **overrides) -> Run:
+    cfg = write_config(tmp_path, dataset, run_id, **overrides)
+    cfg_path = tmp_path / f"{run_id}.json"
+    proc = launch(cfg, cfg_path)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    output = Path(cfg_path).with_suffix(".node0.log").read_text()
+    return Run(cfg, rc, output)

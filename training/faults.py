@@ -1,0 +1,79 @@
+"""Fault drills: deterministic faults, injected from the run config at step S, rank R, attempt A.
+
+Each drill reproduces one way a real run dies, so every restart layer can be proven:
+
+  exception         a Python exception in one rank           -> in-process restart
+  hang              a Python-level busy loop (no progress)   -> in-process restart (soft timeout)
+  sigstop           the process freezes (SIGSTOP)            -> in-job restart (hard timeout / heartbeat)
+  sigkill           the process is killed                    -> in-job restart
+  oom               exit 137, as the kernel OOM killer       -> in-job restart
+  node_loss         every rank of a node and its launcher die-> in-job restart once the node returns
+  checkpoint_crash  the async checkpoint writer dies mid-save-> in-process restart; the save stays torn
+  user_bug          raises at the same step on every attempt -> USER_ERROR, never retried
+
+The drill writes a ``fault_injected`` event first, so tests and reports can line faults up with
+what the restart layers did.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable
+
+from training.contract import Event, EventLog, FaultDrill
+
+
+class InjectedFault(RuntimeError):
+    """A transient fault raised by the ``exception`` drill."""
+
+
+class InjectedUserBug(ValueError):
+    """The ``user_bug`` drill: deterministic, so it repeats on every attempt."""
+
+
+#: Set by training.launch for its workers: the node's launcher, which node_loss takes down too.
+LAUNCH_PID_ENV = "TRAINING_LAUNCH_PID"
+
+
+def inject(drill: FaultDrill, step: int, events: EventLog, *,
+           writer_pids: Callable[[], list[int]] = lambda: []) -> None:
+    """Make ``drill`` happen now. Returns only for drills that let training go on (checkpoint_crash
+    arms itself against the next save; see ``checkpoint_crash``)."""
+    events.emit(Event.FAULT_INJECTED, kind=drill.kind, step=step)
+    kind = drill.kind
+    if kind == "exception":
+        raise InjectedFault(f"injected exception at step {step}")
+    if kind == "user_bug":
+        raise InjectedUserBug(f"injected user bug at step {step}: this fails on every attempt")
+    if kind == "hang":
+        # A pure-Python busy loop: the in-process Wrapper's soft timeout can interrupt it
+        # (it raises asynchronously into the main thread between bytecodes).
+        while True:
+            time.sleep(0)  # noqa: keeps the loop in Python bytecode, not one long C call
+    if kind == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "oom":
+        os._exit(137)
+    if kind == "node_loss":
+        # The whole node goes at once, as when an instance dies: training.launch first (so it
+        # reports nothing), then ft_launcher/torchrun and every process of the node (one session).
+        launch_pid = int(os.environ.get(LAUNCH_PID_ENV, "0"))
+        if launch_pid > 1:
+            try:
+                os.kill(launch_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    if kind == "checkpoint_crash":
+        for pid in writer_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return
+    raise ValueError(f"unknown fault kind {kind!r}")

@@ -1,0 +1,203 @@
+"""The restart layers inside a job, built on NVIDIA Resiliency Extension (NVRx).
+
+Two layers, chosen by ``RunConfig.restart_mode``:
+
+- **in-process** (``inprocess.Wrapper``): an exception or a Python-level hang in any rank is
+  recovered inside the same processes; every rank re-enters the training function, which builds
+  a fresh process group and reloads the newest committed checkpoint. Cheap (seconds).
+- **in-job** (``ft_launcher``): a dead, frozen or silent rank (SIGKILL, OOM, SIGSTOP, node loss)
+  is detected by the launcher's rank monitors (heartbeats and sections) and the whole worker group
+  is respawned in the same pods, up to ``--max-restarts``.
+
+``layered`` stacks them: ft_launcher outside, the Wrapper inside. Anything the Wrapper cannot
+handle (a rank gone, the in-process budget spent) leaves the process with a non-zero exit, which
+ft_launcher turns into an in-job restart. Worker-side pieces live here; the launcher command is
+built in ``training.launch``.
+
+Works with nvidia-resiliency-ext 0.4.1 (tested on CPU) and 0.7.x (the GPU image); differences are
+feature-detected where noted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from nvidia_resiliency_ext import inprocess
+from nvidia_resiliency_ext.fault_tolerance import (
+    RankMonitorClient,
+    WorkloadAction,
+    WorkloadControlRequest,
+)
+
+from training.contract import Event, EventLog, RunConfig
+
+FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by ft_launcher for each worker
+
+
+class UserErrorAbort(BaseException):
+    """Raised (as a BaseException, so the in-process Wrapper does not retry it) once a fault is
+    classified as a user error: the same exception at the same step on two attempts."""
+
+
+class RankMonitor:
+    """The worker's link to ft_launcher: heartbeats, sections, and workload control.
+
+    A no-op when the worker was not started by ft_launcher (``restart_mode`` inprocess/none).
+    Re-created at every in-process iteration, as NVRx requires a fresh client per attempt.
+    """
+
+    def __init__(self) -> None:
+        self.client: RankMonitorClient | None = None
+        self.section: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return FT_SOCKET_ENV in os.environ
+
+    def start(self) -> None:
+        if self.enabled and self.client is None:
+            self.client = RankMonitorClient()
+            self.client.init_workload_monitoring()
+
+    def heartbeat(self) -> None:
+        if self.client is not None:
+            self.client.send_heartbeat()
+
+    def enter(self, section: str) -> None:
+        """Open ``section`` (closing the open one): the launcher times each section separately."""
+        if self.client is None:
+            return
+        if self.section is not None:
+            self.client.end_section(self.section)
+        self.client.start_section(section)
+        self.section = section
+
+    def leave(self) -> None:
+        if self.client is not None and self.section is not None:
+            self.client.end_section(self.section)
+        self.section = None
+
+    def shutdown_workload(self, reason: str) -> None:
+        """Ask ft_launcher not to restart anyone: used for user errors, which would only repeat."""
+        client = self.client or (RankMonitorClient() if self.enabled else None)
+        if client is None:
+            return
+        try:
+            if client.rank_info is None:  # the request carries our rank
+                client.init_workload_monitoring()
+            client.send_workload_control_request(
+                WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason))
+        except Exception as e:  # the marker file still stops relaunches; don't mask the user error
+            print(f"[restart] could not ask ft_launcher to shut down: {e}", flush=True)
+
+    def stop(self) -> None:
+        if self.client is not None:
+            try:
+                self.leave()
+                self.client.shutdown_workload_monitoring()
+            except Exception:
+                pass
+        self.client = None
+        self.section = None
+
+
+class _AbortProcessGroups(inprocess.abort.Abort):
+    """Tear down the training process groups so blocked ranks can unwind.
+
+    NVRx's ``AbortTorchDistributed`` aborts NCCL communicators first (a blocked NCCL collective
+    otherwise never returns); on CPU/gloo there is nothing to abort, so it only destroys the groups.
+    """
+
+    def __call__(self, state):
+        if not (dist.is_available() and dist.is_initialized()):
+            return state
+        if torch.cuda.is_available():
+            return inprocess.abort.AbortTorchDistributed()(state)
+        dist.destroy_process_group()
+        return state
+
+
+class _RecordRestart(inprocess.finalize.Finalize):
+    """Runs on every rank once the Wrapper decided to restart (after an exception, a timeout or
+    a peer's failure): puts the restart in the events log."""
+
+    def __init__(self, events: Callable[[], EventLog]):
+        self.events = events
+
+    def __call__(self, state):
+        if state.initial_rank == 0:
+            exc = state.fn_exception
+            reason = f"{type(exc).__name__}: {exc}"[:500] if exc is not None else "timeout or a peer's fault"
+            self.events().emit(Event.RESTART_BEGIN, layer="inprocess", iteration=state.iteration, reason=reason)
+        return state
+
+
+def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_type: str) -> inprocess.Wrapper:
+    """The in-process restart Wrapper for this run.
+
+    Stores: the Wrapper's own TCPStore listens on ``MASTER_PORT + 2`` (the training process group
+    uses ``MASTER_PORT + 1``); ft_launcher picks a fresh ``MASTER_PORT`` each rendezvous round, so
+    the ports never clash across in-job restarts.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    master_port = int(os.environ["MASTER_PORT"])
+    soft = datetime.timedelta(seconds=cfg.hang_timeout_s)
+    hard = datetime.timedelta(seconds=2 * cfg.hang_timeout_s)
+    barrier = max(datetime.timedelta(seconds=cfg.initial_heartbeat_timeout_s), hard + datetime.timedelta(seconds=10))
+    log_dir = Path(cfg.run_dir).resolve() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    wrapper = inprocess.Wrapper(
+        store_kwargs={"port": master_port + 2, "timeout": barrier},
+        # Fixed world size: FSDP shards are laid out for it. Losing a rank, or spending the
+        # in-process budget, raises RestartAbort, ends the process, and escalates to ft_launcher.
+        initialize=inprocess.initialize.RetryController(
+            max_iterations=cfg.max_inprocess_restarts + 1,
+            min_world_size=world, min_active_world_size=world),
+        abort=_AbortProcessGroups(),
+        finalize=_RecordRestart(events),
+        soft_timeout=soft,
+        hard_timeout=hard,
+        heartbeat_timeout=datetime.timedelta(seconds=max(5.0, cfg.hang_timeout_s)),
+        barrier_timeout=barrier,
+        completion_timeout=barrier,
+        monitor_process_logfile=str(log_dir / "inprocess-monitor-rank{rank}.log"),
+    )
+    # nvidia-resiliency-ext 0.7 adds NVML GPU/NVLink/NIC restart health checks by itself when
+    # LOCAL_RANK is set; on CPU they fail (no NVML) and turn every in-process restart into a
+    # process exit. Drop them there; on GPU keep them.
+    if device_type == "cpu" and hasattr(wrapper, "restart_health_check"):
+        wrapper.restart_health_check = None
+    return wrapper
+
+
+def init_process_group(backend: str, iteration: int, timeout_s: float, app_store: dist.Store) -> None:
+    """A fresh default process group for this in-process iteration, on its own key prefix so
+    iterations never read each other's rendezvous keys."""
+    store = dist.PrefixStore(f"train-iter-{iteration}", app_store)
+    dist.init_process_group(
+        backend=backend,
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def app_store() -> dist.TCPStore:
+    """The training process groups' store on ``MASTER_PORT + 1``, hosted by rank 0 for the life
+    of the process (it survives in-process restarts, unlike the process groups)."""
+    rank = int(os.environ["RANK"])
+    return dist.TCPStore(
+        host_name=os.environ["MASTER_ADDR"],
+        port=int(os.environ["MASTER_PORT"]) + 1,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=300),
+        wait_for_workers=False,
+        use_libuv=True,
+    )
