@@ -7,9 +7,11 @@ each test checks one of its phases. Fast single-process tests come first.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -26,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
-from training.checkpoint import SnapshotBuffers, _cpu_safe_preload, load_latest
+from training.checkpoint import CheckpointWriterError, SnapshotBuffers, _cpu_safe_preload, load_latest
 from training.contract import COMMIT_MARKER, CheckpointCatalog, Event, EventLog, RunDir, read_events
 
 WIDTH, DEPTH = 1024, 6  # 6.3M parameters: ~75 MB with AdamW state, ~38 MB per rank
@@ -70,6 +72,14 @@ def test_stock_preload_needs_cuda_and_ours_does_not():
             stock()
     staged = _cpu_safe_preload(stock)()
     assert staged[0][2][1][0][1] is tensor
+
+
+def test_writer_error_survives_copy_and_pickle():
+    """Restart layers (NVRx's in-process Wrapper) copy and re-raise exceptions as cls(*args)."""
+    error = CheckpointWriterError(6, "rank 0: writer process died", (0,))
+    for clone in (copy.copy(error), pickle.loads(pickle.dumps(error))):
+        assert (clone.step, clone.failed_ranks, str(clone)) == (6, (0,), str(error))
+    assert str(error) == "checkpoint step 6 failed: rank 0: writer process died"
 
 
 def test_load_latest_with_nothing_committed(tmp_path):

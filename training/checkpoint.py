@@ -112,9 +112,14 @@ class CheckpointWriterError(RuntimeError):
     checkpointer is ready for the next save (a dead writer has already been replaced)."""
 
     def __init__(self, step: int, message: str, failed_ranks: tuple[int, ...] = ()):
-        super().__init__(f"checkpoint step {step} failed: {message}")
+        # args mirror the signature: restart layers copy and pickle exceptions as cls(*args).
+        super().__init__(step, message, tuple(failed_ranks))
         self.step = step
-        self.failed_ranks = failed_ranks
+        self.message = message
+        self.failed_ranks = tuple(failed_ranks)
+
+    def __str__(self) -> str:
+        return f"checkpoint step {self.step} failed: {self.message}"
 
 
 class _WriterGone(Exception):
