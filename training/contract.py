@@ -519,7 +519,7 @@ class Event(str, enum.Enum):
       checkpoint_skip    checkpoint_id, reason (a torn checkpoint passed over at resume)
       fault_injected     kind, step (a drill fired; written before the fault happens)
       fault_detected     layer, kind, step, error
-      restart_begin      layer ("inprocess" | "injob" | "node"), reason
+      restart_begin      layer ("inprocess" | "injob" | "relaunch"), reason, fault_ts
       restart_end        layer, latency_s (fault detected -> training resumed)
       train_end          step, status
       final              failure_class, exit_code, step, message (one per launcher, per node)

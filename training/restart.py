@@ -175,17 +175,27 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
     return wrapper
 
 
-def init_process_group(backend: str, iteration: int, timeout_s: float, app_store: dist.Store) -> None:
+def init_process_group(backend: str, iteration: int, timeout_s: float, join_timeout_s: float,
+                       app_store: dist.Store) -> None:
     """A fresh default process group for this in-process iteration, on its own key prefix so
-    iterations never read each other's rendezvous keys."""
+    iterations never read each other's rendezvous keys.
+
+    Ranks arrive at different times after a restart (a healthy rank first sits out its collective
+    timeout), so forming the group may take up to ``join_timeout_s``; collectives then get the
+    short ``timeout_s`` that bounds how long a healthy rank waits for a failed one.
+    """
     store = dist.PrefixStore(f"train-iter-{iteration}", app_store)
     dist.init_process_group(
         backend=backend,
         store=store,
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=max(timeout_s, join_timeout_s)),
     )
+    dist.barrier()  # every rank is connected before the timeout shrinks
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is not None:
+        set_timeout(datetime.timedelta(seconds=timeout_s))
 
 
 def app_store() -> dist.TCPStore:

@@ -82,7 +82,8 @@ class Trainer:
         self.monitor.start()
         self.monitor.enter("setup")
         try:
-            restart.init_process_group(self.backend, self.iteration, cfg.collective_timeout_s, self.store)
+            restart.init_process_group(self.backend, self.iteration, cfg.collective_timeout_s,
+                                       cfg.initial_heartbeat_timeout_s, self.store)
             mesh = init_device_mesh(self.device.type, (env.world_size,))
             self.checkpointer.rebind(dist.group.WORLD)
 
@@ -204,29 +205,32 @@ class Trainer:
 
     def _restart_pending(self) -> tuple[str, float] | None:
         """(layer, fault time) when this attempt recovers from a fault, so the first step can
-        report the restart's latency. The fault time is the first fault logged after the last
+        report the restart's latency; rank 0 only.
+
+        The layer: ``inprocess`` for a Wrapper iteration; ``injob`` when this launch already
+        trained (steps logged since node 0's launcher started: ft_launcher's restart counter is
+        per node, so it cannot tell); ``relaunch`` when only an earlier launch did (the control
+        plane started the job again). The fault time is the first fault logged after the last
         completed step, else that step's end (a SIGKILL logs nothing: the latency is then over-
-        rather than under-stated)."""
-        if self.env.rank != 0:  # rank 0 reports restarts
-            return None
-        if self.iteration > 0:
-            layer = "inprocess"
-        elif self.env.attempt > 0:
-            layer = "injob"
-        else:
+        rather than under-stated).
+        """
+        if self.env.rank != 0:
             return None
         records = read_events(self.layout.events)
         last_step = max((i for i, r in enumerate(records) if r.get("event") == Event.STEP.value), default=-1)
+        if last_step < 0:
+            return None  # nothing trained yet: a first start
+        if self.iteration > 0:
+            layer = "inprocess"
+        else:
+            launch = max((i for i, r in enumerate(records)
+                          if r.get("event") == Event.LAUNCH_BEGIN.value and r.get("node_rank") == 0), default=-1)
+            layer = "injob" if last_step > launch else "relaunch"
         faults = [r for r in records[last_step + 1:]
                   if r.get("event") in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value)]
-        if faults:
-            fault_ts = faults[0]["ts"]
-        elif last_step >= 0:
-            fault_ts = records[last_step]["ts"]
-        else:
-            return None
-        if layer == "injob":
-            self.events.emit(Event.RESTART_BEGIN, layer="injob", reason="worker group restarted by ft_launcher",
+        fault_ts = faults[0]["ts"] if faults else records[last_step]["ts"]
+        if layer != "inprocess":
+            self.events.emit(Event.RESTART_BEGIN, layer=layer, reason=f"{layer}: training processes started again",
                              fault_ts=fault_ts)
         return layer, fault_ts
 
