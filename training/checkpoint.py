@@ -788,8 +788,10 @@ class AsyncCheckpointer:
                                    "called with the same step on every rank")
             failed = _failed_ranks(states)
             if failed:
-                raise CheckpointWriterError(step, f"checkpoint writer did not start on rank(s) {failed} "
-                                            f"within {self.start_timeout_s:.0f}s", tuple(failed))
+                local = self._helpers.channel.error if self.async_save else None
+                why = f"here: {local}" if local else f"not up within {self.start_timeout_s:.0f}s, or died starting"
+                raise CheckpointWriterError(step, f"checkpoint writer did not start on rank(s) {failed} ({why})",
+                                            tuple(failed))
             if max(states) == _DONE:
                 return committed[0] == 0
 

@@ -19,32 +19,15 @@ world size, and resuming from it replays exactly the batches an uninterrupted ru
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from training.contract import ConfigError
-from training.prepare_data import FORMAT, HOW_TO_PREPARE, INDEX_FILE, SPLITS, TOKEN_DTYPE
-
-
-class DatasetError(ConfigError):
-    """The dataset folder is missing, damaged, or too small for the run: a config error."""
-
-
-def read_index(dataset_dir: str | os.PathLike) -> dict:
-    path = Path(dataset_dir) / INDEX_FILE
-    try:
-        index = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DatasetError(f"no dataset at {path} (index.json is missing); {HOW_TO_PREPARE}") from None
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"dataset index {path} is unreadable or corrupt ({e}); {HOW_TO_PREPARE}") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("dtype") != TOKEN_DTYPE:
-        raise DatasetError(f"{path} is not a {FORMAT} dataset index; {HOW_TO_PREPARE}")
-    return index
+from training.contract import DATASET_INDEX as INDEX_FILE
+from training.contract import DATASET_SPLITS as SPLITS
+from training.contract import HOW_TO_PREPARE, DatasetError, read_dataset_index
 
 
 class TokenShards:
@@ -55,7 +38,7 @@ class TokenShards:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         self.dataset_dir = Path(dataset_dir)
         self.split = split
-        index = read_index(dataset_dir)
+        index = read_dataset_index(dataset_dir)
         entries = index.get(split)
         if not isinstance(entries, list) or not entries:
             raise DatasetError(f"{self.dataset_dir / INDEX_FILE} lists no {split} shards; {HOW_TO_PREPARE}")

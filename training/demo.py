@@ -50,11 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     cfg_path.write_text(cfg.to_json())
     print(f"[demo] training {run_id}: 2 ranks, {cfg.steps} steps, drills: "
           + ", ".join(f"{f.kind}@step{f.step}/rank{f.rank}" for f in cfg.faults), flush=True)
+    launch_log = root / f"{run_id}.launch.log"
+    print(f"[demo] launcher output (ft_launcher, NVRx, workers) goes to {launch_log}", flush=True)
     t0 = time.time()
-    rc = subprocess.run([sys.executable, "-m", "training.launch", "--config", str(cfg_path)]).returncode
+    with open(launch_log, "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "training.launch", "--config", str(cfg_path)],
+                            stdout=log, stderr=subprocess.STDOUT).returncode
     wall = time.time() - t0
     if rc == 0:
-        subprocess.run([sys.executable, "-m", "training.evaluate", "--config", str(cfg.layout.config)], check=True)
+        subprocess.run([sys.executable, "-W", "ignore", "-m", "training.evaluate", "--config", str(cfg.layout.config)],
+                       check=True)
+    else:
+        print("".join(launch_log.read_text().splitlines(keepends=True)[-40:]))
 
     events = read_events(cfg.layout.events)
     print("\n[demo] what happened")
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  run dir:   {cfg.run_dir}")
     print(f"  events:    {cfg.layout.events}")
     print(f"  eval:      {cfg.layout.eval_result}" + ("" if cfg.layout.eval_result.exists() else " (not written)"))
-    print(f"  logs:      {cfg.layout.logs}")
+    print(f"  logs:      {cfg.layout.logs} and {launch_log}")
     return rc
 
 

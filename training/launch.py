@@ -45,7 +45,7 @@ from training.contract import (
     RunConfig,
     atomic_write_text,
     exit_code_for,
-    read_events,
+    read_dataset_index,
 )
 from training.faults import LAUNCH_PID_ENV
 
@@ -100,19 +100,6 @@ def ft_launcher_config(cfg: RunConfig) -> dict:
             "restart_check_interval": 1.0,
         }
     }
-
-
-def check_dataset(dataset_dir: str) -> None:
-    index = Path(dataset_dir) / "index.json"
-    try:
-        data = json.loads(index.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"dataset_dir {dataset_dir} has no index.json: stage it first "
-                          f"(python -m training.prepare_data SRC {dataset_dir})") from None
-    except ValueError as e:
-        raise ConfigError(f"{index} is not valid JSON ({e}): re-run training.prepare_data") from None
-    if not data.get("train") or not data.get("val"):
-        raise ConfigError(f"{index} lists no train or no val shards: re-run training.prepare_data")
 
 
 def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: Path,
@@ -277,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= node_rank < cfg.nodes:
             raise ConfigError(f"node rank {node_rank} is outside the run's {cfg.nodes} node(s)")
         rdzv_host = rdzv_host_from_env(args.rdzv_host, cfg)
-        check_dataset(cfg.dataset_dir)
+        read_dataset_index(cfg.dataset_dir)  # a missing or broken dataset fails here, not in every rank
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)

@@ -43,19 +43,25 @@ from pathlib import Path
 
 import numpy as np
 
-from training.contract import atomic_write_text
+from training.contract import (
+    DATASET_FORMAT,
+    DATASET_INDEX,
+    DATASET_SPLITS,
+    DATASET_TOKEN_DTYPE,
+    HOW_TO_PREPARE,
+    atomic_write_text,
+)
 
-FORMAT = "byte-tokens-v1"
-INDEX_FILE = "index.json"
-TOKEN_DTYPE = "uint16"
+FORMAT = DATASET_FORMAT
+INDEX_FILE = DATASET_INDEX
+TOKEN_DTYPE = DATASET_TOKEN_DTYPE
 VOCAB_SIZE = 256
 SEPARATOR = 0
-SPLITS = ("train", "val")
+SPLITS = DATASET_SPLITS
 DEFAULT_EXTENSIONS = ".py,.txt,.md,.rst"
 DEFAULT_SHARD_TOKENS = 16 * 1024 * 1024
 # Installed third-party packages are not the corpus (the stdlib folder holds site-packages).
 SKIPPED_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages"})
-HOW_TO_PREPARE = "run python -m training.prepare_data SRC DST"
 
 
 class PrepareError(Exception):

@@ -180,12 +180,14 @@ class Trainer:
         faults.inject(drill, step, self.events, writer_pids=self.checkpointer.writer_pids)
 
     def _on_fault(self, exc: Exception, step: int) -> None:
-        """Log the fault; if this rank already failed the same way at the same step, it is the
-        user's bug, not the machine's: stop every restart layer."""
+        """Log the fault; if this rank already failed the same way at the same step, and the error
+        does not come from the platform (I/O, collectives, the checkpoint writer), it is the user's
+        bug, not the machine's: stop every restart layer."""
         signature = fault_signature(exc)
         layer = "inprocess" if self.cfg.restart_mode in ("layered", "inprocess") else "injob"
-        repeated = any(r.get("signature") == signature and r.get("step") == step and r.get("rank") == self.env.rank
-                       for r in read_events(self.layout.events, Event.FAULT_DETECTED))
+        repeated = (not restart.is_platform_fault(exc)) and any(
+            r.get("signature") == signature and r.get("step") == step and r.get("rank") == self.env.rank
+            for r in read_events(self.layout.events, Event.FAULT_DETECTED))
         self.events.emit(Event.FAULT_DETECTED, layer=layer, kind=type(exc).__name__, step=step,
                          error=str(exc)[:500], signature=signature, repeated=repeated)
         if repeated:
