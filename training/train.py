@@ -65,7 +65,7 @@ class Trainer:
             torch.cuda.set_device(self.device)
         self.backend = backend_for(self.device)
         self.monitor = restart.RankMonitor()
-        self.store = restart.app_store() if env.world_size > 1 or "MASTER_ADDR" in os.environ else None
+        self.store = restart.app_store()  # outlives in-process restarts; process groups do not
         self.fired: set[tuple[int, int, str]] = set()  # drills fire once per process
         self.iteration = 0
         self.shards = TokenShards(cfg.dataset_dir, "train")
@@ -103,9 +103,7 @@ class Trainer:
                         device=str(self.device), model=cfg.model,
                         resumed_from=resumed.checkpoint_id if resumed else None)
             self._train(model, optimizer, sampler, start, call_wrapper)
-        except restart.UserErrorAbort:
-            raise
-        except Exception:
+        except Exception:  # not a BaseException such as UserErrorAbort or the Wrapper's interrupt
             self.checkpointer.abandon_pending()
             raise
         finally:
