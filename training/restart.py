@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
 from nvidia_resiliency_ext.fault_tolerance import (
     RankMonitorClient,
+    RankMonitorClientError,
     WorkloadAction,
     WorkloadControlRequest,
 )
@@ -66,11 +67,17 @@ class RankMonitor:
 
     A no-op when the worker was not started by ft_launcher (``restart_mode`` inprocess/none).
     Re-created at every in-process iteration, as NVRx requires a fresh client per attempt.
+
+    Monitoring must never be what kills training: an in-process interrupt can cut an exchange with
+    the rank monitor short, leaving the server's view of our sections out of step. On any error the
+    client reconnects and keeps sending heartbeats (the launcher's hang detection), and stops
+    reporting sections until the next attempt.
     """
 
     def __init__(self) -> None:
         self.client: RankMonitorClient | None = None
         self.section: str | None = None
+        self.sections_ok = True
 
     @property
     def enabled(self) -> bool:
@@ -80,24 +87,36 @@ class RankMonitor:
         if self.enabled and self.client is None:
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
+            self.sections_ok = True
+
+    def _call(self, what: str, fn: Callable[[RankMonitorClient], None]) -> None:
+        if self.client is None:
+            return
+        try:
+            fn(self.client)
+        except RankMonitorClientError as e:
+            print(f"[restart] rank monitor {what} failed ({e}); reconnecting, sections off until the next attempt",
+                  flush=True)
+            self.stop()
+            self.start()
+            self.sections_ok = False
 
     def heartbeat(self) -> None:
-        if self.client is not None:
-            self.client.send_heartbeat()
+        self._call("heartbeat", lambda c: c.send_heartbeat())
 
     def enter(self, section: str) -> None:
         """Open ``section`` (closing the open one): the launcher times each section separately."""
-        if self.client is None:
+        if not self.sections_ok:
             return
-        if self.section is not None:
-            self.client.end_section(self.section)
-        self.client.start_section(section)
-        self.section = section
+        previous, self.section = self.section, section
+        if previous is not None:
+            self._call("end_section", lambda c: c.end_section(previous))
+        self._call("start_section", lambda c: c.start_section(section))
 
     def leave(self) -> None:
-        if self.client is not None and self.section is not None:
-            self.client.end_section(self.section)
-        self.section = None
+        previous, self.section = self.section, None
+        if previous is not None and self.sections_ok:
+            self._call("end_section", lambda c: c.end_section(previous))
 
     def shutdown_workload(self, reason: str) -> None:
         """Ask ft_launcher not to restart anyone: used for user errors, which would only repeat."""
@@ -113,14 +132,12 @@ class RankMonitor:
             print(f"[restart] could not ask ft_launcher to shut down: {e}", flush=True)
 
     def stop(self) -> None:
-        if self.client is not None:
+        client, self.client, self.section = self.client, None, None
+        if client is not None:
             try:
-                self.leave()
-                self.client.shutdown_workload_monitoring()
+                client.shutdown_workload_monitoring()
             except Exception:
                 pass
-        self.client = None
-        self.section = None
 
 
 class _AbortProcessGroups(inprocess.abort.Abort):
