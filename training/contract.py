@@ -541,7 +541,7 @@ def read_dataset_index(dataset_dir: str | os.PathLike) -> dict[str, Any]:
 
 class Event(str, enum.Enum):
     """Event types in ``events.jsonl``. Every line is one JSON object with at least
-    ``ts`` (unix seconds), ``event``, ``run_id``, ``host``, ``pid`` and, when known, ``rank``,
+    ``ts`` (unix seconds), ``event``, ``run_id``, ``host``, ``node_id``, ``pid`` and, when known, ``rank``,
     ``node_rank``, ``attempt`` (launcher restart round) and ``iteration`` (in-process round).
 
     Type-specific fields:
@@ -575,13 +575,23 @@ class Event(str, enum.Enum):
     EVAL = "eval"
 
 
+#: Set by the backend for every process of a node: the Kubernetes node name on EKS (downward
+#: API ``spec.nodeName``), the slot name on the local backend. Diagnosis maps faults to nodes by it.
+NODE_ID_ENV = "TRAINING_NODE_ID"
+
+
+def node_id() -> str:
+    """The identity of the machine (or local slot) this process runs on."""
+    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
+
+
 class EventLog:
     """Append-only JSON-lines log. Each record is written with one ``write`` on an ``O_APPEND``
     descriptor, so lines from concurrent processes never interleave."""
 
     def __init__(self, path: str | os.PathLike, **context: Any):
         self.path = Path(path)
-        self.context = {"host": socket.gethostname(), "pid": os.getpid(), **context}
+        self.context = {"host": socket.gethostname(), "node_id": node_id(), "pid": os.getpid(), **context}
 
     def bind(self, **context: Any) -> "EventLog":
         log = EventLog(self.path)
