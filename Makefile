@@ -1,29 +1,40 @@
 # Set-up is two commands on a fresh machine with python3 and make: `make demo`, `make test`.
-PYTHON ?= python3
-VENV   := .venv
-BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# Two virtual environments that never mix: .venv (data plane: torch, NVRx) and .venv-airflow
+# (control plane: Airflow and its providers; no torch).
+PYTHON  ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+AFVENV  := .venv-airflow
+AFBIN   := $(AFVENV)/bin
+AFSTAMP := $(AFVENV)/.installed
+PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-training test-control clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(AFSTAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check \
-	    -c requirements/constraints.txt -e '.[training,dev]'
+	$(BIN)/$(PIP) -c requirements/constraints.txt -e '.[training,dev]'
 	touch $(STAMP)
+
+$(AFSTAMP): pyproject.toml requirements/constraints-airflow.txt
+	$(PYTHON) -m venv $(AFVENV)
+	$(AFBIN)/$(PIP) -c requirements/constraints-airflow.txt -e '.[orchestration,dev]'
+	touch $(AFSTAMP)
 
 # A local 2-rank training run on real text with one injected fault per restart layer.
 demo: $(STAMP)
 	$(BIN)/python -m training.demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+test: test-training test-control
 
-# The fast, torch-free and single-process tests only.
-test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m "not slow"
+test-training: $(STAMP)
+	$(BIN)/python -m pytest -q tests --ignore=tests/control
+
+test-control: $(STAMP) $(AFSTAMP)
+	$(AFBIN)/python -m pytest -q tests/control
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(AFVENV) runs build *.egg-info .pytest_cache

@@ -92,6 +92,16 @@ def test_fault_selection_by_step_rank_attempt_and_node():
     assert cfg.fault_at(9, rank=0, attempt=4, node=0).kind == "user_bug"  # every attempt
 
 
+def test_a_bad_node_drill_fires_every_attempt_on_that_node_only():
+    cfg = make(faults=[{"kind": "sigkill", "step": 4, "rank": 1, "attempt": None, "node_id": "slot-0"}])
+    assert RunConfig.from_json(cfg.to_json()) == cfg
+    for attempt in (0, 1, 7):
+        assert cfg.fault_at(4, rank=1, attempt=attempt, node=0, node_id="slot-0").kind == "sigkill"
+    assert cfg.fault_at(4, rank=1, attempt=0, node=0, node_id="slot-1") is None
+    with pytest.raises(ConfigError, match="or null for every attempt"):
+        make(faults=[{"kind": "sigkill", "step": 4, "attempt": -1}])
+
+
 def test_exit_codes_map_to_failure_classes_both_ways():
     assert failure_class_for_exit(0) is FailureClass.SUCCESS
     assert failure_class_for_exit(ExitCode.USER_ERROR) is FailureClass.USER_ERROR

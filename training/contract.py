@@ -127,16 +127,19 @@ _RUN_ID_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 class FaultDrill:
     """A deterministic fault: ``kind`` at training step ``step`` in global rank ``rank``.
 
-    ``attempt`` is the launcher restart round it fires in (0 = the first launch); ``node``
-    selects the node for ``node_loss`` (rank is ignored there). A ``user_bug`` fires on
-    every attempt, by definition.
+    ``attempt`` is the launcher restart round it fires in (0 = the first launch; null = every
+    round, as a faulty machine would); ``node`` selects the node for ``node_loss`` (rank is
+    ignored there); ``node_id``, when set, limits the drill to processes on that node or local
+    slot (``TRAINING_NODE_ID``), so a "bad node" drill stops once the node is replaced. A
+    ``user_bug`` fires on every attempt, by definition.
     """
 
     kind: str
     step: int
     rank: int = 0
-    attempt: int = 0
+    attempt: int | None = 0
     node: int = 0
+    node_id: str | None = None
 
     def validate(self, cfg: "RunConfig", where: str) -> None:
         if self.kind not in FAULT_KINDS:
@@ -147,8 +150,11 @@ class FaultDrill:
             raise ConfigError(f"{where}.rank={self.rank} must be a global rank in [0, {cfg.world_size})")
         if not 0 <= self.node < cfg.nodes:
             raise ConfigError(f"{where}.node={self.node} must be a node index in [0, {cfg.nodes})")
-        if not 0 <= self.attempt <= 100:
-            raise ConfigError(f"{where}.attempt={self.attempt} must be between 0 and 100")
+        if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)
+                                         or not 0 <= self.attempt <= 100):
+            raise ConfigError(f"{where}.attempt={self.attempt!r} must be between 0 and 100, or null for every attempt")
+        if self.node_id is not None and (not isinstance(self.node_id, str) or not self.node_id):
+            raise ConfigError(f"{where}.node_id must be a node name or null, got {self.node_id!r}")
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
@@ -327,12 +333,15 @@ class RunConfig:
     def replace(self, **changes: Any) -> "RunConfig":
         return dataclasses.replace(self, **changes)
 
-    def fault_at(self, step: int, rank: int, attempt: int, node: int) -> FaultDrill | None:
-        """The drill that fires at this step in this rank and launcher attempt, if any."""
+    def fault_at(self, step: int, rank: int, attempt: int, node: int,
+                 node_id: str | None = None) -> FaultDrill | None:
+        """The drill that fires at this step in this rank, launcher attempt and node, if any."""
         for f in self.faults:
             if f.step != step:
                 continue
-            if f.kind != "user_bug" and f.attempt != attempt:
+            if f.kind != "user_bug" and f.attempt is not None and f.attempt != attempt:
+                continue
+            if f.node_id is not None and f.node_id != node_id:
                 continue
             if f.kind == "node_loss" and f.node == node:
                 return f

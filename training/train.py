@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from training import faults, restart
 from training.checkpoint import AsyncCheckpointer, app_state, load_latest, restore_app_state
-from training.contract import ConfigError, Event, EventLog, ExitCode, RunConfig, read_events
+from training.contract import ConfigError, Event, EventLog, ExitCode, RunConfig, node_id, read_events
 from training.data import BatchSampler, TokenShards
 from training.model import cross_entropy_loss
 from training.parallelize import backend_for, build_sharded_model, choose_device
@@ -66,7 +66,7 @@ class Trainer:
         self.backend = backend_for(self.device)
         self.monitor = restart.RankMonitor()
         self.store = restart.app_store()  # outlives in-process restarts; process groups do not
-        self.fired: set[tuple[int, int, str]] = set()  # drills fire once per process
+        self.fired: set[tuple[int, int | None, str]] = set()  # drills fire once per process
         self.iteration = 0
         self.shards = TokenShards(cfg.dataset_dir, "train")
         # Start the checkpoint writer now: its first start costs seconds we'd rather not stall on.
@@ -167,7 +167,7 @@ class Trainer:
 
     # -- faults -------------------------------------------------------------------------------
     def _maybe_inject(self, step: int, *, before_save: bool) -> None:
-        drill = self.cfg.fault_at(step, self.env.rank, self.env.attempt, self.env.node_rank)
+        drill = self.cfg.fault_at(step, self.env.rank, self.env.attempt, self.env.node_rank, node_id())
         if drill is None or (drill.kind == "checkpoint_crash") == before_save:
             return
         key = (step, drill.attempt, drill.kind)
