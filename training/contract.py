@@ -567,6 +567,8 @@ class Event(str, enum.Enum):
       train_end          step, status
       final              failure_class, exit_code, step, message (one per launcher, per node)
       eval               checkpoint_id, step, val_loss, perplexity
+      escalation         rung, from_launch, to_launch, failure_class, nodes (node ids replaced),
+                         reason (the control plane replaced nodes and relaunched)
     """
 
     LAUNCH_BEGIN = "launch_begin"
@@ -582,6 +584,7 @@ class Event(str, enum.Enum):
     TRAIN_END = "train_end"
     FINAL = "final"
     EVAL = "eval"
+    ESCALATION = "escalation"
 
 
 #: Set by the backend for every process of a node: the Kubernetes node name on EKS (downward
