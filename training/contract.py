@@ -557,13 +557,16 @@ class Event(str, enum.Enum):
       launch_begin       nodes, procs_per_node, restart_mode, command
       train_begin        start_step, world_size, device, resumed_from (checkpoint id or null)
       step               step, loss, tokens_per_s, step_s
-      checkpoint_begin   step, blocking_s (time the training loop was stopped for the save)
+      checkpoint_begin   step, blocking_s (time the training loop was stopped for the save), mode,
+                         snapshot_s
       checkpoint_commit  step, checkpoint_id, save_s (begin -> commit, wall seconds)
       checkpoint_skip    checkpoint_id, reason (a torn checkpoint passed over at resume)
       fault_injected     kind, step (a drill fired; written before the fault happens)
-      fault_detected     layer, kind, step, error
+      fault_detected     layer, kind, step, error, signature, repeated (same error, same step,
+                         seen before: a user error)
       restart_begin      layer ("inprocess" | "injob" | "relaunch"), reason, fault_ts
-      restart_end        layer, latency_s (fault detected -> training resumed)
+      restart_end        layer, step, latency_s (the fault, or the last step before it, -> the
+                         first step completed after it)
       train_end          step, status
       final              failure_class, exit_code, step, message (one per launcher, per node)
       eval               checkpoint_id, step, val_loss, perplexity
@@ -667,7 +670,7 @@ def final_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     finals = read_events(RunDir(run_dir).events, Event.FINAL)
     if not finals:
         return None
-    last_launch = max((r.get("launch_id", "") for r in finals), default="")
+    last_launch = finals[-1].get("launch_id", "")  # the log is in time order
     same = [r for r in finals if r.get("launch_id", "") == last_launch]
     failed = [r for r in same if r.get("failure_class") != FailureClass.SUCCESS.value]
     return (failed or same)[-1]

@@ -1,0 +1,175 @@
+"""FSDP training that keeps going: launch, watch, escalate to node replacement, evaluate, publish.
+
+validate_config -> stage_data -> launch_training -> watch_checkpoints
+    -> escalation_1 (decide -> diagnose_and_replace -> wait_for_capacity -> relaunch -> watch) -> ... x3
+    -> resolve_outcome -> evaluate -> build_report -> publish
+
+Each escalation rung runs only when the launch before it failed with a retryable class and the
+run's max_node_replacements allows it; otherwise its tasks show as skipped, with the reason in the
+log. The heavy lifting lives in plugins/fsdp_resilience (no torch is imported here).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from airflow.sdk import Param, TaskGroup, dag, get_current_context, task
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from fsdp_resilience import ladder, settings
+from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
+from fsdp_resilience.sensors import CheckpointProgressSensor
+from training.contract import MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
+
+
+def schedule_from_env():
+    """No schedule by default. FSDP_TRAINING_SCHEDULE=asset trains when stage_dataset updates the
+    dataset Asset; any other value is a cron expression or preset (e.g. "@daily")."""
+    value = os.environ.get("FSDP_TRAINING_SCHEDULE", "").strip()
+    if not value:
+        return None
+    return [DATASET] if value == "asset" else value
+
+
+PARAMS = {
+    "run_name": Param(None, type=["null", "string"], pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+                      description="Run id (DNS-1123). Empty: derived from the DAG run, stable across retries."),
+    "dataset": Param("python-stdlib", type="string", minLength=1,
+                     description="A dataset staged by the stage_dataset DAG (a folder under the data root)."),
+    "model": Param("tiny", enum=list(MODEL_PRESETS), description="Model preset: tiny (CPU) ... 8b (p5)."),
+    "nodes": Param(1, type="integer", minimum=1, maximum=64, description="Nodes (pods / local slots)."),
+    "procs_per_node": Param(2, type="integer", minimum=1, maximum=8,
+                            description="Training processes per node (8 GPUs per p5.48xlarge)."),
+    "steps": Param(60, type="integer", minimum=1, maximum=10_000_000, description="Training steps."),
+    "checkpoint_interval": Param(10, type="integer", minimum=1, maximum=100_000,
+                                 description="Steps between asynchronous checkpoints."),
+    "restart_mode": Param("layered", enum=list(RESTART_MODES),
+                          description="layered: in-process + in-job restarts (recommended)."),
+    "max_restarts": Param(2, type="integer", minimum=0, maximum=20,
+                          description="In-job restarts before the job fails with restarts_exhausted."),
+    "max_node_replacements": Param(1, type="integer", minimum=0, maximum=ladder.MAX_RUNGS,
+                                   description="Node replacements + relaunches the DAG may do."),
+    "stall_timeout_s": Param(1800, type="integer", minimum=10, maximum=86_400,
+                             description="No new committed checkpoint this long: no_progress."),
+    "backend": Param("local", enum=["local", "eks"], description="Where training runs."),
+    "image": Param("", type="string", description="Training image (EKS backend)."),
+    "namespace": Param("fsdp-training", type="string", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                       description="Kubernetes namespace (EKS backend)."),
+    "fault_drill": Param(None, type=["null", "object"],
+                         description='Optional fault drill, e.g. {"kind": "exception", "step": 15, "rank": 1}.'),
+    "run_config": Param({}, type="object",
+                        description="Other run config fields (training/contract.py RunConfig), e.g. timeouts."),
+}
+
+
+@dag(dag_id="fsdp_training", schedule=schedule_from_env(), catchup=False, params=PARAMS, max_active_runs=4,
+     tags=["training", "fsdp"], doc_md=__doc__)
+def fsdp_training():
+    @task
+    def validate_config() -> dict:
+        context = get_current_context()
+        try:
+            return ladder.build_run_config(dict(context["params"]), context["dag_run"].run_id)
+        except (ConfigError, ladder.EscalationError) as e:
+            raise AirflowFailException(f"invalid run parameters: {e}") from None
+
+    @task
+    def stage_data(run: dict) -> dict:
+        try:
+            index = read_dataset_index(run["config"]["dataset_dir"])
+        except ConfigError as e:
+            raise AirflowFailException(f"{e} (or trigger the stage_dataset DAG for it)") from None
+        return {"dataset_dir": run["config"]["dataset_dir"], "train_tokens": sum(s["tokens"] for s in index["train"])}
+
+    @task
+    def launch_training(run: dict, staged: dict) -> dict:
+        return ladder.launch(run, launch_no=0)
+
+    run = validate_config()
+    first = launch_training(run, stage_data(run))
+    watches = [CheckpointProgressSensor(task_id="watch_checkpoints", launch=first)]
+    previous = watches[0]
+
+    for rung in range(1, ladder.MAX_RUNGS + 1):
+        with TaskGroup(group_id=f"escalation_{rung}") as group:
+            @task(trigger_rule="none_failed")
+            def decide(run: dict, rung: int = rung, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
+                outcomes = get_current_context()["ti"].xcom_pull(task_ids=list(watched))
+                outcome = ladder.latest_outcome(outcomes if isinstance(outcomes, list) else [outcomes])
+                climb, why = ladder.should_escalate(outcome, rung, run["max_node_replacements"])
+                if not climb:
+                    raise AirflowSkipException(f"rung {rung} not needed: {why}")
+                print(f"rung {rung}: escalating: {why}")
+                return outcome
+
+            @task
+            def diagnose_and_replace(run: dict, outcome: dict, rung: int = rung) -> dict:
+                try:
+                    return ladder.diagnose_and_replace(run, outcome, rung)
+                except ladder.EscalationError as e:
+                    raise AirflowFailException(str(e)) from None
+
+            @task.sensor(poke_interval=2, timeout=900, mode="reschedule")
+            def wait_for_capacity(run: dict, replaced: dict) -> bool:
+                return ladder.has_capacity(run)
+
+            @task
+            def relaunch(run: dict, outcome: dict, replaced: dict) -> dict:
+                return ladder.launch(run, launch_no=outcome["launch_no"] + 1)
+
+            outcome = decide(run)
+            replaced = diagnose_and_replace(run, outcome)
+            relaunched = relaunch(run, outcome, replaced)
+            wait_for_capacity(run, replaced) >> relaunched
+            watch = CheckpointProgressSensor(task_id="watch", launch=relaunched)
+        previous >> group
+        watches.append(watch)
+        previous = group
+
+    @task(trigger_rule="all_done")
+    def resolve_outcome(run: dict, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
+        outcomes = get_current_context()["ti"].xcom_pull(task_ids=list(watched))
+        outcome = ladder.latest_outcome(outcomes)
+        if outcome["outcome"] != "success":
+            launches = outcome["launch_no"] + 1
+            raise AirflowFailException(
+                f"training failed: {outcome['failure_class']}: {outcome['message']} "
+                f"(after {launches} launch(es), max_node_replacements={run['max_node_replacements']})")
+        return outcome
+
+    @task
+    def evaluate(run: dict, outcome: dict) -> dict:
+        cfg = run["config"]
+        # The evaluation runs in the training environment (torch); this process never imports it.
+        subprocess.run([settings.training_python(), "-m", "training.evaluate", "--config",
+                        f"{cfg['run_dir']}/run.json"], check=True, cwd=settings.REPO)
+        import json
+        from pathlib import Path
+        return json.loads(Path(cfg["run_dir"], "eval.json").read_text())
+
+    @task
+    def build_report(run: dict, evaluation: dict) -> dict:
+        from fsdp_resilience.report import build_report as build
+
+        paths = build(run["config"]["run_dir"])
+        print(f"run report: {paths.to_dict()}")
+        return paths.to_dict()
+
+    @task(outlets=[MODEL_CHECKPOINT, MODEL_EVALUATION])
+    def publish(run: dict, outcome: dict, evaluation: dict, report: dict) -> dict:
+        outlet_events = get_current_context()["outlet_events"]
+        checkpoint = f"{run['config']['run_dir']}/checkpoints/{outcome['checkpoint_id']}"
+        outlet_events[MODEL_CHECKPOINT].extra = {"run_id": run["config"]["run_id"], "path": checkpoint,
+                                                 "step": outcome["step"]}
+        outlet_events[MODEL_EVALUATION].extra = {"run_id": run["config"]["run_id"], **evaluation,
+                                                 "report": report.get("markdown")}
+        return {"checkpoint": checkpoint, "evaluation": evaluation, "report": report}
+
+    outcome = resolve_outcome(run)
+    previous >> outcome
+    evaluation = evaluate(run, outcome)
+    publish(run, outcome, evaluation, build_report(run, evaluation))
+
+
+fsdp_training()

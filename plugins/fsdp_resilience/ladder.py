@@ -1,0 +1,122 @@
+"""The control plane's half of a training run: build the run config from the DAG's params, launch,
+and climb the escalation ladder. The DAG's tasks are thin wrappers over these functions, which
+need no Airflow and are tested on their own.
+
+The ladder: in-process and in-job restarts happen inside the job. When a launch ends with a
+retryable failure (restarts exhausted, a lost node, no progress), the control plane diagnoses
+which node(s) failed, has the backend replace them, waits for capacity, and relaunches from the
+newest committed checkpoint — at most ``max_node_replacements`` times. A user error never
+replaces a node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from typing import Any
+
+from training.contract import Event, EventLog, FailureClass, RunConfig
+
+from fsdp_resilience import settings
+from fsdp_resilience.backends import JobHandle, get_backend
+
+#: The graph holds this many escalation rungs; the max_node_replacements param picks how many run.
+MAX_RUNGS = 3
+
+#: Run config fields the DAG's form sets directly; the rest can come through ``run_config``.
+FORM_FIELDS = ("model", "nodes", "procs_per_node", "steps", "checkpoint_interval", "restart_mode",
+               "max_restarts", "stall_timeout_s")
+
+
+class EscalationError(RuntimeError):
+    """The ladder cannot go on: the message says why and what the user can do."""
+
+
+def run_id_for(dag_run_id: str, run_name: str | None) -> str:
+    """A stable, DNS-1123-safe run id: the user's name, else one derived from the DAG run, so a
+    retried task (or a re-run of the DAG run) maps to the same run dir and the same job."""
+    if run_name:
+        return run_name
+    slug = re.sub(r"[^a-z0-9]+", "-", dag_run_id.lower()).strip("-")[:40].strip("-")
+    digest = hashlib.sha1(dag_run_id.encode()).hexdigest()[:8]
+    return f"{slug}-{digest}" if slug else f"run-{digest}"
+
+
+def rdzv_port_for(run_id: str) -> int:
+    """A rendezvous port per run, so concurrent local runs do not collide."""
+    return 20000 + int(hashlib.sha1(run_id.encode()).hexdigest(), 16) % 20000
+
+
+def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
+    """The validated run config (raises ``ConfigError`` naming the bad field) and where it runs."""
+    run_id = run_id_for(dag_run_id, params.get("run_name"))
+    fields = {name: params[name] for name in FORM_FIELDS if params.get(name) is not None}
+    fields.update(params.get("run_config") or {})
+    if params.get("fault_drill"):
+        fields["faults"] = [params["fault_drill"]]
+    fields.setdefault("rdzv_port", rdzv_port_for(run_id))
+    cfg = RunConfig.from_dict({"run_id": run_id, "run_dir": str(settings.runs_root() / run_id),
+                               "dataset_dir": str(settings.data_root() / params["dataset"]), **fields})
+    max_replacements = int(params.get("max_node_replacements", 1))
+    if not 0 <= max_replacements <= MAX_RUNGS:
+        raise EscalationError(f"max_node_replacements={max_replacements} must be between 0 and {MAX_RUNGS}")
+    return {"config": cfg.to_dict(), "backend": settings.backend_config(params.get("backend", "local")),
+            "max_node_replacements": max_replacements}
+
+
+def launch(run: dict[str, Any], launch_no: int) -> dict[str, Any]:
+    """Submit launch ``launch_no`` of the run (idempotent: the same launch is never started twice)
+    and return what the sensor needs to watch it."""
+    cfg = RunConfig.from_dict(run["config"])
+    backend = get_backend(**run["backend"])
+    handle = backend.submit(cfg, launch_id=str(launch_no))
+    return {"backend": run["backend"], "handle": handle.to_dict(), "run_dir": cfg.run_dir,
+            "final_step": cfg.steps, "stall_timeout_s": cfg.stall_timeout_s, "launch_no": launch_no,
+            "launched_at": float(handle.extra.get("submitted_at", time.time()))}
+
+
+def latest_outcome(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The outcome of the newest launch that was watched."""
+    seen = [o for o in outcomes if o]
+    if not seen:
+        raise EscalationError("no launch was watched: see the launch and watch tasks' logs")
+    return seen[-1]
+
+
+def should_escalate(outcome: dict[str, Any], rung: int, max_replacements: int) -> tuple[bool, str]:
+    """Whether rung ``rung`` (1-based) climbs, and why (not)."""
+    failure = outcome.get("failure_class")
+    if outcome["outcome"] == "success":
+        return False, "the launch succeeded"
+    if failure not in (FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value):
+        return False, f"failure class {failure} is not retried: a user error never replaces a node"
+    if rung > max_replacements:
+        return False, f"max_node_replacements={max_replacements} spent"
+    return True, f"{failure}: {outcome['message']}"
+
+
+def diagnose_and_replace(run: dict[str, Any], watched: dict[str, Any], rung: int) -> dict[str, Any]:
+    """Stop what is left of the failed launch, find the bad node(s), have the backend replace
+    them, and record the escalation in the run's events."""
+    backend = get_backend(**run["backend"])
+    handle = JobHandle.from_dict(watched["handle"])
+    backend.cancel(handle)  # a stalled launch is still running; a failed one may have leftovers
+    diagnosis = backend.diagnose(handle)
+    if not diagnosis.replaceable:
+        raise EscalationError(f"launch {handle.launch_id} failed with {diagnosis.failure_class}, which no node "
+                              f"replacement can fix: {'; '.join(diagnosis.evidence)}")
+    replacement = backend.replace_nodes(diagnosis.bad_node_ids, reason=f"rung {rung}: {diagnosis.failure_class}")
+    if replacement.refused:
+        raise EscalationError(f"the backend refused to replace {replacement.refused}: {replacement.reason}")
+    cfg = RunConfig.from_dict(run["config"])
+    EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
+        Event.ESCALATION, rung=rung, from_launch=handle.launch_id, to_launch=str(watched["launch_no"] + 1),
+        failure_class=diagnosis.failure_class, nodes=replacement.replaced, reason="; ".join(diagnosis.evidence))
+    return {"rung": rung, "failure_class": diagnosis.failure_class, "bad_nodes": diagnosis.bad_node_ids,
+            "replaced": replacement.replaced, "evidence": diagnosis.evidence}
+
+
+def has_capacity(run: dict[str, Any]) -> bool:
+    capacity = get_backend(**run["backend"]).capacity()
+    return capacity.healthy >= run["config"]["nodes"]

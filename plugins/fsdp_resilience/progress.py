@@ -1,0 +1,66 @@
+"""Is a training launch done, failed, stalled, or still going? One check, used by the deferrable
+trigger (in the triggerer) and by the sensor's poke mode (in a worker).
+
+The check keeps no state of its own: progress is read from the run dir (the newest committed
+checkpoint and its commit time) and the job's state from the backend. A trigger that is restarted
+— the triggerer moved, Airflow upgraded — picks the run up exactly where it was.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from training.contract import CheckpointCatalog, FailureClass
+
+from fsdp_resilience.backends import JobHandle, TrainingBackend
+
+SUCCESS, FAILED, NO_PROGRESS = "success", "failed", "no_progress"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a watch saw: ``outcome`` is None while the launch is still healthy and running."""
+
+    outcome: str | None
+    failure_class: str | None
+    message: str
+    step: int  # newest committed step (0: none yet)
+    checkpoint_id: str | None
+    launch_id: str
+    job_state: str
+    last_progress_at: float
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str, final_step: int,
+                   stall_timeout_s: float, launched_at: float, now: float | None = None) -> Progress:
+    now = time.time() if now is None else now
+    latest = CheckpointCatalog(run_dir).latest()
+    step = latest.step if latest else 0
+    checkpoint_id = latest.checkpoint_id if latest else None
+    # A commit from an earlier launch is not progress of this one: count from the launch.
+    last_progress_at = max(launched_at, (latest.committed_at or 0.0) if latest else 0.0)
+    status = backend.status(handle)
+
+    def result(outcome: str | None, failure_class: str | None, message: str) -> Progress:
+        return Progress(outcome, failure_class, message, step, checkpoint_id, handle.launch_id,
+                        status.state, last_progress_at, list(status.nodes))
+
+    if status.state == "succeeded":
+        if step >= final_step:
+            return result(SUCCESS, FailureClass.SUCCESS.value, f"step {final_step} committed as {checkpoint_id}")
+        return result(FAILED, FailureClass.UNKNOWN.value,
+                      f"the job ended successfully but the newest committed step is {step}, not {final_step}")
+    if status.state == "failed":
+        return result(FAILED, status.failure_class or FailureClass.UNKNOWN.value, status.message)
+    stalled_for = now - last_progress_at
+    if stalled_for > stall_timeout_s:
+        return result(NO_PROGRESS, FailureClass.NO_PROGRESS.value,
+                      f"no new committed checkpoint for {stalled_for:.0f}s (stall timeout {stall_timeout_s:.0f}s); "
+                      f"newest committed step {step}")
+    return result(None, None, f"{status.state}: newest committed step {step} of {final_step}")

@@ -1,0 +1,52 @@
+"""Deferrable trigger: watch a training launch from the triggerer, holding no worker slot."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from fsdp_resilience.backends import JobHandle, get_backend
+from fsdp_resilience.progress import check_progress
+
+
+class TrainingProgressTrigger(BaseTrigger):
+    """Fires once when the launch succeeded (final step committed), failed (with the run
+    contract's failure class), or made no progress for ``stall_timeout_s``.
+
+    Small and serialisable: everything it needs is in its kwargs, and it keeps no state between
+    polls (see ``fsdp_resilience.progress``), so a restarted triggerer resumes it as it was.
+    """
+
+    def __init__(self, *, backend: dict[str, Any], handle: dict[str, Any], run_dir: str, final_step: int,
+                 stall_timeout_s: float, launched_at: float, poll_interval_s: float = 5.0):
+        super().__init__()
+        self.backend = backend
+        self.handle = handle
+        self.run_dir = run_dir
+        self.final_step = final_step
+        self.stall_timeout_s = stall_timeout_s
+        self.launched_at = launched_at
+        self.poll_interval_s = poll_interval_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "backend": self.backend, "handle": self.handle, "run_dir": self.run_dir,
+            "final_step": self.final_step, "stall_timeout_s": self.stall_timeout_s,
+            "launched_at": self.launched_at, "poll_interval_s": self.poll_interval_s,
+        })
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        backend = get_backend(**self.backend)
+        handle = JobHandle.from_dict(self.handle)
+        while True:
+            # File and process checks block: keep them off the triggerer's event loop.
+            progress = await asyncio.to_thread(
+                check_progress, backend, handle, run_dir=self.run_dir, final_step=self.final_step,
+                stall_timeout_s=self.stall_timeout_s, launched_at=self.launched_at)
+            if progress.outcome is not None:
+                yield TriggerEvent(progress.to_dict())
+                return
+            self.log.info("%s", progress.message)
+            await asyncio.sleep(self.poll_interval_s)

@@ -1,0 +1,51 @@
+"""Control-plane test environment: a private AIRFLOW_HOME (SQLite), this repo's dags/ and
+plugins/, and run/data roots in a temp folder. Runs in .venv-airflow, which has no torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAINING_PYTHON = str(REPO / ".venv" / "bin" / "python")
+
+_home = Path(tempfile.mkdtemp(prefix="airflow-home-"))
+os.environ.update({
+    "AIRFLOW_HOME": str(_home),
+    "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+    "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{_home / 'airflow.db'}",
+    "FSDP_RUNS_ROOT": str(_home / "runs"),
+    "FSDP_DATA_ROOT": str(_home / "data"),
+    "TRAINING_PYTHON": TRAINING_PYTHON,
+})
+sys.path.insert(0, str(REPO / "plugins"))
+
+
+def make_dataset(dst: Path) -> Path:
+    """~1 MB of real text (stdlib json/ and email/ sources) as byte-token shards, made with the
+    training environment's prepare_data (it needs numpy, which Airflow's environment may lack)."""
+    if (dst / "index.json").exists():
+        return dst
+    import sysconfig
+    src = Path(tempfile.mkdtemp(prefix="corpus-"))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for pkg in ("json", "email", "collections"):
+        for f in sorted((stdlib / pkg).rglob("*.py")):
+            out = src / pkg / f.relative_to(stdlib / pkg)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(f.read_bytes())
+    subprocess.run([TRAINING_PYTHON, "-m", "training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
+                   check=True, cwd=REPO, capture_output=True)
+    return dst
+
+
+def pytest_sessionstart(session):
+    """Create this session's Airflow metadata database (dag.test() needs one)."""
+    airflow = Path(sys.executable).with_name("airflow")
+    subprocess.run([str(airflow), "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())

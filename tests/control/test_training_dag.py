@@ -1,0 +1,121 @@
+"""fsdp_training end to end with dag.test(): real Airflow tasks, the deferrable sensor's trigger
+run inline, the local backend, and real 2-rank CPU training (tiny model) as the workload."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, make_dataset
+from training.contract import CheckpointCatalog, read_events
+
+pytestmark = pytest.mark.slow
+
+#: Short timeouts so drills resolve in seconds on 2 busy cores.
+FAST = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
+        "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu", "eval_batches": 4}
+
+
+@pytest.fixture()
+def roots(tmp_path, monkeypatch):
+    """A fresh runs root (and so a fresh local backend with healthy slots) per test."""
+    monkeypatch.setenv("FSDP_RUNS_ROOT", str(tmp_path / "runs"))
+    data = Path(os.environ["FSDP_DATA_ROOT"])
+    make_dataset(data / "python-stdlib")
+    return tmp_path / "runs"
+
+
+def trigger(conf: dict):
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(REPO / "dags")).get_dag("fsdp_training")
+    return dag.test(run_conf=conf)
+
+
+def states(dag_run) -> dict[str, str]:
+    return {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
+
+
+def base_conf(run_name: str, **overrides) -> dict:
+    conf = {"run_name": run_name, "steps": 12, "checkpoint_interval": 3, "max_restarts": 1,
+            "max_node_replacements": 1, "run_config": dict(FAST)}
+    conf.update(overrides)
+    return conf
+
+
+def test_faults_inside_the_job_are_recovered_and_the_run_is_evaluated_and_published(roots):
+    conf = base_conf("happy", run_config={**FAST, "faults": [
+        {"kind": "exception", "step": 4, "rank": 1},   # in-process
+        {"kind": "sigkill", "step": 8, "rank": 0},     # in-job
+    ]})
+    dr = trigger(conf)
+    st = states(dr)
+    assert str(dr.state) == "success", st
+    assert st["watch_checkpoints"] == "success" and st["publish"] == "success"
+    assert all(st[f"escalation_{k}.decide"] == "skipped" for k in (1, 2, 3))
+    run_dir = roots / "happy"
+    events = read_events(run_dir / "events.jsonl")
+    layers = [r["layer"] for r in events if r["event"] == "restart_end"]
+    assert "inprocess" in layers and "injob" in layers
+    assert not [r for r in events if r["event"] == "escalation"]
+    assert json.loads((run_dir / "eval.json").read_text())["step"] == 12
+    assert (run_dir / "report" / "report.md").exists()
+
+
+def test_restarts_exhausted_replaces_the_slot_and_resumes(roots):
+    # A bad node: rank 1 dies at step 7 on every attempt while it runs on slot-0.
+    conf = base_conf("ladder", restart_mode="injob", run_config={**FAST, "faults": [
+        {"kind": "sigkill", "step": 7, "rank": 1, "attempt": None, "node_id": "slot-0"}]})
+    dr = trigger(conf)
+    st = states(dr)
+    assert str(dr.state) == "success", st
+    assert st["escalation_1.diagnose_and_replace"] == "success" and st["escalation_1.watch"] == "success"
+    assert st["escalation_2.decide"] == "skipped"
+    run_dir = roots / "ladder"
+    events = read_events(run_dir / "events.jsonl")
+    escalations = [r for r in events if r["event"] == "escalation"]
+    assert len(escalations) == 1 and escalations[0]["nodes"] == ["slot-0"]
+    assert escalations[0]["failure_class"] == "restarts_exhausted"
+    # the relaunch resumed from a committed checkpoint, on another slot
+    relaunch = [r for r in events if r["event"] == "train_begin" and r.get("node_id") != "slot-0"]
+    assert relaunch and relaunch[0]["resumed_from"] is not None
+    slots = json.loads((roots / ".local-backend" / "slots.json").read_text())
+    assert "slot-0" in json.dumps(slots) and "quarantined" in json.dumps(slots)
+    assert CheckpointCatalog(run_dir).latest().step == 12
+
+
+def test_a_user_bug_fails_the_run_without_replacing_a_node(roots):
+    dr = trigger(base_conf("userbug", fault_drill={"kind": "user_bug", "step": 5, "rank": 1}))
+    st = states(dr)
+    assert str(dr.state) == "failed", st
+    assert st["escalation_1.decide"] == "skipped" and st["resolve_outcome"] == "failed"
+    assert st["evaluate"] in ("upstream_failed", "skipped")
+    events = read_events(roots / "userbug" / "events.jsonl")
+    assert not [r for r in events if r["event"] == "escalation"]
+    assert any(r["event"] == "final" and r["failure_class"] == "user_error" for r in events)
+
+
+def test_a_stall_ends_as_no_progress(roots):
+    # restart_mode none: nothing inside the job recovers a hang, so only the sensor can see it.
+    dr = trigger(base_conf("stall", restart_mode="none", max_node_replacements=0, stall_timeout_s=25,
+                           fault_drill={"kind": "hang", "step": 5, "rank": 1}))
+    st = states(dr)
+    assert str(dr.state) == "failed", st
+    assert st["resolve_outcome"] == "failed"
+    latest = CheckpointCatalog(roots / "stall").latest()
+    assert latest is None or latest.step < 12
+
+
+def test_invalid_params_are_rejected_before_anything_launches(roots):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    with pytest.raises(ParamValidationError):
+        trigger(base_conf("bad-form", nodes=0))
+    dr = trigger(base_conf("bad-config", fault_drill={"kind": "meteor", "step": 1}))
+    st = states(dr)
+    assert str(dr.state) == "failed" and st["validate_config"] == "failed"
+    assert st["launch_training"] == "upstream_failed"
+    assert not (roots / "bad-config").exists()
