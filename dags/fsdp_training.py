@@ -116,7 +116,7 @@ def fsdp_training():
 
             @task
             def relaunch(run: dict, outcome: dict, replaced: dict) -> dict:
-                return ladder.launch(run, launch_no=outcome["launch_no"] + 1)
+                return ladder.launch(run, launch_no=ladder.next_launch_no(outcome))
 
             outcome = decide(run)
             replaced = diagnose_and_replace(run, outcome)
@@ -132,7 +132,7 @@ def fsdp_training():
         outcomes = get_current_context()["ti"].xcom_pull(task_ids=list(watched))
         outcome = ladder.latest_outcome(outcomes)
         if outcome["outcome"] != "success":
-            launches = outcome["launch_no"] + 1
+            launches = ladder.next_launch_no(outcome)
             raise AirflowFailException(
                 f"training failed: {outcome['failure_class']}: {outcome['message']} "
                 f"(after {launches} launch(es), max_node_replacements={run['max_node_replacements']})")

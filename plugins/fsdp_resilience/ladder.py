@@ -72,8 +72,13 @@ def launch(run: dict[str, Any], launch_no: int) -> dict[str, Any]:
     backend = get_backend(**run["backend"])
     handle = backend.submit(cfg, launch_id=str(launch_no))
     return {"backend": run["backend"], "handle": handle.to_dict(), "run_dir": cfg.run_dir,
-            "final_step": cfg.steps, "stall_timeout_s": cfg.stall_timeout_s, "launch_no": launch_no,
+            "final_step": cfg.steps, "stall_timeout_s": cfg.stall_timeout_s,
             "launched_at": float(handle.extra.get("submitted_at", time.time()))}
+
+
+def next_launch_no(outcome: dict[str, Any]) -> int:
+    """Launches are numbered 0, 1, 2...: the launch after the one ``outcome`` watched."""
+    return int(outcome["launch_id"]) + 1
 
 
 def latest_outcome(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
@@ -96,11 +101,11 @@ def should_escalate(outcome: dict[str, Any], rung: int, max_replacements: int) -
     return True, f"{failure}: {outcome['message']}"
 
 
-def diagnose_and_replace(run: dict[str, Any], watched: dict[str, Any], rung: int) -> dict[str, Any]:
+def diagnose_and_replace(run: dict[str, Any], outcome: dict[str, Any], rung: int) -> dict[str, Any]:
     """Stop what is left of the failed launch, find the bad node(s), have the backend replace
     them, and record the escalation in the run's events."""
     backend = get_backend(**run["backend"])
-    handle = JobHandle.from_dict(watched["handle"])
+    handle = JobHandle.from_dict(outcome["handle"])
     backend.cancel(handle)  # a stalled launch is still running; a failed one may have leftovers
     diagnosis = backend.diagnose(handle)
     if not diagnosis.replaceable:
@@ -111,7 +116,7 @@ def diagnose_and_replace(run: dict[str, Any], watched: dict[str, Any], rung: int
         raise EscalationError(f"the backend refused to replace {replacement.refused}: {replacement.reason}")
     cfg = RunConfig.from_dict(run["config"])
     EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
-        Event.ESCALATION, rung=rung, from_launch=handle.launch_id, to_launch=str(watched["launch_no"] + 1),
+        Event.ESCALATION, rung=rung, from_launch=handle.launch_id, to_launch=str(next_launch_no(outcome)),
         failure_class=diagnosis.failure_class, nodes=replacement.replaced, reason="; ".join(diagnosis.evidence))
     return {"rung": rung, "failure_class": diagnosis.failure_class, "bad_nodes": diagnosis.bad_node_ids,
             "replaced": replacement.replaced, "evidence": diagnosis.evidence}

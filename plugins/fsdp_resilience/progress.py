@@ -29,6 +29,7 @@ class Progress:
     step: int  # newest committed step (0: none yet)
     checkpoint_id: str | None
     launch_id: str
+    handle: dict[str, Any]  # the launch's JobHandle, so the escalation ladder can act on it
     job_state: str
     last_progress_at: float
     nodes: list[dict[str, Any]] = field(default_factory=list)
@@ -49,7 +50,7 @@ def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str,
 
     def result(outcome: str | None, failure_class: str | None, message: str) -> Progress:
         return Progress(outcome, failure_class, message, step, checkpoint_id, handle.launch_id,
-                        status.state, last_progress_at, list(status.nodes))
+                        handle.to_dict(), status.state, last_progress_at, list(status.nodes))
 
     if status.state == "succeeded":
         if step >= final_step:
