@@ -1,0 +1,897 @@
+"""The embedded default backend: training jobs as process groups on this machine.
+
+A "node" is a local slot (``slot-0`` .. ``slot-N``), a job is one ``python -m training.launch``
+per node, and FSx is a local folder. Nothing is kept in memory: the state lives in files under
+``state_dir``, so any process (an Airflow worker, the triggerer, a test) can ask about a job that
+another process submitted and then left::
+
+    <state_dir>/
+      .lock                         flock(2) around every read-modify-write of the files below
+      slots.json                    per slot: healthy | quarantined, reason, since
+      jobs/<job_name>.json          per node: slot, command, log path, pid, pgid, start time,
+                                    exit code; cancel and failure-policy marks
+      jobs/<job_name>.supervisor.log
+
+Detaching. ``submit`` starts a small *supervisor* process that forks once and exits, and reaps
+that exit at once, so the caller keeps no child (a long-lived triggerer collects no zombies). The
+forked supervisor, adopted by init, starts the node launchers, each in its own session, and waits
+for them, so no launcher is left a zombie either; it records their exit codes and acts like a
+Kubernetes Job controller's failure policy: once a node has failed, the other nodes get
+``failure_grace_s`` to end by themselves and are then stopped. Every process of a job carries
+``FSDP_RESILIENCE_LOCAL_JOB=<job>/<node>`` in its environment (read from /proc; psutil where there
+is none), so ``cancel`` also finds what a launcher started in other sessions (ft_launcher,
+workers, checkpoint writers), orphans included.
+
+Job state comes from the run contract, not from the supervisor: a node is done when its launcher
+wrote its ``final`` event for this launch (``launch_id``). A node whose launcher is gone without
+one, and that nobody stopped, is *lost*: the job fails with ``restarts_exhausted`` (the restart
+layers went down with the node) and ``diagnose`` blames that slot.
+
+Each launch's config is written to ``<run_dir>/launches/<launch_id>.json`` and each node logs to
+``<run_dir>/logs/<job_name>-node<i>.log``. To debug the supervisor, run
+``supervisor_main(["--state-dir", DIR, "--job", NAME, "--foreground"])`` on a submitted job record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from training.contract import (
+    CheckpointCatalog,
+    Event,
+    FailureClass,
+    RunConfig,
+    atomic_write_text,
+    failure_class_for_exit,
+    read_events,
+    NODE_ID_ENV,
+)
+
+from .base import (
+    LOST,
+    REPLACEABLE_FAILURES,
+    BackendError,
+    Capacity,
+    Diagnosis,
+    InsufficientCapacityError,
+    JobConflictError,
+    JobHandle,
+    JobNotFoundError,
+    JobStatus,
+    NodeStatus,
+    Replacement,
+    TrainingBackend,
+    job_name_for,
+    most_telling_failure,
+    plan_replacement,
+)
+
+#: plugins/fsdp_resilience/backends/local.py -> the repository root, where ``training`` lives.
+REPO_ROOT = Path(__file__).resolve().parents[3]
+PLUGINS_DIR = Path(__file__).resolve().parents[2]
+
+#: In every process of a local job: ``<job_name>/<node index>``.
+JOB_TAG_ENV = "FSDP_RESILIENCE_LOCAL_JOB"
+LAUNCH_ID_ENV = "TRAINING_LAUNCH_ID"
+TRAINING_PYTHON_ENV = "TRAINING_PYTHON"
+SLOT_PREFIX = "slot-"
+RECORD_VERSION = 1
+SUPERVISOR_POLL_S = 0.5
+_HAVE_PROC = Path("/proc/self/stat").exists()
+
+#: A fault_detected error with one of these comes from a peer's failure (a collective or the
+#: network gave up waiting), so it does not blame the node that logged it (as training/restart.py).
+_PEER_SYMPTOMS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "broken pipe",
+                  "rendezvous", "store")
+
+
+class LocalProcessBackend(TrainingBackend):
+    """Training jobs as local process groups, one per node, on ``slots`` local slots.
+
+    Args:
+        state_dir: where slots and jobs are recorded; every process using the backend must agree.
+        slots: how many nodes this machine offers (``slot-0`` .. ``slot-{slots-1}``).
+        training_python: the data plane's interpreter (torch, NVRx); default: env
+            ``TRAINING_PYTHON``, else ``<repo>/.venv/bin/python``.
+        max_unhealthy_share: ``replace_nodes`` refuses to quarantine more than this share of the
+            slots at once (at least one is always allowed).
+        repo_root: the folder holding the ``training`` package; the launchers' working directory,
+            and what relative ``run_dir``/``dataset_dir`` in a config are relative to.
+        cancel_grace_s: how long ``cancel`` waits after SIGTERM before SIGKILL.
+        failure_grace_s: after a node fails, how long its peers may take to end by themselves
+            before the supervisor stops them (a user error takes its launcher ~20 s).
+        start_timeout_s: how long ``submit`` waits for the supervisor to start the launchers.
+    """
+
+    name = "local"
+
+    def __init__(self, state_dir: str | os.PathLike, slots: int = 4, training_python: str | None = None,
+                 max_unhealthy_share: float = 0.5, repo_root: str | os.PathLike | None = None,
+                 cancel_grace_s: float = 20.0, failure_grace_s: float = 30.0, start_timeout_s: float = 60.0):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots={slots!r} must be a positive integer (the local machine's node count)")
+        if not 0 < max_unhealthy_share <= 1:
+            raise ValueError(f"max_unhealthy_share={max_unhealthy_share} must be in (0, 1]")
+        self.state_dir = Path(state_dir).resolve()
+        self.slots = slots
+        self.repo_root = Path(repo_root).resolve() if repo_root else REPO_ROOT
+        self.training_python = str(training_python or os.environ.get(TRAINING_PYTHON_ENV)
+                                   or self.repo_root / ".venv" / "bin" / "python")
+        self.max_unhealthy_share = float(max_unhealthy_share)
+        self.cancel_grace_s = float(cancel_grace_s)
+        self.failure_grace_s = float(failure_grace_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self._store = _StateStore(self.state_dir)
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": self.name, "state_dir": str(self.state_dir), "slots": self.slots,
+                "training_python": self.training_python, "max_unhealthy_share": self.max_unhealthy_share,
+                "repo_root": str(self.repo_root), "cancel_grace_s": self.cancel_grace_s,
+                "failure_grace_s": self.failure_grace_s, "start_timeout_s": self.start_timeout_s}
+
+    @property
+    def slot_ids(self) -> list[str]:
+        return [f"{SLOT_PREFIX}{i}" for i in range(self.slots)]
+
+    # -- submit -------------------------------------------------------------------------------
+    def submit(self, cfg: RunConfig, launch_id: str) -> JobHandle:
+        if not isinstance(launch_id, str) or not launch_id.strip() or len(launch_id) > 200:
+            raise ValueError(f"launch_id={launch_id!r} must be a non-empty string of at most 200 characters")
+        cfg = self._absolute(cfg)
+        job_name = job_name_for(cfg.run_id, launch_id)
+        existing = self._store.read_job(job_name)
+        if existing is not None:
+            return self._existing(existing, cfg, launch_id)
+        self._check_training_python()
+        if cfg.nodes > self.slots:
+            raise InsufficientCapacityError(
+                f"run {cfg.run_id} needs {cfg.nodes} nodes but this machine has only {self.slots} slot(s); "
+                f"lower nodes or start the local backend with slots >= {cfg.nodes}")
+        self._supersede_failed_launches(cfg.run_id, launch_id)
+
+        with self._store.locked():
+            existing = self._store.read_job(job_name)
+            if existing is not None:  # a concurrent submit of the same launch won the race
+                return self._existing(existing, cfg, launch_id)
+            active = [r for r in self._store.jobs() if _job_active(r)]
+            for other in active:
+                if other["run_id"] == cfg.run_id:
+                    raise JobConflictError(
+                        f"run {cfg.run_id} already has launch {other['launch_id']!r} active (job "
+                        f"{other['job_name']}); two launches would share one run dir. Wait for it to end, "
+                        f"or cancel it, before submitting launch {launch_id!r}")
+            busy = {n["node_id"] for r in active for n in r["nodes"]}
+            quarantined = set(self._store.quarantined())
+            free = [s for s in self.slot_ids if s not in quarantined and s not in busy]
+            if len(free) < cfg.nodes:
+                raise InsufficientCapacityError(
+                    f"run {cfg.run_id} needs {cfg.nodes} free healthy slot(s); capacity: {self.slots} slots, "
+                    f"{len(quarantined)} quarantined {sorted(quarantined)}, {len(busy)} busy {sorted(busy)}, "
+                    f"{len(free)} free. Wait for running jobs to end, or return repaired slots to service")
+            record = self._new_record(cfg, launch_id, job_name, free[: cfg.nodes])
+            self._store.write_job(record)
+
+        try:
+            config_path = Path(record["config_path"])
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(config_path, cfg.to_json() + "\n")
+            cfg.layout.logs.mkdir(parents=True, exist_ok=True)
+            self._spawn_supervisor(record)
+        except OSError as e:
+            self._store.update_job(job_name, lambda r: r.update(error=f"could not start the job: {e}"))
+            raise BackendError(f"could not start job {job_name}: {e}") from e
+        self._wait_started(job_name)
+        return self._handle(record)
+
+    def _absolute(self, cfg: RunConfig) -> RunConfig:
+        """Paths as the launcher (working directory: the repo root) will read them."""
+        run_dir, dataset_dir = (os.path.normpath(self.repo_root / p) for p in (cfg.run_dir, cfg.dataset_dir))
+        return cfg if (run_dir, dataset_dir) == (cfg.run_dir, cfg.dataset_dir) else \
+            cfg.replace(run_dir=run_dir, dataset_dir=dataset_dir)
+
+    def _existing(self, record: dict[str, Any], cfg: RunConfig, launch_id: str) -> JobHandle:
+        if (record["run_id"], record["launch_id"]) != (cfg.run_id, launch_id):
+            raise BackendError(f"job name {record['job_name']} is taken by run {record['run_id']!r} launch "
+                               f"{record['launch_id']!r}; use another launch_id")
+        return self._handle(record)
+
+    def _handle(self, record: dict[str, Any]) -> JobHandle:
+        return JobHandle(backend=self.name, run_id=record["run_id"], launch_id=record["launch_id"],
+                         job_name=record["job_name"],
+                         extra={"state_dir": str(self.state_dir), "run_dir": record["run_dir"],
+                                "submitted_at": record["created_at"],
+                                "config_path": record["config_path"],
+                                "node_ids": [n["node_id"] for n in record["nodes"]]})
+
+    def _check_training_python(self) -> None:
+        if not os.access(self.training_python, os.X_OK):
+            raise BackendError(f"training_python {self.training_python} is not an executable Python; set "
+                               f"{TRAINING_PYTHON_ENV} or pass training_python= (the training venv: `make setup` "
+                               f"creates {self.repo_root / '.venv'})")
+
+    def _supersede_failed_launches(self, run_id: str, launch_id: str) -> None:
+        """A failed launch whose other nodes are still stopping holds slots and the run's rendezvous
+        port; a relaunch of the same run finishes stopping it (a Job controller would have)."""
+        for record in self._store.jobs():
+            if record["run_id"] == run_id and record["launch_id"] != launch_id and _job_active(record):
+                handle = self._handle(record)
+                if self.status(handle).state == "failed":
+                    self.cancel(handle)
+
+    def _new_record(self, cfg: RunConfig, launch_id: str, job_name: str, slots: list[str]) -> dict[str, Any]:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", launch_id)
+        if safe != launch_id:
+            safe = f"{safe}-{job_name.rsplit('-', 1)[-1]}"  # keep it unique per launch id
+        config_path = Path(cfg.run_dir) / "launches" / f"{safe}.json"
+        nodes = []
+        for index, slot in enumerate(slots):
+            nodes.append({
+                "index": index, "node_id": slot,
+                "command": [self.training_python, "-m", "training.launch", "--config", str(config_path),
+                            "--node-rank", str(index), "--rdzv-host", "127.0.0.1"],
+                "env": {LAUNCH_ID_ENV: launch_id, NODE_ID_ENV: slot, "PYTHONUNBUFFERED": "1",
+                        JOB_TAG_ENV: f"{job_name}/{index}"},
+                "log_path": str(cfg.layout.logs / f"{job_name}-node{index}.log"),
+                "pid": None, "pgid": None, "start_ticks": None, "started_at": None,
+                "exit_code": None, "ended_at": None, "stopped_by": None,
+            })
+        return {"version": RECORD_VERSION, "job_name": job_name, "run_id": cfg.run_id, "launch_id": launch_id,
+                "run_dir": cfg.run_dir, "config_path": str(config_path), "cwd": str(self.repo_root),
+                "created_at": time.time(), "stall_timeout_s": cfg.stall_timeout_s,
+                "failure_grace_s": self.failure_grace_s,
+                "cancel_grace_s": self.cancel_grace_s, "start_timeout_s": self.start_timeout_s,
+                "supervisor": {"pid": None, "start_ticks": None,
+                               "log_path": str(self._store.job_path(job_name).with_suffix(".supervisor.log"))},
+                "cancel": None, "error": None, "nodes": nodes}
+
+    def _spawn_supervisor(self, record: dict[str, Any]) -> None:
+        # -c rather than -m: the supervisor imports this module as itself, and the launchers it
+        # starts inherit the caller's environment untouched (no PYTHONPATH of ours).
+        bootstrap = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; "
+                     "from fsdp_resilience.backends.local import supervisor_main; "
+                     "sys.exit(supervisor_main(sys.argv[3:]))")
+        with open(record["supervisor"]["log_path"], "ab") as log:
+            intermediate = subprocess.Popen(
+                [sys.executable, "-c", bootstrap, str(PLUGINS_DIR), str(self.repo_root),
+                 "--state-dir", str(self.state_dir), "--job", record["job_name"]],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # It forks the supervisor and exits at once; reaping it here leaves no zombie behind.
+        if intermediate.wait(timeout=self.start_timeout_s) != 0:
+            raise OSError(f"the supervisor failed to start (exit {intermediate.returncode}); "
+                          f"see {record['supervisor']['log_path']}")
+
+    def _wait_started(self, job_name: str) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            record = self._store.read_job(job_name)
+            if record["error"]:
+                raise BackendError(f"job {job_name} did not start: {record['error']} "
+                                   f"(see {record['supervisor']['log_path']})")
+            if all(n["pid"] is not None for n in record["nodes"]):
+                return
+            supervisor = record["supervisor"]
+            if supervisor["pid"] is not None and not _alive(supervisor["pid"], supervisor["start_ticks"]):
+                raise BackendError(f"job {job_name}: the supervisor died before starting its launchers; "
+                                   f"see {supervisor['log_path']}")
+            if time.monotonic() > deadline:
+                raise BackendError(f"job {job_name}: the supervisor did not start its launchers within "
+                                   f"{self.start_timeout_s:.0f}s; see {record['supervisor']['log_path']}. "
+                                   "Submitting again with the same launch_id returns this job")
+            time.sleep(0.02)
+
+    # -- status -------------------------------------------------------------------------------
+    def status(self, handle: JobHandle) -> JobStatus:
+        record = self._record(handle)
+        # Liveness first, then the events: a node seen gone has written any final event it ever will.
+        alive = {n["index"]: _alive(n["pid"], n["start_ticks"]) for n in record["nodes"]}
+        finals = _final_events(Path(record["run_dir"]), record["launch_id"])
+        nodes = [self._node_status(record, n, alive[n["index"]], finals.get(n["index"])) for n in record["nodes"]]
+        exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
+        failed = [n for n in nodes if n.state in ("failed", LOST)]
+        cancel = record["cancel"]
+        if cancel and not all(n.state == "succeeded" for n in nodes):
+            # Stopped while running: the verdict taken at cancel time, unless a node ended with a
+            # more telling one by itself (the launcher beat the SIGTERM).
+            failure = most_telling_failure([n.failure_class for n in failed] + [cancel["failure_class"]])
+            if failure == cancel["failure_class"]:
+                return JobStatus("failed", failure, exit_codes, cancel["message"], nodes)
+        if failed:
+            failure = most_telling_failure([n.failure_class for n in failed])
+            # Name the node that explains the failure: lost before merely failed, then by index.
+            first = min(failed, key=lambda n: (n.failure_class != failure, n.state != LOST, n.index))
+            others = [f"node {n.index} ({n.node_id}) {n.state}: {n.failure_class}" for n in failed if n is not first]
+            message = f"node {first.index} ({first.node_id}) {first.state}: {first.failure_class}"
+            exit_note = f" (exit {first.exit_code})" if first.exit_code is not None else ""
+            message += f"{exit_note}: {first.message}"
+            if others:
+                message += "; also " + "; ".join(others)
+            return JobStatus("failed", failure, exit_codes, message, nodes)
+        if all(n.state == "succeeded" for n in nodes):
+            return JobStatus("succeeded", FailureClass.SUCCESS.value, exit_codes,
+                             f"all {len(nodes)} node(s) succeeded: {nodes[0].message}", nodes)
+        running = [n for n in nodes if n.state == "running"]
+        if running:
+            return JobStatus("running", None, exit_codes,
+                             f"{len(running)} of {len(nodes)} node(s) running on {[n.node_id for n in running]}", nodes)
+        return JobStatus("pending", None, exit_codes, f"waiting for {len(nodes)} node(s) to start", nodes)
+
+    def _node_status(self, record: dict[str, Any], node: dict[str, Any], alive: bool,
+                     final: dict[str, Any] | None) -> NodeStatus:
+        index, slot = node["index"], node["node_id"]
+        if final is not None:
+            failure = final.get("failure_class")
+            state = "succeeded" if failure == FailureClass.SUCCESS.value else "failed"
+            message = final.get("message", "")
+            if node.get("stopped_by") and state == "failed":
+                message = f"stopped by {node['stopped_by']}: {message}"
+            return NodeStatus(index, slot, state, failure, final.get("exit_code"), message)
+        if node["pid"] is None:
+            if record["error"]:
+                return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None, record["error"])
+            supervisor = record["supervisor"]
+            started = supervisor["pid"] is not None
+            if (started and not _alive(supervisor["pid"], supervisor["start_ticks"])) or \
+                    (not started and time.time() - record["created_at"] > 2 * record["start_timeout_s"]):
+                return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None,
+                                  f"the supervisor ended before starting this node; see {supervisor['log_path']}")
+            return NodeStatus(index, slot, "pending", None, None, "starting")
+        if alive:
+            return NodeStatus(index, slot, "running", None, None, f"launcher pid {node['pid']}")
+        rc = node["exit_code"]
+        if node["stopped_by"]:  # we stopped it (SIGKILL after the grace period): not a lost node
+            return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value,
+                              rc if rc is not None and rc >= 0 else None,
+                              f"stopped by {node['stopped_by']} before it reported (exit {rc})")
+        if rc is not None and rc >= 0:
+            # Exited without a final event: rejected before training started (exit 2), or crashed.
+            failure = failure_class_for_exit(rc).value
+            return NodeStatus(index, slot, "failed", failure, rc,
+                              f"the launcher exited {rc} without a final event; see {node['log_path']}")
+        how = f"killed by signal {-rc}" if rc is not None else "gone"
+        # The restart layers went with the node: to the control plane this is restarts exhausted.
+        return NodeStatus(index, slot, LOST, FailureClass.RESTARTS_EXHAUSTED.value, None,
+                          f"node lost: launcher pid {node['pid']} {how} without reporting")
+
+    def _record(self, handle: JobHandle) -> dict[str, Any]:
+        self._check_handle(handle)
+        record = self._store.read_job(handle.job_name)
+        if record is None:
+            raise JobNotFoundError(f"no local job {handle.job_name} under {self.state_dir}; was it submitted "
+                                   f"with another state_dir ({handle.extra.get('state_dir')})?")
+        return record
+
+    # -- logs ---------------------------------------------------------------------------------
+    def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
+        record = self._record(handle)
+        nodes = record["nodes"]
+        if node is not None:
+            nodes = [n for n in nodes if n["index"] == node]
+            if not nodes:
+                raise BackendError(f"job {handle.job_name} has nodes 0..{len(record['nodes']) - 1}, not {node}")
+        if len(nodes) == 1 and node is not None:
+            return _tail(Path(nodes[0]["log_path"]), tail)
+        return "\n".join(f"==> node {n['index']} ({n['node_id']}): {n['log_path']} <==\n"
+                         + _tail(Path(n["log_path"]), tail) for n in nodes)
+
+    # -- cancel -------------------------------------------------------------------------------
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop the job: SIGTERM, SIGKILL after ``cancel_grace_s``; returns when nothing is left.
+
+        A job that already failed keeps its verdict (cancel only stops its leftovers), so
+        ``diagnose`` after ``cancel`` still says why it failed. A job stopped while running fails
+        with ``no_progress`` if it had not committed a checkpoint for ``stall_timeout_s`` (the
+        watch's reason to stop it), else ``unknown``.
+        """
+        record = self._record(handle)
+        if not (_job_active(record) or _tagged_processes(record["job_name"])):
+            return
+        status = self.status(handle)
+        verdict = None if status.done or record["cancel"] else _verdict_at_cancel(record, status)
+        # Only nodes still going are stopped by us: one that reported, or died by itself, keeps
+        # its own story (a lost node stays lost).
+        going = {n.index for n in status.nodes if n.state in ("pending", "running")}
+
+        def mark(r: dict[str, Any]) -> None:
+            r["cancel"] = r["cancel"] or verdict
+            for n in r["nodes"]:
+                if n["index"] in going and not n["stopped_by"]:
+                    n["stopped_by"] = "cancel"
+
+        record = self._store.update_job(handle.job_name, mark)
+        left = stop_job_processes(record, grace_s=self.cancel_grace_s)
+        if left:
+            raise BackendError(f"job {handle.job_name}: processes {left} survived SIGKILL (stuck in the kernel?); "
+                               "check them with ps")
+
+    # -- diagnose -----------------------------------------------------------------------------
+    def diagnose(self, handle: JobHandle) -> Diagnosis:
+        record = self._record(handle)
+        status = self.status(handle)
+        failure = status.failure_class
+        slots = {n["index"]: n["node_id"] for n in record["nodes"]}
+        if status.state != "failed":
+            return Diagnosis(failure, [], False, [f"job {handle.job_name} is {status.state}: nothing to diagnose"])
+        evidence = [f"status: {status.message}"]
+        if failure == FailureClass.USER_ERROR.value:
+            return Diagnosis(failure, [], False, evidence + [
+                "a user error fails the same way on any node: fix the code or config, do not replace nodes"])
+        if failure not in REPLACEABLE_FAILURES:  # unknown (cancelled, crashed launcher): don't guess
+            return Diagnosis(failure, [], False, evidence + [
+                f"{failure}: not a failure that replacing a node fixes; read the logs (backend.logs)"])
+        lost = [n for n in status.nodes if n.state == LOST]
+        if lost:
+            return Diagnosis(failure, [n.node_id for n in lost], True,
+                             evidence + [f"node {n.index} ({n.node_id}): {n.message}" for n in lost])
+        bad, why = _blame(record, status, list(slots.values()))
+        return Diagnosis(failure, bad, bool(bad), evidence + why)
+
+    # -- nodes --------------------------------------------------------------------------------
+    def replace_nodes(self, node_ids: list[str], reason: str) -> Replacement:
+        """Quarantine slots: no job is placed on them again (the local machine cannot add new
+        slots, so capacity drops). A job still running on a quarantined slot is left alone."""
+        with self._store.locked():
+            slots = self._store.read_slots()
+            out = [s for s, info in slots.items() if info.get("state") == "quarantined"]
+            replace, refused, note = plan_replacement(list(node_ids), self.slot_ids, out, self.max_unhealthy_share)
+            now = time.time()
+            for slot in replace:
+                slots[slot] = {"state": "quarantined", "reason": reason, "since": now}
+            if replace:
+                self._store.write_slots(slots)
+        healthy = self.slots - len(set(out) | set(replace))
+        parts = [f"quarantined {replace}: {reason}; capacity now {healthy} of {self.slots} slot(s) "
+                 "(local slots are not replaced by new ones)"] if replace else []
+        if note:
+            parts.append(note)
+        return Replacement(replace, refused, "; ".join(parts) or "nothing to replace")
+
+    def return_to_service(self, node_ids: list[str]) -> list[str]:
+        """Mark quarantined slots healthy again (after a human looked at them). Returns those changed."""
+        with self._store.locked():
+            slots = self._store.read_slots()
+            changed = [s for s in node_ids if slots.get(s, {}).get("state") == "quarantined"]
+            for slot in changed:
+                slots[slot] = {"state": "healthy", "reason": "returned to service", "since": time.time()}
+            if changed:
+                self._store.write_slots(slots)
+        return changed
+
+    def capacity(self) -> Capacity:
+        quarantined = set(self._store.quarantined())
+        pool = self.slot_ids
+        healthy = [s for s in pool if s not in quarantined]
+        return Capacity(total=len(pool), healthy=len(healthy), quarantined=[s for s in pool if s in quarantined],
+                        healthy_node_ids=healthy)
+
+
+# --------------------------------------------------------------------------------------------
+# State files
+# --------------------------------------------------------------------------------------------
+
+
+class _StateStore:
+    """The backend's files. Writers hold the lock; readers need none (every write is atomic)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.jobs_dir = root / "jobs"
+        self.slots_path = root / "slots.json"
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def job_path(self, job_name: str) -> Path:
+        return self.jobs_dir / f"{job_name}.json"
+
+    def read_job(self, job_name: str) -> dict[str, Any] | None:
+        return _read_json(self.job_path(job_name))
+
+    def write_job(self, record: dict[str, Any]) -> None:
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.job_path(record["job_name"]), json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+    def update_job(self, job_name: str, change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+        with self.locked():
+            record = self.read_job(job_name)
+            if record is None:
+                raise JobNotFoundError(f"no local job {job_name} under {self.root}")
+            change(record)
+            self.write_job(record)
+            return record
+
+    def jobs(self) -> list[dict[str, Any]]:
+        if not self.jobs_dir.is_dir():
+            return []
+        records = (_read_json(p) for p in sorted(self.jobs_dir.glob("*.json")))
+        return [r for r in records if r is not None]
+
+    def read_slots(self) -> dict[str, dict[str, Any]]:
+        data = _read_json(self.slots_path) or {}
+        return dict(data.get("slots", {}))
+
+    def write_slots(self, slots: dict[str, dict[str, Any]]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.slots_path, json.dumps({"slots": slots}, indent=1, sort_keys=True) + "\n")
+
+    def quarantined(self) -> list[str]:
+        return [s for s, info in self.read_slots().items() if info.get("state") == "quarantined"]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise BackendError(f"local backend state file {path} is unreadable ({e}); remove it if its job is gone") from e
+    return data if isinstance(data, dict) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, process group, start time in clock ticks) from /proc, or None if gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2:].split()  # the command name may hold spaces and ')'
+    return fields[0].decode(), int(fields[2]), int(fields[19])
+
+
+def _start_ticks(pid: int) -> int | None:
+    stat = _proc_stat(pid) if _HAVE_PROC else None
+    return stat[2] if stat else None
+
+
+def _alive(pid: int | None, start_ticks: int | None = None) -> bool:
+    """Whether ``pid`` runs (not a zombie) and is still the process we started (pids are reused)."""
+    if pid is None:
+        return False
+    if _HAVE_PROC:
+        stat = _proc_stat(pid)
+        if stat is None or stat[0] in ("Z", "X"):
+            return False
+        return start_ticks is None or stat[2] == start_ticks
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _tagged_processes(job_name: str, node: int | None = None) -> list[int]:
+    """Live processes of the job (of one node), found by the tag in their environment."""
+    prefix = f"{JOB_TAG_ENV}={job_name}/".encode()
+    found = []
+    if _HAVE_PROC:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    env = f.read()
+            except OSError:
+                continue
+            for var in env.split(b"\0"):
+                if var.startswith(prefix) and (node is None or var[len(prefix):] == str(node).encode()):
+                    if _alive(int(entry.name)):
+                        found.append(int(entry.name))
+                    break
+        return found
+    try:  # macOS and friends: psutil comes with Airflow
+        import psutil
+    except ImportError:
+        return found
+    want = f"{job_name}/"
+    for proc in psutil.process_iter():
+        try:
+            tag = proc.environ().get(JOB_TAG_ENV, "")
+            if tag.startswith(want) and (node is None or tag == f"{want}{node}") and proc.status() != "zombie":
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _signal(pids: list[int], sig: int, groups: list[int] = ()) -> None:
+    for pgid in groups:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_job_processes(record: dict[str, Any], grace_s: float, nodes: list[int] | None = None,
+                       reap: Callable[[], Any] = lambda: None) -> list[int]:
+    """Stop the job's processes (of ``nodes``, default all): SIGTERM to each live launcher's group
+    (the launcher passes it on to ft_launcher's session and writes its ``final`` event), and to any
+    process whose launcher is already gone; SIGKILL whatever is left after ``grace_s``. Returns the
+    pids that survived SIGKILL (none, normally). ``reap`` lets the launchers' parent collect them
+    while it waits."""
+    job = record["job_name"]
+    selected = [n for n in record["nodes"] if nodes is None or n["index"] in nodes]
+
+    def remaining() -> list[int]:
+        reap()
+        pids: list[int] = []
+        for n in selected:
+            pids += _tagged_processes(job, n["index"])
+        return pids
+
+    def live_launchers() -> list[int]:
+        return [n["pid"] for n in selected if _alive(n["pid"], n["start_ticks"])]
+
+    launchers = live_launchers()
+    orphans = [p for n in selected if not _alive(n["pid"], n["start_ticks"])
+               for p in _tagged_processes(job, n["index"])]
+    _signal(orphans, signal.SIGTERM, groups=launchers)
+    deadline = time.monotonic() + grace_s
+    while remaining() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = remaining()
+    if left:
+        _signal(left, signal.SIGKILL, groups=live_launchers())
+        deadline = time.monotonic() + 10
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = remaining()
+    return left
+
+
+def _job_active(record: dict[str, Any]) -> bool:
+    """Whether the job may still hold its slots: a launcher runs, or it has not started yet."""
+    if record["error"]:
+        return False
+    for n in record["nodes"]:
+        if n["exit_code"] is not None:
+            continue
+        if n["pid"] is None:
+            supervisor = record["supervisor"]
+            if supervisor["pid"] is not None:
+                if _alive(supervisor["pid"], supervisor["start_ticks"]):
+                    return True
+            elif time.time() - record["created_at"] < 2 * record["start_timeout_s"]:
+                return True
+        elif _alive(n["pid"], n["start_ticks"]):
+            return True
+    return False
+
+
+def _verdict_at_cancel(record: dict[str, Any], status: JobStatus) -> dict[str, Any]:
+    """Why a running job is being stopped, as far as the backend can tell: a stall (no new committed
+    checkpoint for ``stall_timeout_s`` since the launch or the last commit, the watch's rule), or
+    simply a cancel."""
+    now = time.time()
+    latest = CheckpointCatalog(record["run_dir"]).latest()
+    last_progress = max(record["created_at"], (latest.committed_at or 0.0) if latest else 0.0)
+    idle = now - last_progress
+    if idle > record["stall_timeout_s"]:
+        newest = latest.checkpoint_id if latest else "none"
+        return {"at": now, "failure_class": FailureClass.NO_PROGRESS.value,
+                "message": f"cancelled after no new committed checkpoint for {idle:.0f}s "
+                           f"(stall_timeout_s={record['stall_timeout_s']:.0f}; newest: {newest})"}
+    return {"at": now, "failure_class": FailureClass.UNKNOWN.value,
+            "message": f"cancelled at {_when(now)} while {status.state}"}
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            block, data = 8192, b""
+            while size > 0 and data.count(b"\n") <= lines:
+                step = min(block, size)
+                size -= step
+                f.seek(size)
+                data = f.read(step) + data
+                block *= 2
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:]) if lines > 0 else ""
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+# --------------------------------------------------------------------------------------------
+# Events
+# --------------------------------------------------------------------------------------------
+
+
+def _final_events(run_dir: Path, launch_id: str) -> dict[int, dict[str, Any]]:
+    """node rank -> its launcher's ``final`` event for this launch. Parses only the lines that
+    can be one, so polling stays cheap on a long run's events log."""
+    out: dict[int, dict[str, Any]] = {}
+    needle = json.dumps(launch_id)  # as it appears in the line, quotes and escapes included
+    try:
+        with open(run_dir / "events.jsonl", errors="replace") as f:
+            for line in f:
+                if '"final"' not in line or needle not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a torn line
+                if (isinstance(rec, dict) and rec.get("event") == Event.FINAL.value
+                        and rec.get("launch_id") == launch_id and isinstance(rec.get("node_rank"), int)):
+                    out[rec["node_rank"]] = rec
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def _blame(record: dict[str, Any], status: JobStatus, slots: list[str]) -> tuple[list[str], list[str]]:
+    """The slot(s) to blame for restarts running out (or no progress), and why.
+
+    Worker events carry no launch id, so this launch's events are those from its first
+    ``launch_begin`` up to the next launch's. In order of trust: drills that fired (ground
+    truth); faults a rank detected that are not a peer's symptom (a collective that timed out
+    blames whoever it waited for, not the node that logged it); else the nodes whose launcher
+    reported the failure; else every node of the job (the share rule keeps that in check).
+    """
+    events = read_events(Path(record["run_dir"]) / "events.jsonl")
+    launch_id = record["launch_id"]
+    begins = [r["ts"] for r in events if r.get("event") == Event.LAUNCH_BEGIN.value and r.get("launch_id") == launch_id]
+    if begins:
+        start = min(begins)
+        later = [r["ts"] for r in events if r.get("event") == Event.LAUNCH_BEGIN.value
+                 and r.get("launch_id") != launch_id and r["ts"] > start]
+        end = min(later, default=float("inf"))
+        window = [r for r in events if start <= r.get("ts", 0) < end and r.get("node_id") in slots]
+    else:
+        window = []
+
+    def summary(rs: list[dict[str, Any]]) -> list[str]:
+        return [f"{r['node_id']}: {r['event']} {r.get('kind')} at step {r.get('step')} "
+                f"(rank {r.get('rank')}, attempt {r.get('attempt')})" for r in rs[:20]]
+
+    injected = [r for r in window if r.get("event") == Event.FAULT_INJECTED.value]
+    if injected:
+        bad = sorted({r["node_id"] for r in injected})
+        return bad, [f"faults injected in this launch on {bad}:"] + summary(injected)
+    detected = [r for r in window if r.get("event") == Event.FAULT_DETECTED.value
+                and not any(m in f"{r.get('kind', '')} {r.get('error', '')}".lower() for m in _PEER_SYMPTOMS)]
+    if detected:
+        bad = sorted({r["node_id"] for r in detected})
+        return bad, [f"faults detected in this launch on {bad} (not a peer's symptom):"] + summary(detected)
+    reporting = sorted({n.node_id for n in status.nodes if n.failure_class == status.failure_class and n.node_id})
+    if reporting:
+        return reporting, [f"no fault events name a node; the launcher(s) on {reporting} reported "
+                           f"{status.failure_class}"]
+    return sorted(slots), [f"no events name a node; every node of the job is suspect: {sorted(slots)}"]
+
+
+# --------------------------------------------------------------------------------------------
+# The supervisor: parent of one job's launchers
+# --------------------------------------------------------------------------------------------
+
+
+def supervisor_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="local-backend-supervisor",
+                                     description="Start and watch the node launchers of one local job "
+                                                 "(started by LocalProcessBackend.submit).")
+    parser.add_argument("--state-dir", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--foreground", action="store_true", help="do not fork (debugging)")
+    args = parser.parse_args(argv)
+    if not args.foreground and os.fork() > 0:
+        os._exit(0)  # the submitter reaps this parent; the child is adopted by init
+    return supervise(Path(args.state_dir), args.job)
+
+
+def supervise(state_dir: Path, job_name: str) -> int:
+    store = _StateStore(state_dir)
+    record = store.read_job(job_name)
+    if record is None:
+        print(f"no job {job_name} under {state_dir}", file=sys.stderr)
+        return 1
+    me, my_ticks = os.getpid(), _start_ticks(os.getpid())
+    record = store.update_job(job_name, lambda r: r["supervisor"].update(pid=me, start_ticks=my_ticks,
+                                                                         started_at=time.time()))
+    if record["cancel"]:
+        store.update_job(job_name, lambda r: r.update(error="cancelled before it started"))
+        return 0
+
+    procs: dict[int, subprocess.Popen] = {}
+    started: dict[int, dict[str, Any]] = {}
+    try:
+        for node in record["nodes"]:
+            with open(node["log_path"], "ab") as log:
+                # Own session per launcher: cancel can signal the node as a group, and the
+                # launcher's own SIGTERM handling (pod deletion) applies unchanged.
+                proc = subprocess.Popen(node["command"], cwd=record["cwd"], env={**os.environ, **node["env"]},
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            procs[node["index"]] = proc
+            started[node["index"]] = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": _start_ticks(proc.pid),
+                                      "started_at": time.time()}
+    except OSError as e:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        store.update_job(job_name, lambda r: r.update(error=f"could not start a launcher: {e}"))
+        print(f"could not start a launcher: {e}", file=sys.stderr)
+        return 1
+
+    def record_started(r: dict[str, Any]) -> None:
+        for n in r["nodes"]:
+            n.update(started[n["index"]])
+
+    record = store.update_job(job_name, record_started)
+    if record["cancel"]:  # cancelled while we were starting: cancel saw no launcher to stop
+        stop_job_processes(record, grace_s=record["cancel_grace_s"])
+    print(f"supervisor {me}: started {len(procs)} launcher(s): "
+          f"{ {i: p.pid for i, p in procs.items()} }", flush=True)
+
+    failures: list[tuple[float, int]] = []  # (when, node index), in order
+
+    def reap() -> None:
+        for index, proc in list(procs.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            del procs[index]
+            # Whatever the launcher left behind (it reaps its session itself unless it was killed).
+            _signal(_tagged_processes(job_name, index), signal.SIGKILL)
+            now = time.time()
+
+            def ended(r: dict[str, Any], index: int = index, rc: int = rc) -> None:
+                r["nodes"][index].update(exit_code=rc, ended_at=now)
+
+            store.update_job(job_name, ended)
+            print(f"supervisor {me}: node {index} exited {rc}", flush=True)
+            if rc != 0:
+                failures.append((now, index))
+
+    while procs:
+        time.sleep(SUPERVISOR_POLL_S)
+        reap()
+        if failures and procs and time.time() - failures[0][0] > record["failure_grace_s"]:
+            # The Job failure policy: a node failed, the launch cannot succeed; stop the others.
+            others = sorted(procs)
+            print(f"supervisor {me}: node {failures[0][1]} failed; stopping nodes {others}", flush=True)
+
+            def mark(r: dict[str, Any]) -> None:
+                for i in others:
+                    r["nodes"][i]["stopped_by"] = r["nodes"][i]["stopped_by"] or \
+                        f"the failure policy (node {failures[0][1]} failed)"
+
+            record = store.update_job(job_name, mark)
+            stop_job_processes(record, grace_s=record["cancel_grace_s"], nodes=others, reap=reap)
+    print(f"supervisor {me}: all launchers ended", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervisor_main())
