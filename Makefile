@@ -10,7 +10,7 @@ AFBIN   := $(AFVENV)/bin
 AFSTAMP := $(AFVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo test test-training test-control clean
+.PHONY: setup demo demo-training test test-training test-control clean
 
 setup: $(STAMP) $(AFSTAMP)
 
@@ -24,8 +24,13 @@ $(AFSTAMP): pyproject.toml requirements/constraints-airflow.txt
 	$(AFBIN)/$(PIP) -c requirements/constraints-airflow.txt -e '.[orchestration,dev]'
 	touch $(AFSTAMP)
 
-# A local 2-rank training run on real text with one injected fault per restart layer.
-demo: $(STAMP)
+# The whole pipeline: Airflow stages real text, trains with a drill on every rung of the ladder
+# (in-process, in-job, node replacement), evaluates and reports.
+demo: $(STAMP) $(AFSTAMP)
+	PYTHONPATH=plugins $(AFBIN)/python -m fsdp_resilience.demo
+
+# Training alone, without Airflow: a local 2-rank run with one fault per restart layer.
+demo-training: $(STAMP)
 	$(BIN)/python -m training.demo
 
 test: test-training test-control

@@ -132,6 +132,7 @@ def fsdp_training():
         outcomes = get_current_context()["ti"].xcom_pull(task_ids=list(watched))
         outcome = ladder.latest_outcome(outcomes)
         if outcome["outcome"] != "success":
+            ladder.stop_launch(run, outcome)  # a stalled launch is still running: free its nodes
             launches = ladder.next_launch_no(outcome)
             raise AirflowFailException(
                 f"training failed: {outcome['failure_class']}: {outcome['message']} "

@@ -386,6 +386,7 @@ class RunDir:
           eval.json                written by training.evaluate
           control/USER_ERROR.json  written by the first rank that hits a user error
           logs/                    launcher logs, one per node
+          launches/<launch_id>.json the config of each (re)launch, written by the backend
           checkpoints/
             latest                 name of the newest committed checkpoint (atomic rename)
             step_00000010/         one DCP checkpoint: a shard file per rank + .metadata
@@ -401,12 +402,16 @@ class RunDir:
     control = property(lambda self: self.root / "control")
     user_error_marker = property(lambda self: self.root / "control" / "USER_ERROR.json")
     logs = property(lambda self: self.root / "logs")
+    launches = property(lambda self: self.root / "launches")
     checkpoints = property(lambda self: self.root / "checkpoints")
     latest_pointer = property(lambda self: self.root / "checkpoints" / "latest")
 
     def create(self) -> None:
         for d in (self.root, self.control, self.logs, self.checkpoints):
             d.mkdir(parents=True, exist_ok=True)
+
+    def launch_config(self, launch_id: str) -> Path:
+        return self.launches / f"{launch_id}.json"
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:08d}"

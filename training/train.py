@@ -58,8 +58,8 @@ class Trainer:
         self.cfg = cfg
         self.env = env
         self.layout = cfg.layout
-        self.events = EventLog(self.layout.events, run_id=cfg.run_id, rank=env.rank,
-                               node_rank=env.node_rank, attempt=env.attempt)
+        self.events = EventLog(self.layout.events, run_id=cfg.run_id, rank=env.rank, node_rank=env.node_rank,
+                               attempt=env.attempt, launch_id=os.environ.get("TRAINING_LAUNCH_ID", ""))
         self.device = choose_device(cfg.device, env.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

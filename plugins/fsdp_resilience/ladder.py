@@ -101,12 +101,17 @@ def should_escalate(outcome: dict[str, Any], rung: int, max_replacements: int) -
     return True, f"{failure}: {outcome['message']}"
 
 
+def stop_launch(run: dict[str, Any], outcome: dict[str, Any]) -> None:
+    """Stop whatever is left of the launch ``outcome`` watched (a no-op for a finished one)."""
+    get_backend(**run["backend"]).cancel(JobHandle.from_dict(outcome["handle"]))
+
+
 def diagnose_and_replace(run: dict[str, Any], outcome: dict[str, Any], rung: int) -> dict[str, Any]:
     """Stop what is left of the failed launch, find the bad node(s), have the backend replace
     them, and record the escalation in the run's events."""
+    stop_launch(run, outcome)  # a stalled launch is still running; a failed one may have leftovers
     backend = get_backend(**run["backend"])
     handle = JobHandle.from_dict(outcome["handle"])
-    backend.cancel(handle)  # a stalled launch is still running; a failed one may have leftovers
     diagnosis = backend.diagnose(handle)
     if not diagnosis.replaceable:
         raise EscalationError(f"launch {handle.launch_id} failed with {diagnosis.failure_class}, which no node "

@@ -39,6 +39,17 @@ def states(dag_run) -> dict[str, str]:
     return {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
 
 
+def xcom(dag_run, task_id: str):
+    """A task's return value, as the UI shows it."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        row = session.scalars(XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id,
+                                                 task_ids=task_id, key="return_value")).first()
+        return XComModel.deserialize_value(row) if row is not None else None
+
+
 def base_conf(run_name: str, **overrides) -> dict:
     conf = {"run_name": run_name, "steps": 12, "checkpoint_interval": 3, "max_restarts": 1,
             "max_node_replacements": 1, "run_config": dict(FAST)}
@@ -78,6 +89,7 @@ def test_restarts_exhausted_replaces_the_slot_and_resumes(roots):
     events = read_events(run_dir / "events.jsonl")
     escalations = [r for r in events if r["event"] == "escalation"]
     assert len(escalations) == 1 and escalations[0]["nodes"] == ["slot-0"]
+    assert xcom(dr, "escalation_1.diagnose_and_replace")["replaced"] == ["slot-0"]  # visible in the UI
     assert escalations[0]["failure_class"] == "restarts_exhausted"
     # the relaunch resumed from a committed checkpoint, on another slot
     relaunch = [r for r in events if r["event"] == "train_begin" and r.get("node_id") != "slot-0"]
@@ -99,12 +111,15 @@ def test_a_user_bug_fails_the_run_without_replacing_a_node(roots):
 
 
 def test_a_stall_ends_as_no_progress(roots):
-    # restart_mode none: nothing inside the job recovers a hang, so only the sensor can see it.
-    dr = trigger(base_conf("stall", restart_mode="none", max_node_replacements=0, stall_timeout_s=25,
-                           fault_drill={"kind": "hang", "step": 5, "rank": 1}))
+    # restart_mode none and a long collective timeout: nothing inside the job notices the hang,
+    # only the watch (or the launcher's own stall watchdog) does.
+    dr = trigger(base_conf("stall", restart_mode="none", max_node_replacements=0, stall_timeout_s=60,
+                           run_config={**FAST, "collective_timeout_s": 600.0,
+                                       "faults": [{"kind": "hang", "step": 5, "rank": 1}]}))
     st = states(dr)
     assert str(dr.state) == "failed", st
-    assert st["resolve_outcome"] == "failed"
+    assert st["resolve_outcome"] == "failed" and st["escalation_1.decide"] == "skipped"
+    assert xcom(dr, "watch_checkpoints")["failure_class"] == "no_progress"
     latest = CheckpointCatalog(roots / "stall").latest()
     assert latest is None or latest.step < 12
 

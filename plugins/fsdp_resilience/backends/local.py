@@ -233,7 +233,7 @@ class LocalProcessBackend(TrainingBackend):
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", launch_id)
         if safe != launch_id:
             safe = f"{safe}-{job_name.rsplit('-', 1)[-1]}"  # keep it unique per launch id
-        config_path = Path(cfg.run_dir) / "launches" / f"{safe}.json"
+        config_path = cfg.layout.launch_config(safe)
         nodes = []
         for index, slot in enumerate(slots):
             nodes.append({
