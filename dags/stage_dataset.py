@@ -25,7 +25,7 @@ PARAMS = {
                     description='A folder of text files, or "stdlib" for the Python standard library sources.'),
     "dataset": Param("python-stdlib", type="string", pattern=r"^[a-z0-9][-a-z0-9_.]{0,62}$",
                      description="Name of the staged dataset (a folder under the data root)."),
-    "max_bytes": Param(8_000_000, type="integer", minimum=1024, maximum=1 << 40,
+    "max_bytes": Param(8 << 20, type="integer", minimum=1024, maximum=1 << 40,
                        description="Read at most this many bytes of text."),
     "val_fraction": Param(0.05, type="number", exclusiveMinimum=0, maximum=0.5,
                           description="Share of files held out for validation."),

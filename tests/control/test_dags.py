@@ -66,3 +66,20 @@ def test_the_training_graph_reads_top_to_bottom():
              "evaluate", "build_report", "publish"]
     for upstream, downstream in zip(order, order[1:]):
         assert upstream in dag.get_task(downstream).get_flat_relative_ids(upstream=True), (upstream, downstream)
+
+
+def test_stage_dataset_stages_a_folder_and_announces_it(tmp_path, monkeypatch):
+    src = tmp_path / "text"
+    src.mkdir()
+    for i in range(6):
+        (src / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 200)
+    monkeypatch.setenv("FSDP_DATA_ROOT", str(tmp_path / "data"))
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags["stage_dataset"]
+    dr = dag.test(run_conf={"source": str(src), "dataset": "tiny-text", "val_fraction": 0.3})
+    assert str(dr.state) == "success"
+    index = json.loads((tmp_path / "data" / "tiny-text" / "index.json").read_text())
+    assert index["train"] and index["val"]
+    bad = dag.test(run_conf={"source": str(tmp_path / "missing"), "dataset": "nothing"})
+    assert str(bad.state) == "failed" and not (tmp_path / "data" / "nothing").exists()

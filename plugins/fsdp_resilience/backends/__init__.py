@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import (
+from fsdp_resilience.backends.base import (
     DEFAULT_MAX_UNHEALTHY_SHARE,
     LOST,
     REPLACEABLE_FAILURES,

@@ -58,7 +58,7 @@ from training.contract import (
     NODE_ID_ENV,
 )
 
-from .base import (
+from fsdp_resilience.backends.base import (
     LOST,
     REPLACEABLE_FAILURES,
     BackendError,
