@@ -10,6 +10,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+#: Figures the tests measured, printed at the end of the run (pytest -q hides test output).
+MEASURED: list[str] = []
 TRAINING_PYTHON = str(REPO / ".venv" / "bin" / "python")
 
 _home = Path(tempfile.mkdtemp(prefix="airflow-home-"))
@@ -49,3 +52,10 @@ def pytest_sessionstart(session):
     """Create this session's Airflow metadata database (dag.test() needs one)."""
     airflow = Path(sys.executable).with_name("airflow")
     subprocess.run([str(airflow), "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())
+
+
+def pytest_terminal_summary(terminalreporter):
+    if MEASURED:
+        terminalreporter.section("measured")
+        for line in MEASURED:
+            terminalreporter.write_line(line)
