@@ -11,8 +11,10 @@ log. The heavy lifting lives in plugins/fsdp_resilience (no torch is imported he
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from pathlib import Path
 
 from airflow.sdk import Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
@@ -145,8 +147,6 @@ def fsdp_training():
         # The evaluation runs in the training environment (torch); this process never imports it.
         subprocess.run([settings.training_python(), "-m", "training.evaluate", "--config",
                         f"{cfg['run_dir']}/run.json"], check=True, cwd=settings.REPO)
-        import json
-        from pathlib import Path
         return json.loads(Path(cfg["run_dir"], "eval.json").read_text())
 
     @task

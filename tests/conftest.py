@@ -6,12 +6,12 @@ import os
 import socket
 import subprocess
 import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from corpus import make_dataset
 from training.contract import RunConfig, read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,18 +25,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> Path:
-    """~1 MB of the standard library's json/ and email/ sources as byte-token shards."""
-    src = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for pkg in ("json", "email", "collections"):
-        for f in sorted((stdlib / pkg).rglob("*.py")):
-            dst = src / pkg / f.relative_to(stdlib / pkg)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(f.read_bytes())
-    out = tmp_path_factory.mktemp("dataset")
-    subprocess.run([sys.executable, "-m", "training.prepare_data", str(src), str(out), "--val-fraction", "0.1"],
-                   check=True, cwd=REPO, capture_output=True)
-    return out
+    return make_dataset(tmp_path_factory.mktemp("data") / "dataset")
 
 
 #: Short timeouts so fault drills resolve in seconds on a loaded 2-core machine.

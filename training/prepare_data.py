@@ -48,7 +48,6 @@ from training.contract import (
     DATASET_INDEX,
     DATASET_SPLITS,
     DATASET_TOKEN_DTYPE,
-    HOW_TO_PREPARE,
     atomic_write_text,
 )
 

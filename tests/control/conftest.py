@@ -31,21 +31,10 @@ sys.path.insert(0, str(REPO / "plugins"))
 
 
 def make_dataset(dst: Path) -> Path:
-    """~1 MB of real text (stdlib json/ and email/ sources) as byte-token shards, made with the
-    training environment's prepare_data (it needs numpy, which Airflow's environment may lack)."""
-    if (dst / "index.json").exists():
-        return dst
-    import sysconfig
-    src = Path(tempfile.mkdtemp(prefix="corpus-"))
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for pkg in ("json", "email", "collections"):
-        for f in sorted((stdlib / pkg).rglob("*.py")):
-            out = src / pkg / f.relative_to(stdlib / pkg)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(f.read_bytes())
-    subprocess.run([TRAINING_PYTHON, "-m", "training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
-                   check=True, cwd=REPO, capture_output=True)
-    return dst
+    """The shared test dataset (tests/corpus.py), made with the training venv's prepare_data."""
+    from corpus import make_dataset as build
+
+    return build(dst, python=TRAINING_PYTHON)
 
 
 def pytest_sessionstart(session):

@@ -13,11 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import pytest
+from corpus import make_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "plugins"))
@@ -64,19 +64,8 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    """Real text (stdlib sources) as byte-token shards, made by the training venv's prepare_data
-    (it needs numpy, which the control-plane venv does not have)."""
-    src = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for pkg in ("json", "email"):
-        for f in sorted((stdlib / pkg).rglob("*.py")):
-            dst = src / pkg / f.relative_to(stdlib / pkg)
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(f.read_bytes())
-    out = tmp_path_factory.mktemp("dataset")
-    subprocess.run([str(TRAINING_PYTHON), "-m", "training.prepare_data", str(src), str(out), "--val-fraction", "0.1"],
-                   check=True, cwd=REPO, capture_output=True)
-    return out
+    """Real text as byte-token shards (tests/corpus.py), made by the training venv's prepare_data."""
+    return make_dataset(tmp_path_factory.mktemp("data") / "dataset", python=str(TRAINING_PYTHON))
 
 
 @pytest.fixture()

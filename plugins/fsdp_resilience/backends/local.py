@@ -189,7 +189,8 @@ class LocalProcessBackend(TrainingBackend):
             cfg.layout.logs.mkdir(parents=True, exist_ok=True)
             self._spawn_supervisor(record)
         except OSError as e:
-            self._store.update_job(job_name, lambda r: r.update(error=f"could not start the job: {e}"))
+            error = f"could not start the job: {e}"
+            self._store.update_job(job_name, lambda r: r.update(error=error))
             raise BackendError(f"could not start job {job_name}: {e}") from e
         self._wait_started(job_name)
         return self._handle(record)
@@ -840,8 +841,9 @@ def supervise(state_dir: Path, job_name: str) -> int:
         for proc in procs.values():
             proc.kill()
             proc.wait()
-        store.update_job(job_name, lambda r: r.update(error=f"could not start a launcher: {e}"))
-        print(f"could not start a launcher: {e}", file=sys.stderr)
+        error = f"could not start a launcher: {e}"
+        store.update_job(job_name, lambda r: r.update(error=error))
+        print(error, file=sys.stderr)
         return 1
 
     def record_started(r: dict[str, Any]) -> None:
