@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from corpus import make_dataset
+from shared import FAST_RUN, make_dataset
 from training.contract import RunConfig, read_events
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,10 +28,7 @@ def dataset(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("data") / "dataset")
 
 
-#: Short timeouts so fault drills resolve in seconds on a loaded 2-core machine.
-FAST = dict(model="tiny", seq_len=64, batch_size=4, collective_timeout_s=3.0, heartbeat_timeout_s=30.0,
-            initial_heartbeat_timeout_s=90.0, hang_timeout_s=15.0, device="cpu", checkpoint_interval=3,
-            eval_batches=4)
+FAST = dict(FAST_RUN, model="tiny", checkpoint_interval=3)
 
 
 @dataclass

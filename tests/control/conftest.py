@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO / "plugins"))
 
 
 def make_dataset(dst: Path) -> Path:
-    """The shared test dataset (tests/corpus.py), made with the training venv's prepare_data."""
-    from corpus import make_dataset as build
+    """The shared test dataset (tests/shared.py), made with the training venv's prepare_data."""
+    from shared import make_dataset as build
 
     return build(dst, python=TRAINING_PYTHON)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from shared import FAST_RUN
 from conftest import make_dataset
 from fsdp_resilience import ladder
 from fsdp_resilience.backends import JobHandle, get_backend
@@ -18,8 +19,7 @@ from training.contract import CheckpointCatalog, read_events
 
 pytestmark = pytest.mark.slow
 
-FAST = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
-        "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu"}
+FAST = FAST_RUN
 
 
 @pytest.fixture()

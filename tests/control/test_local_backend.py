@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from corpus import make_dataset
+from shared import FAST_RUN, make_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "plugins"))
@@ -45,9 +45,7 @@ needs_training = pytest.mark.skipif(not TRAINING_PYTHON.exists(),
                                     reason=f"no training venv at {TRAINING_PYTHON}: run `make setup`")
 
 #: Short timeouts so drills resolve in seconds on a loaded 2-core machine (as tests/conftest.py).
-FAST = dict(model="tiny", seq_len=64, batch_size=4, collective_timeout_s=3.0, heartbeat_timeout_s=30.0,
-            initial_heartbeat_timeout_s=90.0, hang_timeout_s=15.0, device="cpu", checkpoint_interval=2,
-            eval_batches=4)
+FAST = dict(FAST_RUN, model="tiny", checkpoint_interval=2)
 WAIT_S = 300  # per launch; a run here takes 15-60 s
 
 
@@ -64,7 +62,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
-    """Real text as byte-token shards (tests/corpus.py), made by the training venv's prepare_data."""
+    """Real text as byte-token shards (tests/shared.py), made by the training venv's prepare_data."""
     return make_dataset(tmp_path_factory.mktemp("data") / "dataset", python=str(TRAINING_PYTHON))
 
 

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from shared import FAST_RUN
 from conftest import REPO, make_dataset
 from training.contract import CheckpointCatalog, read_events
 
 pytestmark = pytest.mark.slow
 
-#: Short timeouts so drills resolve in seconds on 2 busy cores.
-FAST = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
-        "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu", "eval_batches": 4}
+FAST = FAST_RUN
 
 
 @pytest.fixture()

@@ -1,6 +1,6 @@
-"""Real text for tests: the standard library's json/, email/ and collections/ sources (~1 MB) as
-byte-token shards. Shared by the training and control-plane tests (a module of its own: both
-test folders have a conftest.py, and ``import conftest`` would be ambiguous)."""
+"""What the training and control-plane tests share: real text as a dataset, and run settings
+that make fault drills resolve in seconds. (A module of its own: both test folders have a
+conftest.py, and ``import conftest`` would be ambiguous.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+#: Run config fields for tests: short sequences and timeouts, so drills resolve in seconds on a
+#: loaded 2-core machine.
+FAST_RUN = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
+            "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu", "eval_batches": 4}
 
 
 def make_dataset(dst: Path, python: str = sys.executable) -> Path:
