@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -154,3 +155,23 @@ def test_launch_rejects_bad_input_before_starting_anything(tmp_path, dataset):
     out = subprocess.run([sys.executable, "-m", "training.launch", "--config", str(missing)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == ExitCode.CONFIG_ERROR and "prepare_data" in out.stderr
+
+
+def test_launch_reads_config_and_node_rank_from_a_pods_env(tmp_path, dataset):
+    """An EKS pod gets its config as TRAINING_RUN_CONFIG and its rank as the Indexed Job's
+    JOB_COMPLETION_INDEX; no file is shipped."""
+    cfg = {"run_id": "pod", "run_dir": str(tmp_path / "pod"), "dataset_dir": str(dataset), "nodes": 2}
+    env = {**os.environ, "TRAINING_RUN_CONFIG": json.dumps(cfg), "JOB_COMPLETION_INDEX": "1",
+           "TRAINING_RDZV_HOST": "job-0.job.ns.svc"}
+    (tmp_path / "pod").mkdir()
+    (tmp_path / "pod" / "run.json").write_text(json.dumps(cfg))  # node 1 waits for node 0's copy
+    out = subprocess.run([sys.executable, "-m", "training.launch", "--dry-run"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ft-launcher-node1.yaml" in out.stdout  # this node is rank 1
+    assert "job-0.job.ns.svc" in out.stdout
+
+    env.pop("TRAINING_RUN_CONFIG")
+    out = subprocess.run([sys.executable, "-m", "training.launch"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == ExitCode.CONFIG_ERROR and "TRAINING_RUN_CONFIG" in out.stderr

@@ -12,6 +12,9 @@ session, watches it, and exits with the run contract's exit code after writing a
   inprocess     torchrun --max-restarts 0 + Wrapper        exceptions/hangs in-process only
   none          torchrun --max-restarts 0                  nothing
 
+The run config comes from --config (a JSON file), else from TRAINING_RUN_CONFIG (the JSON
+itself: how an EKS pod gets it, with no file to ship).
+
 Where this node sits comes from the flags, else the environment:
   node rank      --node-rank, JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), NODE_RANK, 0
   rendezvous     --rdzv-host, TRAINING_RDZV_HOST (e.g. the headless Service name of pod 0),
@@ -52,6 +55,19 @@ from training.faults import LAUNCH_PID_ENV
 #: by itself (the failing rank asked it to) before stopping it.
 USER_ERROR_GRACE_S = 20.0
 POLL_S = 1.0
+
+
+#: The run config's JSON, when no --config file is given (a Kubernetes pod's env).
+CONFIG_ENV = "TRAINING_RUN_CONFIG"
+
+
+def load_config(path: str | None) -> RunConfig:
+    if path:
+        return RunConfig.load(path)
+    text = os.environ.get(CONFIG_ENV, "").strip()
+    if not text:
+        raise ConfigError(f"no run config: pass --config RUN.json or set {CONFIG_ENV} to the config's JSON")
+    return RunConfig.from_json(text)
 
 
 def node_rank_from_env(explicit: int | None) -> int:
@@ -252,13 +268,14 @@ class NodeLauncher:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.launch",
                                      description="Run one node of a training run under NVRx restarts.")
-    parser.add_argument("--config", required=True, help="run config JSON (training/contract.py: RunConfig)")
+    parser.add_argument("--config", default=None,
+                        help=f"run config JSON file (training/contract.py: RunConfig); default: ${CONFIG_ENV}")
     parser.add_argument("--node-rank", type=int, default=None, help="this node's index (default: from env)")
     parser.add_argument("--rdzv-host", default=None, help="rendezvous host: node 0's address (default: from env)")
     parser.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
     args = parser.parse_args(argv)
     try:
-        cfg = RunConfig.load(args.config)
+        cfg = load_config(args.config)
         node_rank = node_rank_from_env(args.node_rank)
         if not 0 <= node_rank < cfg.nodes:
             raise ConfigError(f"node rank {node_rank} is outside the run's {cfg.nodes} node(s)")
