@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 
 $(AFSTAMP): pyproject.toml requirements/constraints-airflow.txt
 	$(PYTHON) -m venv $(AFVENV)
-	$(AFBIN)/$(PIP) -c requirements/constraints-airflow.txt -e '.[orchestration,dev]'
+	$(AFBIN)/$(PIP) -c requirements/constraints-airflow.txt -e '.[orchestration,dev,test-eks]'
 	touch $(AFSTAMP)
 
 # The whole pipeline: Airflow stages real text, trains with a drill on every rung of the ladder
