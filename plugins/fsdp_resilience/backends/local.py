@@ -48,13 +48,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from training.contract import (
-    CheckpointCatalog,
-    Event,
     FailureClass,
     RunConfig,
     atomic_write_text,
     failure_class_for_exit,
-    read_events,
     NODE_ID_ENV,
 )
 
@@ -76,6 +73,7 @@ from fsdp_resilience.backends.base import (
     most_telling_failure,
     plan_replacement,
 )
+from fsdp_resilience.backends.evidence import blame_from_events, final_events, verdict_at_cancel
 
 #: plugins/fsdp_resilience/backends/local.py -> the repository root, where ``training`` lives.
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -89,11 +87,6 @@ SLOT_PREFIX = "slot-"
 RECORD_VERSION = 1
 SUPERVISOR_POLL_S = 0.5
 _HAVE_PROC = Path("/proc/self/stat").exists()
-
-#: A fault_detected error with one of these comes from a peer's failure (a collective or the
-#: network gave up waiting), so it does not blame the node that logged it (as training/restart.py).
-_PEER_SYMPTOMS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "broken pipe",
-                  "rendezvous", "store")
 
 
 class LocalProcessBackend(TrainingBackend):
@@ -145,7 +138,7 @@ class LocalProcessBackend(TrainingBackend):
         return [f"{SLOT_PREFIX}{i}" for i in range(self.slots)]
 
     # -- submit -------------------------------------------------------------------------------
-    def submit(self, cfg: RunConfig, launch_id: str) -> JobHandle:
+    def submit(self, cfg: RunConfig, launch_id: str, *, airflow_run_id: str | None = None) -> JobHandle:
         if not isinstance(launch_id, str) or not launch_id.strip() or len(launch_id) > 200:
             raise ValueError(f"launch_id={launch_id!r} must be a non-empty string of at most 200 characters")
         cfg = self._absolute(cfg)
@@ -180,6 +173,7 @@ class LocalProcessBackend(TrainingBackend):
                     f"{len(quarantined)} quarantined {sorted(quarantined)}, {len(busy)} busy {sorted(busy)}, "
                     f"{len(free)} free. Wait for running jobs to end, or return repaired slots to service")
             record = self._new_record(cfg, launch_id, job_name, free[: cfg.nodes])
+            record["airflow_run_id"] = airflow_run_id
             self._store.write_job(record)
 
         try:
@@ -296,7 +290,7 @@ class LocalProcessBackend(TrainingBackend):
         record = self._record(handle)
         # Liveness first, then the events: a node seen gone has written any final event it ever will.
         alive = {n["index"]: _alive(n["pid"], n["start_ticks"]) for n in record["nodes"]}
-        finals = _final_events(Path(record["run_dir"]), record["launch_id"])
+        finals = final_events(Path(record["run_dir"]), record["launch_id"])
         nodes = [self._node_status(record, n, alive[n["index"]], finals.get(n["index"])) for n in record["nodes"]]
         exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
         failed = [n for n in nodes if n.state in ("failed", LOST)]
@@ -398,7 +392,7 @@ class LocalProcessBackend(TrainingBackend):
         if not (_job_active(record) or _tagged_processes(record["job_name"])):
             return
         status = self.status(handle)
-        verdict = None if status.done or record["cancel"] else _verdict_at_cancel(record, status)
+        verdict = None if status.done or record["cancel"] else verdict_at_cancel(record["run_dir"], record["created_at"], record["stall_timeout_s"], status.state)
         # Only nodes still going are stopped by us: one that reported, or died by itself, keeps
         # its own story (a lost node stays lost).
         going = {n.index for n in status.nodes if n.state in ("pending", "running")}
@@ -434,7 +428,7 @@ class LocalProcessBackend(TrainingBackend):
         if lost:
             return Diagnosis(failure, [n.node_id for n in lost], True,
                              evidence + [f"node {n.index} ({n.node_id}): {n.message}" for n in lost])
-        bad, why = _blame(record, status, list(slots.values()))
+        bad, why = blame_from_events(record["run_dir"], record["launch_id"], status, list(slots.values()))
         return Diagnosis(failure, bad, bool(bad), evidence + why)
 
     # -- nodes --------------------------------------------------------------------------------
@@ -467,6 +461,22 @@ class LocalProcessBackend(TrainingBackend):
             if changed:
                 self._store.write_slots(slots)
         return changed
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def run_evaluation(self, cfg: RunConfig, timeout_s: float = 3600.0) -> dict[str, Any]:
+        """``python -m training.evaluate`` in the training venv (this process never imports torch)."""
+        cfg = self._absolute(cfg)
+        self._check_training_python()
+        try:
+            out = subprocess.run([self.training_python, "-m", "training.evaluate", "--config", str(cfg.layout.config)],
+                                 cwd=self.repo_root, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"evaluation of run {cfg.run_id} did not finish within {timeout_s:.0f}s") from None
+        print(out.stdout + out.stderr, end="")
+        if out.returncode != 0:
+            raise BackendError(f"evaluation of run {cfg.run_id} failed (exit {out.returncode}): "
+                               f"{out.stderr.strip()[-2000:]}")
+        return json.loads((Path(cfg.run_dir) / "eval.json").read_text())
 
     def capacity(self) -> Capacity:
         quarantined = set(self._store.quarantined())
@@ -687,23 +697,6 @@ def _job_active(record: dict[str, Any]) -> bool:
     return False
 
 
-def _verdict_at_cancel(record: dict[str, Any], status: JobStatus) -> dict[str, Any]:
-    """Why a running job is being stopped, as far as the backend can tell: a stall (no new committed
-    checkpoint for ``stall_timeout_s`` since the launch or the last commit, the watch's rule), or
-    simply a cancel."""
-    now = time.time()
-    latest = CheckpointCatalog(record["run_dir"]).latest()
-    last_progress = max(record["created_at"], (latest.committed_at or 0.0) if latest else 0.0)
-    idle = now - last_progress
-    if idle > record["stall_timeout_s"]:
-        newest = latest.checkpoint_id if latest else "none"
-        return {"at": now, "failure_class": FailureClass.NO_PROGRESS.value,
-                "message": f"cancelled after no new committed checkpoint for {idle:.0f}s "
-                           f"(stall_timeout_s={record['stall_timeout_s']:.0f}; newest: {newest})"}
-    return {"at": now, "failure_class": FailureClass.UNKNOWN.value,
-            "message": f"cancelled at {_when(now)} while {status.state}"}
-
-
 def _tail(path: Path, lines: int) -> str:
     try:
         with open(path, "rb") as f:
@@ -719,78 +712,6 @@ def _tail(path: Path, lines: int) -> str:
     except FileNotFoundError:
         return ""
     return "\n".join(data.decode(errors="replace").splitlines()[-lines:]) if lines > 0 else ""
-
-
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
-# --------------------------------------------------------------------------------------------
-# Events
-# --------------------------------------------------------------------------------------------
-
-
-def _final_events(run_dir: Path, launch_id: str) -> dict[int, dict[str, Any]]:
-    """node rank -> its launcher's ``final`` event for this launch. Parses only the lines that
-    can be one, so polling stays cheap on a long run's events log."""
-    out: dict[int, dict[str, Any]] = {}
-    needle = json.dumps(launch_id)  # as it appears in the line, quotes and escapes included
-    try:
-        with open(run_dir / "events.jsonl", errors="replace") as f:
-            for line in f:
-                if '"final"' not in line or needle not in line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a torn line
-                if (isinstance(rec, dict) and rec.get("event") == Event.FINAL.value
-                        and rec.get("launch_id") == launch_id and isinstance(rec.get("node_rank"), int)):
-                    out[rec["node_rank"]] = rec
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def _blame(record: dict[str, Any], status: JobStatus, slots: list[str]) -> tuple[list[str], list[str]]:
-    """The slot(s) to blame for restarts running out (or no progress), and why.
-
-    Worker events carry no launch id, so this launch's events are those from its first
-    ``launch_begin`` up to the next launch's. In order of trust: drills that fired (ground
-    truth); faults a rank detected that are not a peer's symptom (a collective that timed out
-    blames whoever it waited for, not the node that logged it); else the nodes whose launcher
-    reported the failure; else every node of the job (the share rule keeps that in check).
-    """
-    events = read_events(Path(record["run_dir"]) / "events.jsonl")
-    launch_id = record["launch_id"]
-    begins = [r["ts"] for r in events if r.get("event") == Event.LAUNCH_BEGIN.value and r.get("launch_id") == launch_id]
-    if begins:
-        start = min(begins)
-        later = [r["ts"] for r in events if r.get("event") == Event.LAUNCH_BEGIN.value
-                 and r.get("launch_id") != launch_id and r["ts"] > start]
-        end = min(later, default=float("inf"))
-        window = [r for r in events if start <= r.get("ts", 0) < end and r.get("node_id") in slots]
-    else:
-        window = []
-
-    def summary(rs: list[dict[str, Any]]) -> list[str]:
-        return [f"{r['node_id']}: {r['event']} {r.get('kind')} at step {r.get('step')} "
-                f"(rank {r.get('rank')}, attempt {r.get('attempt')})" for r in rs[:20]]
-
-    injected = [r for r in window if r.get("event") == Event.FAULT_INJECTED.value]
-    if injected:
-        bad = sorted({r["node_id"] for r in injected})
-        return bad, [f"faults injected in this launch on {bad}:"] + summary(injected)
-    detected = [r for r in window if r.get("event") == Event.FAULT_DETECTED.value
-                and not any(m in f"{r.get('kind', '')} {r.get('error', '')}".lower() for m in _PEER_SYMPTOMS)]
-    if detected:
-        bad = sorted({r["node_id"] for r in detected})
-        return bad, [f"faults detected in this launch on {bad} (not a peer's symptom):"] + summary(detected)
-    reporting = sorted({n.node_id for n in status.nodes if n.failure_class == status.failure_class and n.node_id})
-    if reporting:
-        return reporting, [f"no fault events name a node; the launcher(s) on {reporting} reported "
-                           f"{status.failure_class}"]
-    return sorted(slots), [f"no events name a node; every node of the job is suspect: {sorted(slots)}"]
 
 
 # --------------------------------------------------------------------------------------------
