@@ -11,15 +11,13 @@ log. The heavy lifting lives in plugins/fsdp_resilience (no torch is imported he
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-from pathlib import Path
 
 from airflow.sdk import Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from fsdp_resilience import ladder, settings
+from fsdp_resilience import ladder
+from fsdp_resilience.backends import BackendError
 from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
 from fsdp_resilience.sensors import CheckpointProgressSensor
 from training.contract import MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
@@ -143,11 +141,11 @@ def fsdp_training():
 
     @task
     def evaluate(run: dict, outcome: dict) -> dict:
-        cfg = run["config"]
-        # The evaluation runs in the training environment (torch); this process never imports it.
-        subprocess.run([settings.training_python(), "-m", "training.evaluate", "--config",
-                        f"{cfg['run_dir']}/run.json"], check=True, cwd=settings.REPO)
-        return json.loads(Path(cfg["run_dir"], "eval.json").read_text())
+        # In the training environment (torch), where the run trained: this process never imports it.
+        try:
+            return ladder.evaluate(run)
+        except BackendError as e:
+            raise AirflowFailException(str(e)) from None
 
     @task
     def build_report(run: dict, evaluation: dict) -> dict:

@@ -61,8 +61,10 @@ def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
     max_replacements = int(params.get("max_node_replacements", 1))
     if not 0 <= max_replacements <= MAX_RUNGS:
         raise EscalationError(f"max_node_replacements={max_replacements} must be between 0 and {MAX_RUNGS}")
-    return {"config": cfg.to_dict(), "backend": settings.backend_config(params.get("backend", "local")),
-            "max_node_replacements": max_replacements}
+    backend = settings.backend_config(params.get("backend", "local"), **{
+        k: params[k] for k in ("image", "namespace") if params.get(k) and params.get("backend") == "eks"})
+    return {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": max_replacements,
+            "airflow_run_id": dag_run_id}
 
 
 def launch(run: dict[str, Any], launch_no: int) -> dict[str, Any]:
@@ -70,7 +72,7 @@ def launch(run: dict[str, Any], launch_no: int) -> dict[str, Any]:
     and return what the sensor needs to watch it."""
     cfg = RunConfig.from_dict(run["config"])
     backend = get_backend(**run["backend"])
-    handle = backend.submit(cfg, launch_id=str(launch_no))
+    handle = backend.submit(cfg, launch_id=str(launch_no), airflow_run_id=run.get("airflow_run_id"))
     return {"backend": run["backend"], "handle": handle.to_dict(), "run_dir": cfg.run_dir,
             "final_step": cfg.steps, "stall_timeout_s": cfg.stall_timeout_s,
             "launched_at": float(handle.extra.get("submitted_at", time.time()))}
@@ -129,4 +131,11 @@ def diagnose_and_replace(run: dict[str, Any], outcome: dict[str, Any], rung: int
 
 def has_capacity(run: dict[str, Any]) -> bool:
     capacity = get_backend(**run["backend"]).capacity()
-    return capacity.healthy >= run["config"]["nodes"]
+    print(f"capacity: {capacity.healthy} of {capacity.total} node(s) healthy, out of service: {capacity.quarantined}"
+          + ("; the platform provisions nodes on demand" if capacity.provisions_on_demand else ""))
+    return capacity.fits(run["config"]["nodes"])
+
+
+def evaluate(run: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate the newest committed checkpoint where the run trained (a local process, a pod)."""
+    return get_backend(**run["backend"]).run_evaluation(RunConfig.from_dict(run["config"]))

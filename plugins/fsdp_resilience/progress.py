@@ -14,7 +14,7 @@ from typing import Any
 
 from training.contract import CheckpointCatalog, FailureClass
 
-from fsdp_resilience.backends import JobHandle, TrainingBackend
+from fsdp_resilience.backends import JobHandle, JobStatus, TrainingBackend
 
 SUCCESS, FAILED, NO_PROGRESS = "success", "failed", "no_progress"
 
@@ -40,13 +40,22 @@ class Progress:
 
 def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str, final_step: int,
                    stall_timeout_s: float, launched_at: float, now: float | None = None) -> Progress:
-    now = time.time() if now is None else now
+    """One look at a launch: its newest committed checkpoint, then its job's state."""
     latest = CheckpointCatalog(run_dir).latest()
+    return judge_progress(backend.status(handle), latest, handle, final_step=final_step,
+                          stall_timeout_s=stall_timeout_s, launched_at=launched_at, now=now)
+
+
+def judge_progress(status: JobStatus, latest: Any, handle: JobHandle, *, final_step: int, stall_timeout_s: float,
+                   launched_at: float, now: float | None = None) -> Progress:
+    """The verdict from a job's state and its run's newest committed checkpoint (``latest``: what
+    ``CheckpointCatalog.latest()`` returns, or None). Read the checkpoint first: a job seen done
+    after it has committed everything it ever will."""
+    now = time.time() if now is None else now
     step = latest.step if latest else 0
     checkpoint_id = latest.checkpoint_id if latest else None
     # A commit from an earlier launch is not progress of this one: count from the launch.
     last_progress_at = max(launched_at, (latest.committed_at or 0.0) if latest else 0.0)
-    status = backend.status(handle)
 
     def result(outcome: str | None, failure_class: str | None, message: str) -> Progress:
         return Progress(outcome, failure_class, message, step, checkpoint_id, handle.launch_id,

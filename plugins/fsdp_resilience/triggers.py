@@ -8,7 +8,9 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from fsdp_resilience.backends import JobHandle, get_backend
-from fsdp_resilience.progress import check_progress
+from training.contract import CheckpointCatalog
+
+from fsdp_resilience.progress import judge_progress
 
 
 class TrainingProgressTrigger(BaseTrigger):
@@ -41,10 +43,12 @@ class TrainingProgressTrigger(BaseTrigger):
         backend = get_backend(**self.backend)
         handle = JobHandle.from_dict(self.handle)
         while True:
-            # File and process checks block: keep them off the triggerer's event loop.
-            progress = await asyncio.to_thread(
-                check_progress, backend, handle, run_dir=self.run_dir, final_step=self.final_step,
-                stall_timeout_s=self.stall_timeout_s, launched_at=self.launched_at)
+            # The checkpoint first (a file read: off the event loop), then the job's state
+            # (the backend's async client where it has one: the EKS backend's AsyncKubernetesHook).
+            latest = await asyncio.to_thread(CheckpointCatalog(self.run_dir).latest)
+            status = await backend.status_async(handle)
+            progress = judge_progress(status, latest, handle, final_step=self.final_step,
+                                      stall_timeout_s=self.stall_timeout_s, launched_at=self.launched_at)
             if progress.outcome is not None:
                 yield TriggerEvent(progress.to_dict())
                 return

@@ -207,6 +207,13 @@ class Capacity(_Serializable):
     healthy: int
     quarantined: list[str] = field(default_factory=list)
     healthy_node_ids: list[str] = field(default_factory=list)
+    #: The platform adds nodes when a job's pods wait for them (Karpenter): a launch need not wait
+    #: for ``healthy`` to reach its node count first.
+    provisions_on_demand: bool = False
+
+    def fits(self, nodes: int) -> bool:
+        """Whether a job of ``nodes`` nodes can be launched now."""
+        return self.provisions_on_demand or self.healthy >= nodes
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,8 +276,9 @@ class TrainingBackend(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def submit(self, cfg: RunConfig, launch_id: str) -> JobHandle:
-        """Start ``cfg.nodes`` nodes of the run as one job, tagged with ``launch_id``.
+    def submit(self, cfg: RunConfig, launch_id: str, *, airflow_run_id: str | None = None) -> JobHandle:
+        """Start ``cfg.nodes`` nodes of the run as one job, tagged with ``launch_id`` (and the
+        Airflow DAG run that asked, where the platform can show it).
 
         Idempotent: submitting the same (run_id, launch_id) again returns the existing job and
         starts nothing (an Airflow task retried after a crash must not start a second copy).
@@ -280,6 +288,13 @@ class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def status(self, handle: JobHandle) -> JobStatus:
         """The job's state now. Cheap enough to poll every few seconds."""
+
+    async def status_async(self, handle: JobHandle) -> JobStatus:
+        """``status`` for the triggerer's event loop. Backends with an async client override it;
+        the default runs ``status`` in a thread."""
+        import asyncio
+
+        return await asyncio.to_thread(self.status, handle)
 
     @abc.abstractmethod
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
@@ -301,6 +316,12 @@ class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def capacity(self) -> Capacity:
         """The node pool now. Cheap: the DAG polls it while waiting for capacity."""
+
+    @abc.abstractmethod
+    def run_evaluation(self, cfg: RunConfig, timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Evaluate the run's newest committed checkpoint where its training ran (the training
+        environment: a local process, a pod) and return the result (``<run_dir>/eval.json``).
+        Blocks until done; raises BackendError with the evaluation's output when it fails."""
 
     @abc.abstractmethod
     def to_config(self) -> dict[str, Any]:
