@@ -1,0 +1,594 @@
+"""The Kubernetes objects of the EKS backend, as plain JSON-safe dicts.
+
+One launch of a run is ONE Indexed Job (a pod per node; completion index = node rank) plus ONE
+headless Service named like the Job, which gives pod 0 the stable DNS name that every node
+rendezvouses at. Evaluation is a one-pod Job. The dicts are what
+``BatchV1Api.create_namespaced_job(namespace, body=...)`` and
+``CoreV1Api.create_namespaced_service(namespace, body=...)`` accept.
+
+Pure functions: no Kubernetes client, no clock, no randomness. The same inputs give the same
+objects, so a retried Airflow task submits byte-for-byte what the first try did.
+
+Torch-free and client-free: the control plane imports this module.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_resilience.backends.base import job_name_for
+from training.contract import ExitCode, RunConfig
+
+#: The oldest Kubernetes these objects are valid for. The Jobs rely on podFailurePolicy (beta and
+#: on by default since 1.26, GA in 1.31) and the DisruptionTarget pod condition (since 1.26), but
+#: up to 1.28 the API schema requires ``onPodConditions`` on every rule, exit-code rules included;
+#: 1.29 is the first whose schema accepts our exit-code rules as written. 1.29 is also where a Job
+#: with a podFailurePolicy replaces a failed pod only once it has fully terminated (the beta
+#: podReplacementPolicy), so two pods never hold the same index and hostname at once.
+OLDEST_SUPPORTED_K8S = "1.29"
+
+#: The one container of every pod; the Job's podFailurePolicy rules refer to it by name.
+CONTAINER = "trainer"
+LABEL_RUN = "fsdp-resilience/run-id"  # value: the run id (a DNS-1123 label, so a valid label value)
+LABEL_LAUNCH = "fsdp-resilience/launch-id"  # value: label_value(launch id); exact id in an annotation
+LABEL_JOB = "fsdp-resilience/job-name"  # on pods: the Job's name; the Service selects by it
+LABEL_AIRFLOW_RUN = "fsdp-resilience/airflow-run-id"  # value: label_value(dag run id); exact in an annotation
+LABEL_COMPONENT = "app.kubernetes.io/component"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "fsdp-resilience", "app.kubernetes.io/name": "fsdp-training"}
+
+COMPONENT_TRAINING = "training"
+COMPONENT_EVALUATION = "evaluation"
+#: Annotations carry the exact ids, which label values may not hold (``:``, ``+``, > 63 chars).
+ANNOTATION_LAUNCH = LABEL_LAUNCH
+ANNOTATION_AIRFLOW_RUN = LABEL_AIRFLOW_RUN
+#: The evaluation Job's name is ``job_name_for(run_id, EVAL_LAUNCH_ID)``.
+EVAL_LAUNCH_ID = "eval"
+
+#: The name of the container port (and Service port) the rendezvous store listens on.
+RDZV_PORT_NAME = "rdzv"
+SHM_VOLUME = "dshm"
+FSX_VOLUME = "fsx"
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+
+TRAINING_COMMAND = ["python", "-m", "training.launch"]
+#: The env the data plane reads (training/launch.py, training/contract.py). settings.env may not
+#: override these: they are what makes a pod a node of this launch.
+CONFIG_ENV = "TRAINING_RUN_CONFIG"
+LAUNCH_ID_ENV = "TRAINING_LAUNCH_ID"
+NODE_ID_ENV = "TRAINING_NODE_ID"
+RDZV_HOST_ENV = "TRAINING_RDZV_HOST"
+RESERVED_ENV = frozenset({CONFIG_ENV, LAUNCH_ID_ENV, NODE_ID_ENV, RDZV_HOST_ENV})
+
+#: libfabric over EFA, as the AWS EFA-on-EKS guides set it up (only when the pods get EFA devices).
+EFA_ENV = {
+    # Use the EFA provider, never a silent fallback to TCP sockets (which still "works", slowly).
+    "FI_PROVIDER": "efa",
+    # GPUDirect RDMA (p4d/p5): the NIC reads and writes GPU memory without a host copy.
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    # The launcher, workers and data loaders fork; without this a child can corrupt the parent's
+    # RDMA-registered memory.
+    "FI_EFA_FORK_SAFE": "1",
+}
+#: NCCL behaviour the restart layers rely on (only when the pods get GPUs).
+NCCL_ENV = {
+    # NCCL's bootstrap traffic goes over the pod's network interface, never loopback or a bridge.
+    "NCCL_SOCKET_IFNAME": "^lo,docker",
+    # NCCL errors (a dead EFA link, a peer gone) reach the pod log that diagnose() reads,
+    # without INFO's volume.
+    "NCCL_DEBUG": "WARN",
+    # A NCCL error or timeout aborts the communicator and fails the rank instead of hanging it,
+    # so NVRx's restart layers see the fault (ft_launcher also defaults it to 1).
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+}
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+_LABEL_EDGE = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
+#: A Kubernetes resource quantity ("64Gi", "500m", "1.5", "1e3").
+_QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+LABEL_VALUE_MAX = 63
+_HASH_LEN = 8
+
+_TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+_TOLERATION_OPERATORS = ("Exists", "Equal")
+_TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a valid label value: unchanged if it already is one, else cleaned and cut to fit,
+    with a short hash of the exact text appended (so two ids that clean up alike stay distinct).
+
+    ``manual__2026-11-30T07:35:43.123456+00:00`` -> ``manual__2026-11-30T07-35-43.123456-00-00-<hash>``.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"label_value needs a string, got {type(text).__name__}")
+    if text and len(text) <= LABEL_VALUE_MAX and _LABEL_VALUE.match(text):
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:_HASH_LEN]
+    readable = _LABEL_UNSAFE.sub("-", text)[: LABEL_VALUE_MAX - _HASH_LEN - 1]
+    readable = _LABEL_EDGE.sub("", readable)
+    return f"{readable}-{digest}" if readable else digest
+
+
+def rendezvous_host(job_name: str, namespace: str) -> str:
+    """The DNS name of the pod with completion index 0: an Indexed Job's pod is named
+    ``<job>-<index>`` and, with ``subdomain=<job>``, resolvable through the headless Service."""
+    return f"{job_name}-0.{job_name}.{namespace}.svc"
+
+
+def _is_quantity(value: Any) -> bool:
+    return isinstance(value, str) and bool(_QUANTITY.match(value))
+
+
+def _is_label_key(key: Any) -> bool:
+    if not isinstance(key, str) or not key:
+        return False
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
+        return False
+    return len(name) <= 63 and bool(_LABEL_NAME.match(name))
+
+
+def _is_nonneg_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+@dataclass(frozen=True)
+class PodTemplateSettings:
+    """Everything about the pods that is not the run config: image, placement, devices, limits.
+
+    Not validated when constructed (a backend that only watches jobs may hold settings without an
+    image); every builder calls ``validate`` first. JSON-safe through ``to_dict``/``from_dict``.
+    """
+
+    image: str
+    namespace: str = "fsdp-training"
+    service_account: str = "fsdp-training"
+    #: The PVC bound to the FSx for Lustre static PV (ReadWriteMany): run dirs and datasets.
+    fsx_claim: str = "fsx-training"
+    #: Where the FSx volume is mounted; RunConfig.run_dir and dataset_dir must lie under it.
+    fsx_mount_path: str = "/fsx"
+    node_selector: dict[str, str] = field(default_factory=lambda: {"fsdp-resilience/pool": "gpu"})
+    tolerations: list[dict[str, Any]] = field(default_factory=lambda: [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    #: GPUs per pod. None: cfg.procs_per_node (one rank per GPU); 0: no GPU request (CPU clusters).
+    gpus_per_node: int | None = None
+    #: EFA interfaces per pod (p5.48xlarge has 32); 0: no EFA devices and no EFA env.
+    efa_per_node: int = 32
+    #: e.g. "5120Mi" where the AMI's EFA driver needs 2 MiB huge pages; needs ``memory`` set.
+    hugepages_2mi: str | None = None
+    #: Size of the memory-backed /dev/shm (NCCL and data loader workers share memory through it;
+    #: a container's default 64 MiB is far too small).
+    shm_size: str = "64Gi"
+    #: CPU request (no limit: a CPU limit throttles data loading) and memory request = limit.
+    cpu: str | None = None
+    memory: str | None = None
+    backoff_limit: int = 2
+    active_deadline_s: int = 7 * 86400
+    #: Finished Jobs (and their pods and logs) are kept this long, long enough to diagnose.
+    ttl_after_finished_s: int = 3 * 86400
+    #: Time between SIGTERM and SIGKILL: the launcher flushes an async checkpoint in it.
+    termination_grace_s: int = 120
+    priority_class: str | None = None
+    image_pull_policy: str = "IfNotPresent"
+    #: Extra env for the trainer (e.g. NCCL tuning); overrides the defaults above, not the
+    #: TRAINING_* variables of the run contract.
+    env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the wrong field and what to set instead."""
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"PodTemplateSettings.{name}={getattr(self, name)!r} {why}")
+
+        if not isinstance(self.image, str) or not self.image.strip() or any(c.isspace() for c in self.image):
+            raise bad("image", "must be a container image reference such as "
+                               "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0'")
+        if not isinstance(self.namespace, str) or len(self.namespace) > 63 or not _DNS1123_LABEL.match(self.namespace):
+            raise bad("namespace", "must be a Kubernetes namespace name (lowercase letters, digits and '-', "
+                                   "at most 63 characters)")
+        for name in ("service_account", "fsx_claim"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
+                raise bad(name, "must be a Kubernetes object name (lowercase letters, digits, '-' and '.')")
+        mount = self.fsx_mount_path
+        if (not isinstance(mount, str) or not mount.startswith("/") or posixpath.normpath(mount) != mount
+                or mount == "/"):
+            raise bad("fsx_mount_path", "must be a normalised absolute path below '/', such as '/fsx'")
+        if mount == "/dev/shm" or mount.startswith("/dev/shm/") or "/dev/shm".startswith(mount + "/"):
+            raise bad("fsx_mount_path", "overlaps /dev/shm, where the shared-memory volume is mounted; "
+                                        "use a path such as '/fsx'")
+        if not isinstance(self.node_selector, dict) or not all(
+                _is_label_key(k) and isinstance(v, str) and len(v) <= 63 and _LABEL_VALUE.match(v)
+                for k, v in self.node_selector.items()):
+            raise bad("node_selector", "must map label keys to label values, e.g. {'fsdp-resilience/pool': 'gpu'}")
+        self._validate_tolerations()
+        if self.gpus_per_node is not None and not (_is_nonneg_int(self.gpus_per_node) and self.gpus_per_node <= 64):
+            raise bad("gpus_per_node", "must be between 0 and 64, or None for one GPU per process (procs_per_node)")
+        if not _is_nonneg_int(self.efa_per_node) or self.efa_per_node > 64:
+            raise bad("efa_per_node", "must be between 0 (no EFA) and 64 (p5.48xlarge has 32)")
+        for name in ("hugepages_2mi", "cpu", "memory"):
+            value = getattr(self, name)
+            if value is not None and not _is_quantity(value):
+                raise bad(name, "must be a Kubernetes quantity such as '5120Mi', '96' or '500m', or None")
+        if not _is_quantity(self.shm_size):
+            raise bad("shm_size", "must be a Kubernetes quantity such as '64Gi'")
+        if self.hugepages_2mi is not None and self.memory is None:
+            raise bad("hugepages_2mi", "needs memory set too: Kubernetes rejects a pod that requests huge pages "
+                                       "without a memory (or CPU) request; set memory, e.g. '1000Gi'")
+        if not _is_nonneg_int(self.backoff_limit) or self.backoff_limit > 100:
+            raise bad("backoff_limit", "must be between 0 and 100 (pod failures a Job absorbs before it fails)")
+        for name in ("active_deadline_s", "ttl_after_finished_s", "termination_grace_s"):
+            if not _is_nonneg_int(getattr(self, name)):
+                raise bad(name, "must be a whole number of seconds, 0 or more")
+        if self.active_deadline_s == 0:
+            raise bad("active_deadline_s", "must be more than 0 seconds (the most a Job may run)")
+        if self.priority_class is not None and (not isinstance(self.priority_class, str)
+                                                or not _DNS1123_SUBDOMAIN.match(self.priority_class)):
+            raise bad("priority_class", "must be the name of a PriorityClass, or None")
+        if self.image_pull_policy not in _PULL_POLICIES:
+            raise bad("image_pull_policy", f"must be one of {', '.join(_PULL_POLICIES)}")
+        if not isinstance(self.env, dict):
+            raise bad("env", "must map variable names to string values")
+        for name, value in self.env.items():
+            if not isinstance(name, str) or not _ENV_NAME.match(name):
+                raise bad("env", f"has an invalid variable name {name!r}; use letters, digits and '_'")
+            if not isinstance(value, str):
+                raise bad("env", f"sets {name} to {value!r}; values must be strings (quote numbers)")
+            if name in RESERVED_ENV:
+                raise bad("env", f"sets {name}, which the backend sets from the run config and launch; remove it")
+
+    def _validate_tolerations(self) -> None:
+        where = f"PodTemplateSettings.tolerations={self.tolerations!r}"
+        if not isinstance(self.tolerations, list):
+            raise ValueError(f"{where} must be a list of tolerations (dicts)")
+        for t in self.tolerations:
+            if not isinstance(t, dict) or not t:
+                raise ValueError(f"{where}: {t!r} is not a toleration; use e.g. "
+                                 "{'key': 'nvidia.com/gpu', 'operator': 'Exists', 'effect': 'NoSchedule'}")
+            unknown = sorted(set(t) - _TOLERATION_FIELDS)
+            if unknown:
+                raise ValueError(f"{where}: unknown toleration field(s) {unknown}; "
+                                 f"use {sorted(_TOLERATION_FIELDS)}")
+            if t.get("operator", "Equal") not in _TOLERATION_OPERATORS:
+                raise ValueError(f"{where}: operator must be one of {_TOLERATION_OPERATORS}")
+            if t.get("operator") == "Exists" and t.get("value"):
+                raise ValueError(f"{where}: a toleration with operator Exists takes no value; remove it "
+                                 "or use operator Equal")
+            if t.get("key") in (None, "") and t.get("operator") != "Exists":
+                raise ValueError(f"{where}: a toleration without a key must use operator Exists")
+            if t.get("effect") not in (None, *_TAINT_EFFECTS):
+                raise ValueError(f"{where}: effect must be one of {_TAINT_EFFECTS}")
+            if t.get("key") is not None and not _is_label_key(t["key"]):
+                raise ValueError(f"{where}: key {t['key']!r} is not a valid taint key")
+            if "tolerationSeconds" in t and not _is_nonneg_int(t["tolerationSeconds"]):
+                raise ValueError(f"{where}: tolerationSeconds must be a whole number of seconds")
+
+    def gpus(self, cfg: RunConfig) -> int:
+        """GPUs each training pod requests."""
+        return cfg.procs_per_node if self.gpus_per_node is None else self.gpus_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PodTemplateSettings":
+        if not isinstance(data, dict):
+            raise TypeError(f"PodTemplateSettings.from_dict needs a dict, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown pod template setting(s) {unknown}; known settings: {sorted(known)}")
+        settings = cls(**copy.deepcopy(data))
+        settings.validate()
+        return settings
+
+
+# --------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------
+
+
+def _check_under_mount(cfg: RunConfig, settings: PodTemplateSettings) -> None:
+    mount = settings.fsx_mount_path
+    for name in ("run_dir", "dataset_dir"):
+        path = getattr(cfg, name)
+        normal = posixpath.normpath(path)
+        if not path.startswith("/") or not normal.startswith(mount.rstrip("/") + "/"):
+            raise ValueError(
+                f"RunConfig.{name}={path!r} is not under the FSx mount {mount!r}: the run would write "
+                f"outside the shared file system, where other nodes (and later launches) cannot see it; "
+                f"set {name} to a path under {mount}/ (e.g. {mount}/runs/{cfg.run_id}), or set "
+                f"PodTemplateSettings.fsx_mount_path to where the FSx volume holds it")
+
+
+def _labels(cfg: RunConfig, component: str, launch_id: str | None, airflow_run_id: str | None) -> dict[str, str]:
+    labels = {**MANAGED_BY, LABEL_COMPONENT: component, LABEL_RUN: cfg.run_id}
+    if launch_id is not None:
+        labels[LABEL_LAUNCH] = label_value(launch_id)
+    if airflow_run_id is not None:
+        labels[LABEL_AIRFLOW_RUN] = label_value(airflow_run_id)
+    return labels
+
+
+def _annotations(launch_id: str | None, airflow_run_id: str | None) -> dict[str, str]:
+    annotations = {}
+    if launch_id is not None:
+        annotations[ANNOTATION_LAUNCH] = launch_id
+    if airflow_run_id is not None:
+        annotations[ANNOTATION_AIRFLOW_RUN] = airflow_run_id
+    return annotations
+
+
+def _metadata(name: str, namespace: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
+    if annotations:
+        meta["annotations"] = annotations
+    return meta
+
+
+def _check_ids(launch_id: Any, airflow_run_id: Any) -> None:
+    if not isinstance(launch_id, str) or not launch_id.strip() or len(launch_id) > 200:
+        raise ValueError(f"launch_id={launch_id!r} must be a non-empty string of at most 200 characters")
+    if airflow_run_id is not None and (not isinstance(airflow_run_id, str) or not airflow_run_id):
+        raise ValueError(f"airflow_run_id={airflow_run_id!r} must be the DAG run's id, or None")
+
+
+def _env(pairs: dict[str, str], node_id_from_downward_api: bool) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = []
+    if node_id_from_downward_api:
+        # The Kubernetes node name: diagnosis maps faults to nodes by it, replace_nodes cordons it.
+        env.append({"name": NODE_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    env += [{"name": k, "value": v} for k, v in pairs.items()]
+    return env
+
+
+def _resources(gpus: int, efa: int, settings: PodTemplateSettings, hugepages: bool) -> dict[str, Any]:
+    # Extended resources (GPU, EFA, huge pages) need requests equal to limits.
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if gpus > 0:
+        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
+    if efa > 0:
+        requests[EFA_RESOURCE] = limits[EFA_RESOURCE] = str(efa)
+    if hugepages and settings.hugepages_2mi is not None:
+        requests[HUGEPAGES_RESOURCE] = limits[HUGEPAGES_RESOURCE] = settings.hugepages_2mi
+    if settings.cpu is not None:
+        requests["cpu"] = settings.cpu  # no CPU limit: throttling stalls data loading and NCCL progress
+    if settings.memory is not None:
+        requests["memory"] = limits["memory"] = settings.memory
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _pod_spec(settings: PodTemplateSettings, container: dict[str, Any], job_name: str,
+              *, subdomain: str | None, anti_affinity: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        # Never: the Job controller, not the kubelet, replaces a failed pod, and podFailurePolicy
+        # (which requires Never) sees every exit code.
+        "restartPolicy": "Never",
+        "serviceAccountName": settings.service_account,
+        # The trainer never talks to the Kubernetes API: no token in the pod.
+        "automountServiceAccountToken": False,
+        # Service links would put every Service of the namespace into the env; nothing reads them.
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": settings.termination_grace_s,
+        "nodeSelector": dict(settings.node_selector),
+        "tolerations": copy.deepcopy(settings.tolerations),
+        "containers": [container],
+        "volumes": [
+            {"name": FSX_VOLUME, "persistentVolumeClaim": {"claimName": settings.fsx_claim}},
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}},
+        ],
+    }
+    if subdomain is not None:
+        spec["subdomain"] = subdomain
+    if anti_affinity:
+        # One pod per machine: a node's ranks use all of its GPUs and EFA devices.
+        spec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+            "labelSelector": {"matchLabels": {LABEL_JOB: job_name}},
+            "topologyKey": "kubernetes.io/hostname",
+        }]}}
+    if settings.priority_class is not None:
+        spec["priorityClassName"] = settings.priority_class
+    return spec
+
+
+def _container(settings: PodTemplateSettings, command: list[str], env: list[dict[str, Any]],
+               resources: dict[str, Any], ports: list[dict[str, Any]] | None) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": list(command),
+        "env": env,
+        "volumeMounts": [
+            {"name": FSX_VOLUME, "mountPath": settings.fsx_mount_path},
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+        ],
+    }
+    if resources:
+        container["resources"] = resources
+    if ports:
+        container["ports"] = ports
+    return container
+
+
+#: A pod that is preempted, evicted or deleted with its node gets the DisruptionTarget
+#: condition; it says nothing about the run, so it must not use up the Job's backoffLimit.
+_IGNORE_DISRUPTION = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+#: Exit codes after which another pod of the same Job cannot help: a bug or a bad config fails
+#: the same way anywhere.
+USER_ERROR_EXIT_CODES = (ExitCode.CONFIG_ERROR, ExitCode.USER_ERROR)
+#: Exit codes after which the data plane already used its own restarts: relaunching (perhaps on
+#: replaced nodes) is the control plane's decision, not the Job controller's.
+GAVE_UP_EXIT_CODES = (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NO_PROGRESS)
+
+
+def _exit_code_rule(codes: tuple[ExitCode, ...]) -> dict[str, Any]:
+    return {"action": "FailJob", "onExitCodes": {
+        "containerName": CONTAINER, "operator": "In", "values": sorted(int(c) for c in codes)}}
+
+
+def training_pod_failure_policy() -> dict[str, Any]:
+    """The training Job's podFailurePolicy. Rules apply in order, first match wins: a disrupted
+    pod is ignored whatever its exit code (it was killed from outside); a pod that exits with one
+    of the contract's final codes fails the whole Job at once; any other failure (exit 1: unknown,
+    an OOM kill) is retried by the Job controller within backoffLimit."""
+    return {"rules": [copy.deepcopy(_IGNORE_DISRUPTION), _exit_code_rule(USER_ERROR_EXIT_CODES),
+                      _exit_code_rule(GAVE_UP_EXIT_CODES)]}
+
+
+# --------------------------------------------------------------------------------------------
+# The objects
+# --------------------------------------------------------------------------------------------
+
+
+def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
+                 airflow_run_id: str | None = None) -> dict[str, Any]:
+    """The Indexed Job of one launch: ``cfg.nodes`` pods, one per machine, completion index =
+    node rank (training/launch.py reads JOB_COMPLETION_INDEX), all rendezvousing at pod 0."""
+    settings.validate()
+    _check_ids(launch_id, airflow_run_id)
+    _check_under_mount(cfg, settings)
+    name = job_name_for(cfg.run_id, launch_id)
+    labels = _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id)
+    annotations = _annotations(launch_id, airflow_run_id)
+    gpus, efa = settings.gpus(cfg), settings.efa_per_node
+
+    env = {
+        # The config itself, not a path: the pod needs no file shipped before it starts.
+        CONFIG_ENV: cfg.to_json(),
+        LAUNCH_ID_ENV: launch_id,
+        RDZV_HOST_ENV: rendezvous_host(name, settings.namespace),
+        "PYTHONUNBUFFERED": "1",  # logs reach `kubectl logs` (and diagnose) as they are written
+    }
+    if efa > 0:
+        env.update(EFA_ENV)
+    if gpus > 0:
+        env.update(NCCL_ENV)
+    env.update(settings.env)
+    container = _container(
+        settings, TRAINING_COMMAND, _env(env, node_id_from_downward_api=True),
+        _resources(gpus, efa, settings, hugepages=True),
+        [{"name": RDZV_PORT_NAME, "containerPort": cfg.rdzv_port, "protocol": "TCP"}])
+    pod_spec = _pod_spec(settings, container, name, subdomain=name, anti_affinity=True)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(name, settings.namespace, labels, annotations),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": cfg.nodes,
+            "parallelism": cfg.nodes,
+            "backoffLimit": settings.backoff_limit,
+            "activeDeadlineSeconds": settings.active_deadline_s,
+            "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
+            "podFailurePolicy": training_pod_failure_policy(),
+            "template": {
+                "metadata": {"labels": {**labels, LABEL_JOB: name}, "annotations": dict(annotations)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _owner_reference(owner: Any, job_name: str) -> dict[str, Any]:
+    # A dict (the API's JSON) or the client's V1Job model: both have metadata.name and .uid.
+    meta = owner.get("metadata") if isinstance(owner, dict) else getattr(owner, "metadata", None)
+    if isinstance(meta, dict):
+        name, uid = meta.get("name"), meta.get("uid")
+    else:
+        name, uid = getattr(meta, "name", None), getattr(meta, "uid", None)
+    if not name or not uid:
+        raise ValueError("owner must be the created Job as the API returned it (with metadata.name and "
+                         f"metadata.uid), got {owner!r}")
+    if name != job_name:
+        raise ValueError(f"owner is Job {name!r}, but this launch's Job is {job_name!r}: pass the Job that "
+                         "create_namespaced_job returned for the same run and launch")
+    return {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": False}
+
+
+def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
+                       owner: dict[str, Any] | None = None, airflow_run_id: str | None = None) -> dict[str, Any]:
+    """The headless Service named like the launch's Job: it gives pod ``<job>-0`` the DNS name
+    ``rendezvous_host(job, namespace)``. With ``owner`` (the created Job), deleting the Job
+    (or its TTL expiring) deletes the Service too."""
+    settings.validate()
+    _check_ids(launch_id, airflow_run_id)
+    name = job_name_for(cfg.run_id, launch_id)
+    metadata = _metadata(name, settings.namespace, _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id),
+                         _annotations(launch_id, airflow_run_id))
+    if owner is not None:
+        metadata["ownerReferences"] = [_owner_reference(owner, name)]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "clusterIP": "None",
+            # The rendezvous happens before any pod is Ready: publish the addresses at once.
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: name},
+            "ports": [{"name": RDZV_PORT_NAME, "port": cfg.rdzv_port, "targetPort": cfg.rdzv_port,
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *,
+                   airflow_run_id: str | None = None) -> dict[str, Any]:
+    """The one-pod Job that evaluates the run's newest committed checkpoint
+    (``python -m training.evaluate``, which writes ``<run_dir>/eval.json``)."""
+    settings.validate()
+    _check_ids(EVAL_LAUNCH_ID, airflow_run_id)
+    _check_under_mount(cfg, settings)
+    name = job_name_for(cfg.run_id, EVAL_LAUNCH_ID)
+    # No launch label: the evaluation belongs to the run, not to one launch of it.
+    labels = _labels(cfg, COMPONENT_EVALUATION, None, airflow_run_id)
+    annotations = _annotations(None, airflow_run_id)
+    gpus = 1 if settings.gpus(cfg) > 0 else 0
+    env = {"PYTHONUNBUFFERED": "1", **settings.env}
+    command = ["python", "-m", "training.evaluate", "--config", f"{cfg.run_dir}/run.json"]
+    # No EFA (one process, no collectives), and so none of the huge pages EFA needs.
+    container = _container(settings, command, _env(env, node_id_from_downward_api=True),
+                           _resources(gpus, 0, settings, hugepages=False), None)
+    template_meta: dict[str, Any] = {"labels": {**labels, LABEL_JOB: name}}
+    if annotations:
+        template_meta["annotations"] = dict(annotations)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(name, settings.namespace, labels, annotations),
+        "spec": {
+            "completions": 1,
+            "parallelism": 1,
+            # An evaluation that fails fails the same way again; only a disruption is retried.
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": settings.active_deadline_s,
+            "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
+            "podFailurePolicy": {"rules": [copy.deepcopy(_IGNORE_DISRUPTION)]},
+            "template": {
+                "metadata": template_meta,
+                "spec": _pod_spec(settings, container, name, subdomain=None, anti_affinity=False),
+            },
+        },
+    }
