@@ -1,0 +1,755 @@
+"""The EKS backend: one launch = one Indexed Job (a pod per node) + one headless Service.
+
+    backend = get_backend("eks", image="123.dkr.ecr.../fsdp-training:0.1.0", cluster_name="prod",
+                          namespace="fsdp-training", replacement="asg")
+    handle = backend.submit(cfg, launch_id="0")
+
+Kubernetes is reached through the cncf.kubernetes provider's hooks: ``KubernetesHook`` (an Airflow
+connection, ``kubernetes_default``: in-cluster or a kubeconfig) or, with ``cluster_name``, a
+kubeconfig that the amazon provider's ``EksHook`` builds from the cluster's endpoint and the AWS
+connection's credentials. The triggerer polls with ``AsyncKubernetesHook`` (``status_async``).
+AWS (Auto Scaling) is reached through ``AwsBaseHook``.
+
+The state is the cluster's: a Job's conditions and its pods' container statuses, read fresh on
+every call, so any process can pick up a job another process submitted. What the control plane
+needs beyond that (a cancel verdict, the nodes a cancelled job ran on) is kept in the Job's
+annotations.
+
+How each failure class plays out (see also the Job's ``podFailurePolicy`` in eks_manifests.py):
+  user_error          exit 78/2 -> the Job fails at once; never a node replacement
+  restarts_exhausted  exit 75 -> the Job fails at once; diagnose blames node(s), replace_nodes
+                      cordons + taints them, evicts leftovers, and has the ASG (or Karpenter)
+                      replace the instance; the DAG relaunches from the newest checkpoint
+  no_progress         exit 93, or a stall seen by the watch (cancel suspends the Job) -> as above
+  lost node           a pod disrupted (node gone, evicted, OOMKilled launcher) -> restarts_exhausted
+  unknown             other exit codes count against backoffLimit; then the Job fails, no replacement
+"""
+
+from __future__ import annotations
+
+import calendar
+import contextlib
+import json
+import re
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Iterator
+
+from training.contract import FailureClass, RunConfig, failure_class_for_exit
+
+from fsdp_resilience.backends.base import (
+    DEFAULT_MAX_UNHEALTHY_SHARE,
+    LOST,
+    REPLACEABLE_FAILURES,
+    BackendError,
+    Capacity,
+    Diagnosis,
+    InsufficientCapacityError,
+    JobConflictError,
+    JobHandle,
+    JobNotFoundError,
+    JobStatus,
+    NodeStatus,
+    Replacement,
+    TrainingBackend,
+    job_name_for,
+    most_telling_failure,
+    plan_replacement,
+)
+from fsdp_resilience.backends.eks_manifests import (
+    COMPONENT_TRAINING,
+    CONFIG_ENV,
+    CONTAINER,
+    LABEL_COMPONENT,
+    LABEL_JOB,
+    LABEL_RUN,
+    MANAGED_BY,
+    PodTemplateSettings,
+    evaluation_job,
+    rendezvous_service,
+    training_job,
+)
+from fsdp_resilience.backends.evidence import blame_from_events, verdict_at_cancel
+
+#: How a node whose restarts ran out is taken out of service, and by whom it is replaced.
+REPLACEMENT_MODES = ("asg", "karpenter", "cordon")
+#: Tainted on a node taken out of service (with ``spec.unschedulable``), so nothing of ours lands
+#: there again even if someone uncordons it by hand; its value says why (a label value).
+QUARANTINE_TAINT = "fsdp-resilience/quarantined"
+#: The full reason and time, on the node.
+QUARANTINE_ANNOTATION = "fsdp-resilience/quarantine-reason"
+#: On a Job the control plane stopped: the verdict (failure class, message) and its nodes.
+CANCEL_ANNOTATION = "fsdp-resilience/cancel"
+#: Auto Scaling groups whose instances the backend may terminate carry this tag = "true" (the
+#: deploy kit's IAM policy allows TerminateInstanceInAutoScalingGroup only on them).
+MANAGED_ASG_TAG = "fsdp-resilience/managed"
+#: The EKS node monitoring agent's conditions: False means the node is unhealthy for that reason.
+HEALTH_CONDITIONS = ("AcceleratedHardwareReady", "NetworkingReady", "StorageReady", "KernelReady",
+                     "ContainerRuntimeReady")
+GPU_RESOURCE = "nvidia.com/gpu"
+_INSTANCE_ID = re.compile(r"(i-[0-9a-f]{8,17})$")
+#: Pod failure reasons that mean the pod, not the program, was taken away.
+_DISRUPTION_REASONS = ("NodeLost", "Evicted", "Preempting", "DeadlineExceeded", "Terminated", "Shutdown",
+                       "NodeShutdown", "UnexpectedAdmissionError")
+
+
+def _k8s_status(e: Exception) -> int | None:
+    return getattr(e, "status", None)
+
+
+def _ts(text: str | None) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC time as the apiserver writes it (0: none)."""
+    if not text:
+        return 0.0
+    return float(calendar.timegm(time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")))
+
+
+def _conditions(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a job: pure functions over the API's JSON (the sync and the async client alike)
+# --------------------------------------------------------------------------------------------
+
+
+def pod_index(pod: dict[str, Any]) -> int | None:
+    meta = pod.get("metadata") or {}
+    value = (meta.get("labels") or {}).get("batch.kubernetes.io/job-completion-index") or \
+        (meta.get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
+    return int(value) if value is not None and str(value).isdigit() else None
+
+
+def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == CONTAINER:
+            state = cs.get("state") or {}
+            return state.get("terminated") or (cs.get("lastState") or {}).get("terminated")
+    return None
+
+
+def node_from_pod(index: int, pod: dict[str, Any] | None, stopped: str | None) -> NodeStatus:
+    """One node of a job from its newest pod. ``stopped``: why the job was stopped (its pods
+    deleted by the job controller or by a cancel), or None while it may still run."""
+    if pod is None:
+        if stopped:
+            return NodeStatus(index, None, "failed", FailureClass.UNKNOWN.value, None,
+                              f"stopped before it reported: {stopped}")
+        return NodeStatus(index, None, "pending", None, None, "no pod yet")
+    name = pod["metadata"]["name"]
+    status = pod.get("status") or {}
+    node = (pod.get("spec") or {}).get("nodeName")
+    phase = status.get("phase")
+    term = _terminated(pod)
+    code = term.get("exitCode") if term else None
+    reason = (term or {}).get("reason") or status.get("reason") or ""
+    disrupted = (_conditions(pod).get("DisruptionTarget") or {}).get("status") == "True"
+    where = f"pod {name} on {node or 'no node'}"
+    if phase == "Succeeded":
+        return NodeStatus(index, node, "succeeded", FailureClass.SUCCESS.value, 0, f"{where} succeeded")
+    if phase == "Failed":
+        if disrupted or reason in _DISRUPTION_REASONS or reason == "OOMKilled" or code is None:
+            # The pod went, and the restart layers inside it with it: to the control plane the node
+            # ran out of restarts (a relaunch elsewhere may succeed).
+            detail = (status.get("message") or (term or {}).get("message") or "").strip()
+            return NodeStatus(index, node, LOST, FailureClass.RESTARTS_EXHAUSTED.value, code,
+                              f"{where} lost: {reason or 'disrupted'}"
+                              + (f" (exit {code})" if code is not None else "") + (f": {detail}" if detail else ""))
+        failure = failure_class_for_exit(int(code)).value
+        return NodeStatus(index, node, "failed", failure, int(code), f"{where} exited {code} ({reason or 'Error'})")
+    if stopped and (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return NodeStatus(index, node, "failed", FailureClass.UNKNOWN.value, None, f"{where} stopped: {stopped}")
+    if phase == "Running":
+        return NodeStatus(index, node, "running", None, None, f"{where} running")
+    scheduled = _conditions(pod).get("PodScheduled") or {}
+    why = scheduled.get("message") or scheduled.get("reason") or "waiting to start"
+    return NodeStatus(index, node, "pending", None, None, f"{where} pending: {why}")
+
+
+def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
+    """A launch's state from its Job and pods, in the backend interface's terms."""
+    name = job["metadata"]["name"]
+    completions = int((job.get("spec") or {}).get("completions") or 1)
+    conds = {t: c for t, c in _conditions(job).items() if c.get("status") == "True"}
+    cancel = cancel_verdict(job)
+    failed_cond = conds.get("Failed") or conds.get("FailureTarget")
+    stopped = None
+    if failed_cond:
+        stopped = f"job {name} failed ({failed_cond.get('reason')}: {failed_cond.get('message', '')})"
+    elif cancel:
+        stopped = cancel["message"]
+    newest: dict[int, dict[str, Any]] = {}
+    for pod in pods:
+        index = pod_index(pod)
+        if index is None:
+            continue
+        if index not in newest or (pod["metadata"].get("creationTimestamp") or "") >= \
+                (newest[index]["metadata"].get("creationTimestamp") or ""):
+            newest[index] = pod
+    nodes = [node_from_pod(i, newest.get(i), stopped) for i in range(completions)]
+    # Pods the job controller already replaced (their failures counted against backoffLimit) are
+    # part of the story too: a node that lost a pod is suspect even if a new pod now runs there.
+    replaced = [node_from_pod(pod_index(p), p, stopped) for p in pods
+                if pod_index(p) is not None and p is not newest.get(pod_index(p))
+                and (p.get("status") or {}).get("phase") == "Failed"]
+    if cancel and not any(n.node_id for n in nodes):
+        nodes = [NodeStatus(n.index, cancel.get("nodes", {}).get(str(n.index)), n.state, n.failure_class,
+                            n.exit_code, n.message) for n in nodes]
+    exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
+    if "Complete" in conds or "SuccessCriteriaMet" in conds:
+        return JobStatus("succeeded", FailureClass.SUCCESS.value, exit_codes,
+                         f"all {completions} node(s) of job {name} succeeded", nodes)
+    failed = [n for n in nodes if n.state in ("failed", LOST)]
+    # A node that failed with a class the Job's podFailurePolicy fails the Job on: failed now,
+    # even if the job controller has not written its condition yet.
+    fatal = [n for n in failed if n.failure_class in REPLACEABLE_FAILURES | {FailureClass.USER_ERROR.value}
+             and n.state == "failed"]
+    if failed_cond or cancel or fatal:
+        failure = most_telling_failure([n.failure_class for n in failed + replaced]
+                                       + ([cancel["failure_class"]] if cancel else []))
+        failure = failure or FailureClass.UNKNOWN.value
+        telling = [n for n in failed + replaced if n.failure_class == failure]
+        parts = [n.message for n in telling[:3]]
+        if cancel and failure == cancel["failure_class"]:
+            parts.insert(0, cancel["message"])
+        if failed_cond:
+            parts.append(f"job condition {failed_cond.get('reason')}: {failed_cond.get('message', '')}")
+        return JobStatus("failed", failure, exit_codes, f"{failure}: " + "; ".join(p for p in parts if p), nodes)
+    running = [n for n in nodes if n.state == "running"]
+    if running and len(running) == len(nodes):
+        return JobStatus("running", None, exit_codes,
+                         f"{len(running)} node(s) running on {[n.node_id for n in running]}", nodes)
+    if running:
+        waiting = [n.message for n in nodes if n.state != "running"]
+        return JobStatus("running", None, exit_codes,
+                         f"{len(running)} of {len(nodes)} node(s) running; " + "; ".join(waiting[:3]), nodes)
+    return JobStatus("pending", None, exit_codes,
+                     "; ".join(n.message for n in nodes[:3]) or f"job {name}: waiting for pods", nodes)
+
+
+def cancel_verdict(job: dict[str, Any]) -> dict[str, Any] | None:
+    text = ((job.get("metadata") or {}).get("annotations") or {}).get(CANCEL_ANNOTATION)
+    if not text:
+        return None
+    try:
+        verdict = json.loads(text)
+    except ValueError:
+        return {"failure_class": FailureClass.UNKNOWN.value, "message": f"cancelled ({text[:200]})"}
+    return verdict if isinstance(verdict, dict) else None
+
+
+def job_finished(job: dict[str, Any]) -> bool:
+    conds = {t for t, c in _conditions(job).items() if c.get("status") == "True"}
+    return bool(conds & {"Complete", "Failed", "SuccessCriteriaMet", "FailureTarget"}) or cancel_verdict(job) is not None
+
+
+def run_config_of(job: dict[str, Any]) -> RunConfig | None:
+    """The run config a Job was submitted with (it travels in its pods' env)."""
+    containers = (((job.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or []
+    for container in containers:
+        for env in container.get("env") or []:
+            if env.get("name") == CONFIG_ENV and env.get("value"):
+                return RunConfig.from_json(env["value"])
+    return None
+
+
+def node_problems(node: dict[str, Any]) -> list[str]:
+    """Why a node cannot take a training pod now (empty: healthy)."""
+    problems = []
+    conds = _conditions(node)
+    ready = conds.get("Ready") or {}
+    if ready.get("status") != "True":
+        problems.append(f"Ready={ready.get('status', 'missing')} ({ready.get('reason', '')})")
+    for kind in HEALTH_CONDITIONS:
+        c = conds.get(kind)
+        if c and c.get("status") == "False":
+            problems.append(f"{kind}=False ({c.get('reason', '')}: {c.get('message', '')})".rstrip(": ()") + ")")
+    return problems
+
+
+def out_of_service(node: dict[str, Any]) -> bool:
+    spec = node.get("spec") or {}
+    return bool(spec.get("unschedulable")) or any(t.get("key") == QUARANTINE_TAINT for t in spec.get("taints") or [])
+
+
+def instance_id_of(node: dict[str, Any]) -> str | None:
+    """The EC2 instance behind a node: ``spec.providerID`` is ``aws:///<zone>/<instance id>``."""
+    match = _INSTANCE_ID.search((node.get("spec") or {}).get("providerID") or "")
+    return match.group(1) if match else None
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------
+
+
+class EksBackend(TrainingBackend):
+    """Training jobs on an EKS cluster's GPU node pool. See the module docstring."""
+
+    name = "eks"
+
+    def __init__(self, *, image: str = "", namespace: str = "fsdp-training",
+                 kubernetes_conn_id: str | None = "kubernetes_default", cluster_name: str | None = None,
+                 aws_conn_id: str | None = "aws_default", region_name: str | None = None,
+                 replacement: str = "asg", max_unhealthy_share: float = DEFAULT_MAX_UNHEALTHY_SHARE,
+                 pool_selector: dict[str, str] | None = None, evaluation_poll_s: float = 10.0,
+                 pod: dict[str, Any] | None = None):
+        if replacement not in REPLACEMENT_MODES:
+            raise BackendError(f"replacement={replacement!r}: use one of {REPLACEMENT_MODES} (asg: a managed node "
+                               "group or Auto Scaling group; karpenter: delete the node's NodeClaim; cordon: "
+                               "take the node out of service and let a human replace it)")
+        if not 0 < max_unhealthy_share <= 1:
+            raise BackendError(f"max_unhealthy_share={max_unhealthy_share} must be in (0, 1]")
+        known = {f.name for f in fields(PodTemplateSettings)} - {"image", "namespace"}
+        unknown = sorted(set(pod or {}) - known)
+        if unknown:
+            raise BackendError(f"unknown pod settings {unknown}; known: {sorted(known)}")
+        self.image = image
+        self.namespace = namespace
+        self.kubernetes_conn_id = kubernetes_conn_id
+        self.cluster_name = cluster_name
+        self.aws_conn_id = aws_conn_id
+        self.region_name = region_name
+        self.replacement = replacement
+        self.max_unhealthy_share = float(max_unhealthy_share)
+        self.evaluation_poll_s = float(evaluation_poll_s)
+        self.pod = dict(pod or {})
+        self.settings = PodTemplateSettings(image=image, namespace=namespace, **self.pod)
+        #: The GPU node pool: the nodes training pods may land on (default: the pods' nodeSelector).
+        self.pool_selector = dict(pool_selector if pool_selector is not None else self.settings.node_selector)
+
+    def to_config(self) -> dict[str, Any]:
+        return {"name": self.name, "image": self.image, "namespace": self.namespace,
+                "kubernetes_conn_id": self.kubernetes_conn_id, "cluster_name": self.cluster_name,
+                "aws_conn_id": self.aws_conn_id, "region_name": self.region_name, "replacement": self.replacement,
+                "max_unhealthy_share": self.max_unhealthy_share, "pool_selector": self.pool_selector,
+                "evaluation_poll_s": self.evaluation_poll_s, "pod": self.pod}
+
+    # -- clients ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _kubeconfig(self) -> Iterator[str | None]:
+        """A kubeconfig for ``cluster_name`` (built by EksHook, removed afterwards), else None:
+        the Kubernetes connection says how to reach the cluster."""
+        if not self.cluster_name:
+            yield None
+            return
+        from airflow.providers.amazon.aws.hooks.eks import EksHook
+
+        hook = EksHook(aws_conn_id=self.aws_conn_id, region_name=self.region_name)
+        with hook.generate_config_file_with_credentials(eks_cluster_name=self.cluster_name,
+                                                        pod_namespace=self.namespace) as (config_file, _):
+            yield config_file
+
+    @contextlib.contextmanager
+    def _kube(self) -> Iterator["_Kube"]:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        with self._kubeconfig() as config_file:
+            if config_file:
+                hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None, config_file=config_file)
+            else:
+                hook = KubernetesHook(conn_id=self.kubernetes_conn_id)
+            yield _Kube(hook.get_conn(), self.namespace)
+
+    def _autoscaling(self):
+        from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+        return AwsBaseHook(aws_conn_id=self.aws_conn_id, region_name=self.region_name, client_type="autoscaling").conn
+
+    # -- jobs ---------------------------------------------------------------------------------
+    def submit(self, cfg: RunConfig, launch_id: str, *, airflow_run_id: str | None = None) -> JobHandle:
+        if not isinstance(launch_id, str) or not launch_id.strip() or len(launch_id) > 200:
+            raise ValueError(f"launch_id={launch_id!r} must be a non-empty string of at most 200 characters")
+        if not self.image:
+            raise BackendError("the EKS backend needs a training image: set the DAG's `image` param or "
+                               "FSDP_EKS_IMAGE (see images/training/Dockerfile)")
+        try:
+            job = training_job(cfg, launch_id, self.settings, airflow_run_id=airflow_run_id)
+        except ValueError as e:
+            raise BackendError(f"cannot launch run {cfg.run_id} on EKS: {e}") from e
+        job_name = job["metadata"]["name"]
+        with self._kube() as kube:
+            existing = kube.get_job(job_name)
+            if existing is None:
+                self._check_no_other_launch(kube, cfg.run_id, job_name)
+                if self.replacement != "karpenter":  # Karpenter provisions nodes for pending pods
+                    capacity = self._capacity(kube)
+                    if capacity.healthy < cfg.nodes:
+                        raise InsufficientCapacityError(
+                            f"run {cfg.run_id} needs {cfg.nodes} healthy node(s) in the pool {self.pool_selector}; "
+                            f"{capacity.healthy} of {capacity.total} are (out of service: {capacity.quarantined}). "
+                            "Wait for replacements to join, or scale the node group up")
+                existing = kube.create_job(job)
+            elif (existing["metadata"].get("labels") or {}).get(LABEL_RUN) != cfg.run_id:
+                raise JobConflictError(f"job {job_name} exists but belongs to run "
+                                       f"{(existing['metadata'].get('labels') or {}).get(LABEL_RUN)!r}, not {cfg.run_id!r}")
+            kube.ensure_service(rendezvous_service(cfg, launch_id, self.settings, owner=existing))
+        return self._handle(cfg, launch_id, existing)
+
+    def _check_no_other_launch(self, kube: "_Kube", run_id: str, job_name: str) -> None:
+        for other in kube.list_jobs(f"{LABEL_RUN}={run_id},{LABEL_COMPONENT}={COMPONENT_TRAINING}"):
+            if other["metadata"]["name"] != job_name and not job_finished(other):
+                raise JobConflictError(
+                    f"run {run_id} already has job {other['metadata']['name']} active; two launches would share one "
+                    "run dir. Wait for it to end, or cancel it, before submitting another launch")
+
+    def _handle(self, cfg: RunConfig, launch_id: str, job: dict[str, Any]) -> JobHandle:
+        created = _ts(job["metadata"].get("creationTimestamp")) or time.time()
+        return JobHandle(self.name, cfg.run_id, launch_id, job["metadata"]["name"],
+                         {"namespace": self.namespace, "cluster_name": self.cluster_name, "run_dir": cfg.run_dir,
+                          "submitted_at": created})
+
+    def _job(self, kube: "_Kube", handle: JobHandle) -> dict[str, Any]:
+        self._check_handle(handle)
+        job = kube.get_job(handle.job_name)
+        if job is None:
+            raise JobNotFoundError(f"no job {handle.job_name} in namespace {self.namespace}"
+                                   + (f" of cluster {self.cluster_name}" if self.cluster_name else "")
+                                   + "; deleted, or another cluster/namespace?")
+        return job
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        with self._kube() as kube:
+            job = self._job(kube, handle)
+            return job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"))
+
+    async def status_async(self, handle: JobHandle) -> JobStatus:
+        """``status`` through ``AsyncKubernetesHook``: what the triggerer calls between sleeps."""
+        import asyncio
+
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
+        from kubernetes_asyncio import client as async_client
+
+        self._check_handle(handle)
+        with contextlib.ExitStack() as stack:
+            config_file = None
+            if self.cluster_name:  # EksHook is synchronous (boto3): build the kubeconfig off the loop
+                cm = self._kubeconfig()
+                config_file = await asyncio.to_thread(cm.__enter__)
+                stack.push(cm.__exit__)
+            hook = (AsyncKubernetesHook(conn_id=None, kubernetes_conn_id=None, config_file=config_file)
+                    if config_file else AsyncKubernetesHook(conn_id=self.kubernetes_conn_id))
+            async with hook.get_conn() as api:
+                batch, core = async_client.BatchV1Api(api), async_client.CoreV1Api(api)
+                try:
+                    job = api.sanitize_for_serialization(
+                        await batch.read_namespaced_job(handle.job_name, self.namespace))
+                except async_client.ApiException as e:
+                    if e.status == 404:
+                        raise JobNotFoundError(f"no job {handle.job_name} in namespace {self.namespace}") from None
+                    raise
+                pods = api.sanitize_for_serialization(await core.list_namespaced_pod(
+                    self.namespace, label_selector=f"{LABEL_JOB}={handle.job_name}"))["items"]
+        return job_status(job, pods)
+
+    def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
+        with self._kube() as kube:
+            job = self._job(kube, handle)
+            pods = {pod_index(p): p for p in sorted(kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
+                                                    key=lambda p: p["metadata"].get("creationTimestamp") or "")}
+            completions = int(job["spec"].get("completions") or 1)
+            indexes = [node] if node is not None else list(range(completions))
+            if node is not None and not 0 <= node < completions:
+                raise BackendError(f"job {handle.job_name} has nodes 0..{completions - 1}, not {node}")
+            out = []
+            for i in indexes:
+                pod = pods.get(i)
+                text = kube.pod_log(pod["metadata"]["name"], tail) if pod else "(no pod: deleted or never created)"
+                if node is not None:
+                    return text
+                where = f"{pod['metadata']['name']} on {pod['spec'].get('nodeName')}" if pod else "no pod"
+                out.append(f"==> node {i} ({where}) <==\n{text}")
+            return "\n".join(out)
+
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop a running launch, keeping the Job and its finished pods as evidence: the Job is
+        suspended (the job controller terminates its pods) and annotated with the verdict — no
+        progress if no checkpoint was committed for ``stall_timeout_s``, else unknown — and the
+        nodes it ran on. A finished job is left as it is, so ``diagnose`` still says why it failed."""
+        with self._kube() as kube:
+            job = self._job(kube, handle)
+            if job_finished(job):
+                return
+            status = job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"))
+            cfg = run_config_of(job)
+            run_dir = cfg.run_dir if cfg else handle.extra.get("run_dir", "")
+            stall = cfg.stall_timeout_s if cfg else float("inf")
+            verdict = verdict_at_cancel(run_dir, _ts(job["metadata"].get("creationTimestamp")), stall, status.state)
+            verdict["nodes"] = {str(n.index): n.node_id for n in status.nodes if n.node_id}
+            kube.patch_job(handle.job_name, {"metadata": {"annotations": {CANCEL_ANNOTATION: json.dumps(verdict)}},
+                                             "spec": {"suspend": True}})
+
+    def diagnose(self, handle: JobHandle) -> Diagnosis:
+        with self._kube() as kube:
+            job = self._job(kube, handle)
+            pods = kube.list_pods(f"{LABEL_JOB}={handle.job_name}")
+            status = job_status(job, pods)
+            failure = status.failure_class
+            if status.state != "failed":
+                return Diagnosis(failure, [], False, [f"job {handle.job_name} is {status.state}: nothing to diagnose"])
+            evidence = [f"status: {status.message}"]
+            if failure == FailureClass.USER_ERROR.value:
+                return Diagnosis(failure, [], False, evidence + [
+                    "a user error fails the same way on any node: fix the code or config, do not replace nodes"])
+            if failure not in REPLACEABLE_FAILURES:
+                return Diagnosis(failure, [], False, evidence + [
+                    f"{failure}: not a failure that replacing a node fixes; read the pods' logs (backend.logs)"])
+            job_nodes = sorted({n.node_id for n in status.nodes if n.node_id}
+                               | {(p.get("spec") or {}).get("nodeName") for p in pods} - {None})
+            bad: list[str] = []
+            for name in job_nodes:  # what the node itself says (kubelet, EKS node monitoring agent)
+                node = kube.get_node(name)
+                problems = ["the node is gone"] if node is None else node_problems(node)
+                if problems:
+                    bad.append(name)
+                    evidence.append(f"node {name}: {'; '.join(problems)}")
+            # Every pod the job had, replaced ones included: a node that lost a pod is suspect.
+            every_pod = status.nodes + [node_from_pod(pod_index(p), p, None) for p in pods if pod_index(p) is not None]
+            for n in every_pod:
+                if n.state == LOST and n.node_id and n.node_id not in bad:
+                    bad.append(n.node_id)
+                    evidence.append(f"node {n.index} ({n.node_id}): {n.message}")
+            if bad:
+                return Diagnosis(failure, sorted(bad), True, evidence)
+        cfg = run_config_of(job)
+        run_dir = cfg.run_dir if cfg else handle.extra.get("run_dir")
+        if run_dir and Path(run_dir).is_dir():  # FSx mounted in this worker
+            blamed, why = blame_from_events(run_dir, handle.launch_id, status, job_nodes)
+            return Diagnosis(failure, blamed, bool(blamed), evidence + why)
+        reporting = sorted({n.node_id for n in status.nodes if n.failure_class == failure and n.node_id})
+        return Diagnosis(failure, reporting, bool(reporting), evidence + [
+            f"run dir {run_dir} is not mounted here (no events to read); blaming the node(s) whose pod reported "
+            f"{failure}: {reporting}"])
+
+    # -- nodes --------------------------------------------------------------------------------
+    def _pool(self, kube: "_Kube") -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(self.pool_selector.items()))
+        return kube.list_nodes(selector)
+
+    def _gpus_needed(self) -> int:
+        return int(self.settings.gpus_per_node or 0)
+
+    def _healthy(self, node: dict[str, Any]) -> bool:
+        if out_of_service(node) or node_problems(node):
+            return False
+        need = self._gpus_needed()
+        have = int(str(((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, "0")) or 0)
+        return have >= need
+
+    def _capacity(self, kube: "_Kube") -> Capacity:
+        pool = self._pool(kube)
+        healthy = sorted(n["metadata"]["name"] for n in pool if self._healthy(n))
+        quarantined = sorted(n["metadata"]["name"] for n in pool if out_of_service(n))
+        return Capacity(total=len(pool), healthy=len(healthy), quarantined=quarantined, healthy_node_ids=healthy,
+                        provisions_on_demand=self.replacement == "karpenter")
+
+    def capacity(self) -> Capacity:
+        with self._kube() as kube:
+            return self._capacity(kube)
+
+    def replace_nodes(self, node_ids: list[str], reason: str) -> Replacement:
+        """Cordon and taint each node, evict the pods of ours left on it, then have the platform
+        replace it: terminate its instance in its Auto Scaling group (the group launches a new one;
+        desired capacity unchanged), or delete its Karpenter NodeClaim, or (``cordon``) leave the
+        replacement to a human. Refuses more than ``max_unhealthy_share`` of the pool at once."""
+        with self._kube() as kube:
+            pool = {n["metadata"]["name"]: n for n in self._pool(kube)}
+            out = [name for name, n in pool.items() if out_of_service(n)]
+            replace, refused, note = plan_replacement(list(node_ids), sorted(pool), out, self.max_unhealthy_share)
+            done, notes = [], [note] if note else []
+            for name in replace:
+                node = pool[name]
+                kube.quarantine_node(node, reason)
+                evicted = kube.evict_pods_on(name, ",".join(f"{k}={v}" for k, v in MANAGED_BY.items()))
+                try:
+                    how = self._replace_instance(kube, node)
+                except BackendError as e:
+                    refused.append(name)
+                    notes.append(f"{name}: cordoned and tainted, but not replaced: {e}")
+                    continue
+                done.append(name)
+                notes.append(f"{name}: cordoned, tainted {QUARANTINE_TAINT}, evicted {evicted}; {how}")
+        return Replacement(done, refused, "; ".join(notes) or "nothing to replace")
+
+    def _replace_instance(self, kube: "_Kube", node: dict[str, Any]) -> str:
+        name = node["metadata"]["name"]
+        if self.replacement == "cordon":
+            return "left for a human to replace (replacement=cordon)"
+        if self.replacement == "karpenter":
+            claims = [c for c in kube.list_nodeclaims() if (c.get("status") or {}).get("nodeName") == name]
+            if not claims:
+                raise BackendError(f"no Karpenter NodeClaim has status.nodeName={name}; is the node Karpenter's?")
+            for claim in claims:
+                kube.delete_nodeclaim(claim["metadata"]["name"])
+            return f"deleted NodeClaim(s) {[c['metadata']['name'] for c in claims]}: Karpenter drains and replaces it"
+        instance = instance_id_of(node)
+        if not instance:
+            raise BackendError(f"node {name} has no EC2 instance in spec.providerID "
+                               f"({(node.get('spec') or {}).get('providerID')!r})")
+        asg = self._autoscaling()
+        found = asg.describe_auto_scaling_instances(InstanceIds=[instance])["AutoScalingInstances"]
+        if not found:
+            raise BackendError(f"instance {instance} of node {name} is in no Auto Scaling group; replace it by hand "
+                               "or use replacement=karpenter/cordon")
+        group = found[0]["AutoScalingGroupName"]
+        tags = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[group])["AutoScalingGroups"][0].get("Tags", [])
+        if not any(t["Key"] == MANAGED_ASG_TAG and t["Value"] == "true" for t in tags):
+            raise BackendError(f"Auto Scaling group {group} lacks the tag {MANAGED_ASG_TAG}=true, so this project "
+                               "may not terminate its instances; tag it (see deploy/) or replace the node by hand")
+        asg.terminate_instance_in_auto_scaling_group(InstanceId=instance, ShouldDecrementDesiredCapacity=False)
+        return f"terminated {instance} in Auto Scaling group {group} (desired capacity kept: a new node replaces it)"
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def run_evaluation(self, cfg: RunConfig, timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Evaluate the newest committed checkpoint in a one-pod Job and return its result
+        (``<run_dir>/eval.json``, read from the FSx mount). One Job per checkpoint, so a retried
+        task waits for the same Job rather than starting another."""
+        from training.contract import CheckpointCatalog
+
+        latest = CheckpointCatalog(cfg.run_dir).latest()
+        if latest is None:
+            raise BackendError(f"run {cfg.run_id} has no committed checkpoint under {cfg.run_dir} to evaluate")
+        job = evaluation_job(cfg, self.settings)
+        job["metadata"]["name"] = job_name_for(cfg.run_id, f"eval-{latest.checkpoint_id}")
+        name = job["metadata"]["name"]
+        deadline = time.time() + timeout_s
+        with self._kube() as kube:
+            if kube.get_job(name) is None:
+                kube.create_job(job)
+            while True:
+                current = kube.get_job(name) or {}
+                conds = {t for t, c in _conditions(current).items() if c.get("status") == "True"}
+                if conds & {"Complete", "SuccessCriteriaMet"}:
+                    break
+                if conds & {"Failed", "FailureTarget"}:
+                    pods = kube.list_pods(f"job-name={name}")
+                    tail = kube.pod_log(pods[-1]["metadata"]["name"], 50) if pods else "(no pod)"
+                    raise BackendError(f"evaluation job {name} failed; its log ends:\n{tail}")
+                if time.time() > deadline:
+                    raise BackendError(f"evaluation job {name} did not finish within {timeout_s:.0f}s; "
+                                       f"see `kubectl -n {self.namespace} describe job {name}`")
+                time.sleep(self.evaluation_poll_s)
+        result = Path(cfg.run_dir, "eval.json")
+        try:
+            return json.loads(result.read_text())
+        except (OSError, ValueError) as e:
+            raise BackendError(f"evaluation job {name} succeeded but {result} is unreadable here ({e}); is FSx "
+                               "mounted in the Airflow workers at the same path as in the pods?") from e
+
+
+class _Kube:
+    """The few API calls the backend makes, on one ``ApiClient``, returning the API's JSON.
+
+    Every verb used here must be granted by the deploy kit's RBAC (deploy/); a test checks the two
+    agree, by recording what this class does against a fake apiserver.
+    """
+
+    def __init__(self, api_client, namespace: str):
+        from kubernetes import client
+
+        self.api = api_client
+        self.namespace = namespace
+        self.core = client.CoreV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self._json = api_client.sanitize_for_serialization
+        self.ApiException = client.ApiException
+
+    def _or_none(self, call, *args, **kwargs):
+        try:
+            return self._json(call(*args, **kwargs))
+        except self.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    # jobs: get, list, create, patch
+    def get_job(self, name: str) -> dict[str, Any] | None:
+        return self._or_none(self.batch.read_namespaced_job, name, self.namespace)
+
+    def list_jobs(self, label_selector: str) -> list[dict[str, Any]]:
+        return self._json(self.batch.list_namespaced_job(self.namespace, label_selector=label_selector))["items"]
+
+    def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self._json(self.batch.create_namespaced_job(self.namespace, body))
+        except self.ApiException as e:
+            if e.status == 409:  # created by a concurrent try of the same task: use it
+                return self.get_job(body["metadata"]["name"])
+            raise BackendError(f"the apiserver rejected job {body['metadata']['name']}: {e.status} {e.reason}: "
+                               f"{(e.body or '')[:500]}") from e
+
+    def patch_job(self, name: str, body: dict[str, Any]) -> None:
+        self.batch.patch_namespaced_job(name, self.namespace, body)
+
+    # services: get, create
+    def ensure_service(self, body: dict[str, Any]) -> None:
+        if self._or_none(self.core.read_namespaced_service, body["metadata"]["name"], self.namespace) is None:
+            try:
+                self.core.create_namespaced_service(self.namespace, body)
+            except self.ApiException as e:
+                if e.status != 409:
+                    raise
+
+    # pods: list, delete; pods/log: get; pods/eviction: create
+    def list_pods(self, label_selector: str, field_selector: str | None = None) -> list[dict[str, Any]]:
+        kwargs = {"label_selector": label_selector}
+        if field_selector:
+            kwargs["field_selector"] = field_selector
+        return self._json(self.core.list_namespaced_pod(self.namespace, **kwargs))["items"]
+
+    def pod_log(self, name: str, tail: int) -> str:
+        try:
+            return self.core.read_namespaced_pod_log(name, self.namespace, container=CONTAINER, tail_lines=tail)
+        except self.ApiException as e:
+            return f"(no log: {e.status} {e.reason})"
+
+    def evict_pods_on(self, node_name: str, label_selector: str) -> list[str]:
+        """Evict our pods still running on a node (finished ones stay: their status is evidence)."""
+        from kubernetes import client
+
+        evicted = []
+        for pod in self.list_pods(label_selector, f"spec.nodeName={node_name}"):
+            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            name = pod["metadata"]["name"]
+            body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=self.namespace))
+            try:
+                self.core.create_namespaced_pod_eviction(name, self.namespace, body)
+            except self.ApiException as e:
+                if e.status == 404:
+                    continue
+                if e.status != 429:  # 429: a disruption budget forbids it; the node is bad, so delete
+                    raise
+                self.core.delete_namespaced_pod(name, self.namespace)
+            evicted.append(name)
+        return evicted
+
+    # nodes: get, list, patch
+    def get_node(self, name: str) -> dict[str, Any] | None:
+        return self._or_none(self.core.read_node, name)
+
+    def list_nodes(self, label_selector: str) -> list[dict[str, Any]]:
+        return self._json(self.core.list_node(label_selector=label_selector))["items"]
+
+    def quarantine_node(self, node: dict[str, Any], reason: str) -> None:
+        """Cordon and taint. The taint list is sent whole: a strategic merge replaces it."""
+        taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != QUARANTINE_TAINT]
+        value = re.sub(r"[^A-Za-z0-9_.-]+", "-", reason)[:63].strip("-_.") or "replaced"
+        taints.append({"key": QUARANTINE_TAINT, "value": value, "effect": "NoSchedule"})
+        self.core.patch_node(node["metadata"]["name"], {
+            "metadata": {"annotations": {QUARANTINE_ANNOTATION: f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} "
+                                                                f"{reason}"}},
+            "spec": {"unschedulable": True, "taints": taints}})
+
+    # karpenter.sh nodeclaims: list, delete
+    def list_nodeclaims(self) -> list[dict[str, Any]]:
+        return self.custom.list_cluster_custom_object("karpenter.sh", "v1", "nodeclaims")["items"]
+
+    def delete_nodeclaim(self, name: str) -> None:
+        try:
+            self.custom.delete_cluster_custom_object("karpenter.sh", "v1", "nodeclaims", name)
+        except self.ApiException as e:
+            if e.status != 404:
+                raise
