@@ -29,6 +29,9 @@ os.environ.update({
 })
 sys.path.insert(0, str(REPO / "plugins"))
 
+# The EKS path's fixtures: a fake apiserver (``cluster``) and moto's AWS server (``aws``).
+from eks_cluster import aws, cluster  # noqa: E402, F401
+
 
 def make_dataset(dst: Path) -> Path:
     """The shared test dataset (tests/shared.py), made with the training venv's prepare_data."""

@@ -418,18 +418,21 @@ class EksBackend(TrainingBackend):
         """``status`` through ``AsyncKubernetesHook``: what the triggerer calls between sleeps."""
         import asyncio
 
+        import yaml
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
         from kubernetes_asyncio import client as async_client
 
         self._check_handle(handle)
         with contextlib.ExitStack() as stack:
-            config_file = None
             if self.cluster_name:  # EksHook is synchronous (boto3): build the kubeconfig off the loop
                 cm = self._kubeconfig()
                 config_file = await asyncio.to_thread(cm.__enter__)
                 stack.push(cm.__exit__)
-            hook = (AsyncKubernetesHook(conn_id=None, kubernetes_conn_id=None, config_file=config_file)
-                    if config_file else AsyncKubernetesHook(conn_id=self.kubernetes_conn_id))
+                # The async hook reads a kubeconfig from its connection or a dict, not from a path.
+                config = yaml.safe_load(Path(config_file).read_text())
+                hook = AsyncKubernetesHook(conn_id=None, kubernetes_conn_id=None, config_dict=config)
+            else:
+                hook = AsyncKubernetesHook(conn_id=self.kubernetes_conn_id)
             async with hook.get_conn() as api:
                 batch, core = async_client.BatchV1Api(api), async_client.CoreV1Api(api)
                 try:
@@ -518,9 +521,13 @@ class EksBackend(TrainingBackend):
             blamed, why = blame_from_events(run_dir, handle.launch_id, status, job_nodes)
             return Diagnosis(failure, blamed, bool(blamed), evidence + why)
         reporting = sorted({n.node_id for n in status.nodes if n.failure_class == failure and n.node_id})
-        return Diagnosis(failure, reporting, bool(reporting), evidence + [
-            f"run dir {run_dir} is not mounted here (no events to read); blaming the node(s) whose pod reported "
-            f"{failure}: {reporting}"])
+        if reporting:
+            return Diagnosis(failure, reporting, True, evidence + [
+                f"run dir {run_dir} is not mounted here (no events to read); blaming the node(s) whose pod reported "
+                f"{failure}: {reporting}"])
+        return Diagnosis(failure, job_nodes, bool(job_nodes), evidence + [
+            f"run dir {run_dir} is not mounted here and no pod names a node; every node of the job is suspect: "
+            f"{job_nodes}"])
 
     # -- nodes --------------------------------------------------------------------------------
     def _pool(self, kube: "_Kube") -> list[dict[str, Any]]:
@@ -701,7 +708,9 @@ class _Kube:
 
     def pod_log(self, name: str, tail: int) -> str:
         try:
-            return self.core.read_namespaced_pod_log(name, self.namespace, container=CONTAINER, tail_lines=tail)
+            # Raw bytes: with content preloaded, this client version returns the repr of the bytes.
+            return self.core.read_namespaced_pod_log(name, self.namespace, container=CONTAINER, tail_lines=tail,
+                                                     _preload_content=False).data.decode(errors="replace")
         except self.ApiException as e:
             return f"(no log: {e.status} {e.reason})"
 

@@ -1,0 +1,197 @@
+"""An EKS cluster as far as this machine can have one, for the EKS path's tests: the fake
+apiserver (fake_kube.py), AWS in moto's server, node groups as Auto Scaling groups whose instances
+are the fake cluster's nodes, and a stand-in kubelet that plays the training pods' part on the run
+dir (FSx is a temp folder) — it commits checkpoints and writes events with the run contract, then
+ends each pod with the exit code a scenario asks for.
+
+Import the fixtures into a test module with ``from eks_cluster import aws, cluster  # noqa: F401``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from fake_kube import FakeKube
+from training.contract import CheckpointCatalog, Event, EventLog, RunConfig
+
+NS = "fsdp-training"
+POOL = {"fsdp-resilience/pool": "gpu"}
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+MANAGED_TAG = {"Key": "fsdp-resilience/managed", "Value": "true", "PropagateAtLaunch": True}
+REGION = "us-west-2"
+
+
+@pytest.fixture(scope="module")
+def aws():
+    """moto in server mode on 127.0.0.1 (reachable by every boto3 and aiobotocore client), and an
+    Airflow connection ``aws_fake`` to it."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
+           "AWS_ENDPOINT_URL": url,
+           "AIRFLOW_CONN_AWS_FAKE": json.dumps({"conn_type": "aws", "extra": {"region_name": REGION,
+                                                                               "endpoint_url": url}})}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield url
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """A fake apiserver, and an Airflow connection ``kubernetes_fake`` to it."""
+    kube = FakeKube()
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kube.kubeconfig(tmp_path / "kubeconfig")))
+    yield kube
+    assert not kube.errors, kube.errors
+    kube.stop()
+
+
+def make_asg(name: str, size: int, tagged: bool = True) -> list[str]:
+    """An Auto Scaling group of ``size`` instances, as a managed node group has."""
+    import boto3
+
+    ec2 = boto3.client("ec2")
+    template = ec2.create_launch_template(LaunchTemplateName=f"{name}-lt", LaunchTemplateData={
+        "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    boto3.client("autoscaling").create_auto_scaling_group(
+        AutoScalingGroupName=name, MinSize=size, MaxSize=size + 2, DesiredCapacity=size,
+        LaunchTemplate={"LaunchTemplateId": template}, AvailabilityZones=[f"{REGION}a"],
+        Tags=[{**MANAGED_TAG, "ResourceId": name, "ResourceType": "auto-scaling-group"}] if tagged else [])
+    return asg_instances(name)
+
+
+def asg_instances(name: str) -> list[str]:
+    import boto3
+
+    group = boto3.client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
+    return sorted(i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] == "InService")
+
+
+def add_gpu_node(kube: FakeKube, name: str, instance: str | None = None, **kw) -> dict:
+    """A p5.48xlarge node of the GPU pool (labels, taint, GPUs and EFA devices as on EKS)."""
+    return kube.add_node(name, labels={**POOL, "node.kubernetes.io/instance-type": "p5.48xlarge"},
+                         taints=[GPU_TAINT], allocatable={"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32},
+                         provider_id=f"aws:///{REGION}a/{instance}" if instance else None, **kw)
+
+
+def wait_for(predicate: Callable, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _env(pod: dict, name: str) -> str | None:
+    for container in pod["spec"]["containers"]:
+        for env in container.get("env") or []:
+            if env["name"] == name:
+                return env.get("value")
+    return None
+
+
+class FakeKubelet:
+    """Plays the pods of the fake cluster: what ``python -m training.launch`` would leave in the run
+    dir and which exit code it would end with, per (launch id, node index), as ``scenario`` says.
+
+    ``scenario(launch_id, index, node_name) -> exit code`` decides; a training pod first writes
+    ``launch_begin``, commits checkpoints (node 0, as rank 0 does) up to the run's last step when it
+    exits 0, or up to ``fail_at_step`` otherwise, and logs a fault on its node before a non-zero
+    exit. ``None``: commit up to ``fail_at_step`` and keep running (until the job controller, a
+    cancel or an eviction stops the pod). Evaluation pods write ``eval.json``. With ``asg``, a new Ready node joins for every new
+    instance of that Auto Scaling group (the node group's replacement registering with the cluster).
+    """
+
+    def __init__(self, kube: FakeKube, scenario: Callable[[str, int, str], int], fail_at_step: int = 10,
+                 asg: str | None = None):
+        self.kube, self.scenario, self.fail_at_step, self.asg = kube, scenario, fail_at_step, asg
+        self.handled: set[str] = set()
+        self.joined: list[str] = []
+        self._known_instances = set(asg_instances(asg)) if asg else set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
+
+    def __enter__(self) -> "FakeKubelet":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            if self.asg:
+                self._join_new_nodes()
+            for pod in self.kube.pods(NS):
+                name = pod["metadata"]["name"]
+                if name in self.handled or pod["status"].get("phase") != "Running":
+                    continue
+                self.handled.add(name)
+                self._play(pod)
+
+    def _join_new_nodes(self) -> None:
+        for instance in sorted(set(asg_instances(self.asg)) - self._known_instances):
+            self._known_instances.add(instance)
+            name = f"gpu-new-{len(self.joined)}"
+            add_gpu_node(self.kube, name, instance)
+            self.joined.append(name)
+
+    def _play(self, pod: dict) -> None:
+        node = pod["spec"]["nodeName"]
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get("app.kubernetes.io/component") == "evaluation":
+            run_dir = Path(pod["spec"]["containers"][0]["command"][-1]).parent
+            latest = CheckpointCatalog(run_dir).latest()
+            (run_dir / "eval.json").write_text(json.dumps({
+                "checkpoint_id": latest.checkpoint_id, "step": latest.step, "val_loss": 2.5,
+                "perplexity": 12.18, "saved_world_size": 4}))
+            self.kube.terminate_pod(NS, pod["metadata"]["name"], 0)
+            return
+        cfg = RunConfig.from_json(_env(pod, "TRAINING_RUN_CONFIG"))
+        launch_id = _env(pod, "TRAINING_LAUNCH_ID")
+        index = int(labels["batch.kubernetes.io/job-completion-index"])
+        code = self.scenario(launch_id, index, node)
+        events = EventLog(cfg.layout.events, run_id=cfg.run_id, node_rank=index, launch_id=launch_id, node_id=node)
+        events.emit(Event.LAUNCH_BEGIN, restart_mode=cfg.restart_mode)
+        last = cfg.steps if code == 0 else self.fail_at_step
+        if index == 0:
+            catalog = CheckpointCatalog(cfg.run_dir)
+            newest = catalog.latest()
+            for step in range(cfg.checkpoint_interval, last + 1, cfg.checkpoint_interval):
+                if newest and step <= newest.step:
+                    continue
+                catalog.layout.checkpoint_dir(step).mkdir(parents=True, exist_ok=True)
+                (catalog.layout.checkpoint_dir(step) / ".metadata").write_bytes(b"")
+                catalog.commit(step, world_size=cfg.nodes * cfg.procs_per_node)
+        else:
+            # Wait for node 0's commits, as the ranks of one job do at each collective save.
+            wait_for(lambda: (CheckpointCatalog(cfg.run_dir).latest() or None) and
+                     CheckpointCatalog(cfg.run_dir).latest().step >= last - last % cfg.checkpoint_interval,
+                     what="node 0's commits")
+        if code is None:
+            return
+        if code != 0:
+            events.emit(Event.FAULT_DETECTED, kind="exception", step=last, rank=index * cfg.procs_per_node,
+                        error="CUDA error: uncorrectable ECC error encountered")
+        events.emit(Event.FINAL, exit_code=code, failure_class="success" if code == 0 else "restarts_exhausted")
+        self.kube.terminate_pod(NS, pod["metadata"]["name"], code)

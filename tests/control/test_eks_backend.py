@@ -1,0 +1,268 @@
+"""The EKS backend against a fake apiserver over HTTP (tests/control/fake_kube.py: strict schema
+validation, a Job controller honouring podFailurePolicy, a scheduler honouring selectors, taints
+and anti-affinity) and AWS Auto Scaling in moto's server. The backend reaches both through the
+real clients and the providers' hooks (KubernetesHook, AsyncKubernetesHook, AwsBaseHook), so what
+runs here is what runs against EKS, minus the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from eks_cluster import NS, add_gpu_node, asg_instances, make_asg, wait_for
+from training.contract import Event, EventLog, ExitCode, RunConfig
+
+from fsdp_resilience.backends import BackendError, InsufficientCapacityError, JobConflictError, get_backend
+from fsdp_resilience.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, EksBackend
+
+def backend_for(tmp_path, **kw) -> EksBackend:
+    pod = {"fsx_mount_path": str(tmp_path / "fsx"), **kw.pop("pod", {})}
+    return get_backend("eks", image="example.com/fsdp-training:test", namespace=NS, kubernetes_conn_id="kubernetes_fake",
+                       aws_conn_id="aws_fake", region_name="us-west-2", pod=pod, **kw)
+
+
+def run_config(tmp_path, run_id="llm", nodes=2, **kw) -> RunConfig:
+    fsx = tmp_path / "fsx"
+    return RunConfig.from_dict({"run_id": run_id, "run_dir": str(fsx / "runs" / run_id),
+                                "dataset_dir": str(fsx / "datasets" / "c4"), "nodes": nodes, "procs_per_node": 8,
+                                "stall_timeout_s": 600, **kw})
+
+
+def test_submit_creates_one_indexed_job_and_a_headless_service_and_is_idempotent(cluster, tmp_path):
+    for i in range(3):
+        add_gpu_node(cluster, f"gpu-{i}")
+    cluster.add_node("cpu-0")  # not in the pool: nothing lands there
+    backend = backend_for(tmp_path)
+    cfg = run_config(tmp_path)
+    handle = backend.submit(cfg, "0", airflow_run_id="manual__2026-11-30T07:35:43+00:00")
+    assert handle.backend == "eks" and handle.job_name.startswith("llm-0-")
+    job = cluster.job(NS, handle.job_name)
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["parallelism"] == 2
+    pods = cluster.pods(NS, handle.job_name)
+    assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2  # one pod per node
+    assert all(p["spec"]["nodeName"].startswith("gpu-") for p in pods)
+    # The rendezvous Service, owned by the Job (deleting the Job deletes it).
+    services = [r for r in cluster.requests if r.resource == "services" and r.verb == "create"]
+    assert len(services) == 1
+    assert backend.status(handle).state == "running"
+
+    again = backend.submit(cfg, "0")  # a retried Airflow task
+    assert again.job_name == handle.job_name
+    assert len([r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]) == 1
+    with pytest.raises(JobConflictError, match="already has job"):
+        backend.submit(cfg, "1")  # launch 0 still runs: two launches would share one run dir
+
+
+def test_bad_input_and_missing_capacity_fail_before_anything_is_created(cluster, tmp_path):
+    add_gpu_node(cluster, "gpu-0")
+    cfg = run_config(tmp_path)
+    with pytest.raises(BackendError, match="needs a training image"):
+        backend_for(tmp_path).__class__(namespace=NS, kubernetes_conn_id="kubernetes_fake").submit(cfg, "0")
+    outside = RunConfig.from_dict({**cfg.to_dict(), "run_dir": "/elsewhere/runs/llm"})
+    with pytest.raises(BackendError, match="outside|under"):
+        backend_for(tmp_path).submit(outside, "0")
+    with pytest.raises(InsufficientCapacityError, match="needs 2 healthy node"):
+        backend_for(tmp_path).submit(cfg, "0")
+    with pytest.raises(BackendError, match="replacement="):
+        backend_for(tmp_path, replacement="magic")
+    assert not [r for r in cluster.requests if r.verb == "create"]
+
+
+def test_status_and_status_async_agree_through_the_providers_hooks(cluster, tmp_path):
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(run_config(tmp_path), "0")
+    sync = backend.status(handle)
+    via_async = asyncio.run(backend.status_async(handle))
+    assert sync.state == via_async.state == "running"
+    assert [n.node_id for n in sync.nodes] == [n.node_id for n in via_async.nodes]
+
+    cluster.succeed_pods(NS, handle.job_name)
+    status = asyncio.run(backend.status_async(handle))
+    assert status.state == "succeeded" and status.failure_class == "success"
+    assert status.exit_codes == {0: 0, 1: 0}
+
+
+def test_restarts_exhausted_fails_the_job_at_once_and_blames_the_node_from_the_events(cluster, tmp_path):
+    for i in range(3):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    cfg = run_config(tmp_path)
+    handle = backend.submit(cfg, "0")
+    pods = {p["spec"]["nodeName"]: p["metadata"]["name"] for p in cluster.pods(NS, handle.job_name)}
+    bad = sorted(pods)[1]
+    # What the pods wrote to the run dir on FSx: a rank on the bad node kept faulting.
+    events = EventLog(Path(cfg.run_dir) / "events.jsonl", run_id=cfg.run_id)
+    events.emit(Event.LAUNCH_BEGIN, launch_id="0", node_rank=0, node_id=sorted(pods)[0])
+    events.emit(Event.FAULT_DETECTED, kind="exception", error="CUDA error: uncorrectable ECC error", step=7,
+                rank=9, node_id=bad)
+    events.emit(Event.FAULT_DETECTED, kind="collective", error="NCCL timeout waiting for rank 9", step=7,
+                rank=0, node_id=sorted(pods)[0])  # a peer's symptom: does not blame its node
+    cluster.set_pod_log(NS, pods[bad], "rank 9: CUDA error\nft_launcher: max restarts reached\n")
+    cluster.terminate_pod(NS, pods[bad], int(ExitCode.RESTARTS_EXHAUSTED))
+
+    status = backend.status(handle)
+    assert status.state == "failed" and status.failure_class == "restarts_exhausted"
+    assert "PodFailurePolicy" in status.message
+    assert "max restarts reached" in backend.logs(handle, node=[n.index for n in status.nodes if n.node_id == bad][0])
+    diagnosis = backend.diagnose(handle)
+    assert diagnosis.replaceable and diagnosis.bad_node_ids == [bad], diagnosis.evidence
+    assert any("ECC" in e for e in diagnosis.evidence)
+
+
+def test_a_node_the_monitoring_agent_marks_unhealthy_is_blamed(cluster, tmp_path):
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(run_config(tmp_path), "0")
+    pod = cluster.pods(NS, handle.job_name)[0]
+    node = pod["spec"]["nodeName"]
+    cluster.set_node_condition(node, "AcceleratedHardwareReady", "False", "NvidiaXID79",
+                               "GPU has fallen off the bus")
+    cluster.terminate_pod(NS, pod["metadata"]["name"], int(ExitCode.RESTARTS_EXHAUSTED))
+    diagnosis = backend.diagnose(handle)
+    assert diagnosis.bad_node_ids == [node] and diagnosis.replaceable
+    assert any("AcceleratedHardwareReady=False" in e and "fallen off the bus" in e for e in diagnosis.evidence)
+
+
+def test_a_lost_node_is_replaceable_and_a_user_error_never_is(cluster, tmp_path):
+    for i in range(4):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    lost = backend.submit(run_config(tmp_path, run_id="lost"), "0")
+    victim = cluster.pods(NS, lost.job_name)[0]
+    node = victim["spec"]["nodeName"]
+    cluster.terminate_pod(NS, victim["metadata"]["name"], 137, reason="OOMKilled")
+    # Not a FailJob exit code: it counts against backoffLimit, and the job controller starts a new
+    # pod for that index (the restart layers on the other nodes wait for it to rejoin).
+    assert backend.status(lost).state == "running"
+    for _ in range(2):  # backoffLimit=2: the third lost pod fails the job
+        pod = wait_for(lambda: [p for p in cluster.pods(NS, lost.job_name) if p["status"]["phase"] == "Running"
+                                and p["spec"]["nodeName"] == node], what="a replacement pod")[0]
+        cluster.terminate_pod(NS, pod["metadata"]["name"], 137, reason="OOMKilled")
+    status = backend.status(lost)
+    assert status.state == "failed" and status.failure_class == "restarts_exhausted", status.message
+    assert "OOMKilled" in status.message and "BackoffLimitExceeded" in status.message
+    diagnosis = backend.diagnose(lost)
+    assert diagnosis.replaceable and diagnosis.bad_node_ids == [node], diagnosis.evidence
+
+    bug = backend.submit(run_config(tmp_path, run_id="bug"), "0")
+    pod = cluster.pods(NS, bug.job_name)[0]
+    cluster.terminate_pod(NS, pod["metadata"]["name"], int(ExitCode.USER_ERROR))
+    status = backend.status(bug)
+    assert status.state == "failed" and status.failure_class == "user_error"
+    assert any(c["type"] == "Failed" and c["reason"] == "PodFailurePolicy"
+               for c in cluster.job(NS, bug.job_name)["status"]["conditions"])
+    diagnosis = backend.diagnose(bug)
+    assert not diagnosis.replaceable and diagnosis.bad_node_ids == []
+    assert any("user error" in e for e in diagnosis.evidence)
+
+
+def test_cancel_suspends_the_job_keeps_the_evidence_and_records_a_stall(cluster, tmp_path):
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    cfg = run_config(tmp_path, stall_timeout_s=10)
+    handle = backend.submit(cfg, "0")
+    nodes = sorted(p["spec"]["nodeName"] for p in cluster.pods(NS, handle.job_name))
+    # Pretend the launch started long ago and never committed: the watch stops it as stalled.
+    assert backend.status(handle).state == "running"
+    import fsdp_resilience.backends.eks as eks
+
+    real_ts = eks._ts
+    eks._ts = lambda text: real_ts(text) - 3600
+    try:
+        backend.cancel(handle)
+    finally:
+        eks._ts = real_ts
+    job = cluster.job(NS, handle.job_name)
+    assert job["spec"]["suspend"] is True and CANCEL_ANNOTATION in job["metadata"]["annotations"]
+    wait_for(lambda: not [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+             what="the suspended job's pods to stop")
+    status = backend.status(handle)
+    assert status.state == "failed" and status.failure_class == "no_progress", status.message
+    backend.cancel(handle)  # a no-op now
+    diagnosis = backend.diagnose(handle)
+    assert diagnosis.replaceable and set(diagnosis.bad_node_ids) <= set(nodes) and diagnosis.bad_node_ids
+
+
+def test_replace_nodes_cordons_taints_evicts_and_terminates_the_instance_in_its_asg(cluster, tmp_path, aws):
+    instances = make_asg("gpu-ng-a", 5)
+    for i, instance in enumerate(instances):
+        add_gpu_node(cluster, f"gpu-{i}", instance)
+    backend = backend_for(tmp_path)
+    handle = backend.submit(run_config(tmp_path, nodes=2), "0")
+    pod = cluster.pods(NS, handle.job_name)[0]
+    bad = pod["spec"]["nodeName"]
+    bad_instance = instances[int(bad.split("-")[1])]
+
+    replacement = backend.replace_nodes([bad], reason="rung 1: restarts_exhausted")
+    assert replacement.replaced == [bad] and not replacement.refused, replacement.reason
+    node = cluster.node(bad)
+    assert node["spec"]["unschedulable"] is True
+    assert any(t["key"] == QUARANTINE_TAINT for t in node["spec"]["taints"])
+    assert any(t["key"] == "nvidia.com/gpu" for t in node["spec"]["taints"])  # other taints kept
+    assert pod["metadata"]["name"] in replacement.reason  # its running pod was evicted
+    assert [r for r in cluster.requests if r.subresource == "eviction" and r.verb == "create"]
+    assert bad_instance not in asg_instances("gpu-ng-a")
+    assert len(asg_instances("gpu-ng-a")) == 5  # desired capacity kept: the group launched a new one
+    capacity = backend.capacity()
+    assert capacity.total == 5 and capacity.healthy == 4 and capacity.quarantined == [bad]
+
+    again = backend.replace_nodes([bad], reason="again")  # already out of service: left alone
+    assert again.replaced == [] and "already out of service" in again.reason
+    # The share rule: 2 of 5 at once is more than 20 %.
+    others = sorted(n for n in capacity.healthy_node_ids)[:2]
+    refused = backend.replace_nodes(others, reason="too many")
+    assert refused.replaced == [] and refused.refused == others and "max_unhealthy_share" in refused.reason
+    assert not any(cluster.node(n)["spec"].get("unschedulable") for n in others)
+
+
+def test_an_untagged_asg_is_not_touched_and_the_reason_says_why(cluster, tmp_path, aws):
+    instances = make_asg("someone-elses", 1, tagged=False)
+    add_gpu_node(cluster, "gpu-0", instances[0])
+    replacement = backend_for(tmp_path, max_unhealthy_share=1.0).replace_nodes(["gpu-0"], reason="test")
+    assert replacement.refused == ["gpu-0"] and "lacks the tag fsdp-resilience/managed=true" in replacement.reason
+    assert asg_instances("someone-elses") == instances
+
+
+def test_karpenter_mode_deletes_the_nodeclaim_and_provisions_on_demand(cluster, tmp_path):
+    for i in range(5):
+        add_gpu_node(cluster, f"gpu-{i}")
+        cluster.add_nodeclaim(f"gpu-claim-{i}", f"gpu-{i}")
+    backend = backend_for(tmp_path, replacement="karpenter")
+    replacement = backend.replace_nodes(["gpu-3"], reason="bad GPU")
+    assert replacement.replaced == ["gpu-3"], replacement.reason
+    assert [r.name for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"] == ["gpu-claim-3"]
+    capacity = backend.capacity()
+    assert capacity.provisions_on_demand and capacity.fits(64)
+
+
+def test_evaluation_runs_as_a_one_pod_job_and_returns_its_result(cluster, tmp_path):
+    add_gpu_node(cluster, "gpu-0")
+    backend = backend_for(tmp_path, evaluation_poll_s=0.05)
+    cfg = run_config(tmp_path, nodes=1)
+    with pytest.raises(BackendError, match="no committed checkpoint"):
+        backend.run_evaluation(cfg)
+    from training.contract import CheckpointCatalog
+
+    catalog = CheckpointCatalog(cfg.run_dir)
+    catalog.layout.checkpoint_dir(20).mkdir(parents=True)
+    (catalog.layout.checkpoint_dir(20) / ".metadata").write_text("")
+    catalog.commit(20, world_size=8)
+
+    import threading
+
+    def pod_that_evaluates():
+        pods = wait_for(lambda: [p for p in cluster.pods(NS) if "eval" in p["metadata"]["name"]], what="the eval pod")
+        Path(cfg.run_dir, "eval.json").write_text(json.dumps({"checkpoint_id": "step_00000020", "val_loss": 2.5}))
+        cluster.terminate_pod(NS, pods[0]["metadata"]["name"], 0)
+
+    threading.Thread(target=pod_that_evaluates, daemon=True).start()
+    assert backend.run_evaluation(cfg, timeout_s=30) == {"checkpoint_id": "step_00000020", "val_loss": 2.5}
+    eval_jobs = [r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]
+    assert len(eval_jobs) == 1

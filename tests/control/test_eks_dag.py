@@ -1,0 +1,79 @@
+"""fsdp_training on the EKS backend with dag.test(): the same DAG as on the local backend, switched
+by the `backend` param alone. Kubernetes is the fake apiserver, the node group an Auto Scaling
+group in moto, FSx a temp folder, and the pods are played by eks_cluster.FakeKubelet.
+
+The scenario of the issue: launch -> the pod on node X ends with restarts exhausted -> X is
+cordoned and tainted and its instance terminated in the ASG -> the replacement instance joins as a
+new Ready node -> relaunch from the newest checkpoint -> success -> evaluation Job -> report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import make_dataset
+from eks_cluster import NS, FakeKubelet, add_gpu_node, asg_instances, make_asg
+from test_training_dag import states, trigger, xcom
+from training.contract import CheckpointCatalog, Event, ExitCode, read_events
+
+from fsdp_resilience.backends.eks import QUARANTINE_TAINT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def eks_env(tmp_path, monkeypatch, cluster, aws):
+    fsx = tmp_path / "fsx"  # FSx for Lustre, as mounted in the Airflow workers and the pods
+    env = {"FSDP_RUNS_ROOT": str(fsx / "runs"), "FSDP_DATA_ROOT": str(fsx / "datasets"),
+           "FSDP_FSX_MOUNT_PATH": str(fsx), "FSDP_EKS_IMAGE": "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp:test",
+           "FSDP_KUBERNETES_CONN_ID": "kubernetes_fake", "FSDP_AWS_CONN_ID": "aws_fake", "FSDP_AWS_REGION": "us-west-2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    make_dataset(fsx / "datasets" / "c4")
+    return fsx
+
+
+def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(eks_env, cluster):
+    instances = make_asg("gpu-ng", 2)
+    for i, instance in enumerate(instances):
+        add_gpu_node(cluster, f"gpu-{i}", instance)
+    placed: dict[str, dict[int, str]] = {}
+
+    def scenario(launch_id: str, index: int, node: str):
+        placed.setdefault(launch_id, {})[index] = node
+        if launch_id == "0":  # node 1's GPU keeps faulting: its restarts run out; node 0 waits
+            return int(ExitCode.RESTARTS_EXHAUSTED) if index == 1 else None
+        return 0
+
+    with FakeKubelet(cluster, scenario, fail_at_step=10, asg="gpu-ng") as kubelet:
+        dr = trigger({"run_name": "llm-eks", "backend": "eks", "dataset": "c4", "nodes": 2, "procs_per_node": 2,
+                      "steps": 20, "checkpoint_interval": 5, "max_node_replacements": 1})
+    st = states(dr)
+    assert str(dr.state) == "success", st
+    bad = placed["0"][1]
+    bad_instance = instances[int(bad.split("-")[1])]
+
+    # The ladder: launch 0 failed with restarts exhausted; rung 1 replaced the bad node.
+    assert xcom(dr, "watch_checkpoints")["failure_class"] == "restarts_exhausted"
+    replaced = xcom(dr, "escalation_1.diagnose_and_replace")
+    assert replaced["replaced"] == [bad] and replaced["failure_class"] == "restarts_exhausted", replaced
+    assert any("ECC" in e for e in replaced["evidence"])
+    node = cluster.node(bad)
+    assert node["spec"]["unschedulable"] and any(t["key"] == QUARANTINE_TAINT for t in node["spec"]["taints"])
+    assert bad_instance not in asg_instances("gpu-ng") and len(asg_instances("gpu-ng")) == 2
+    assert len(kubelet.joined) == 1  # the replacement instance joined as a new node...
+    assert bad not in placed["1"].values() and kubelet.joined[0] in placed["1"].values()  # ...and got a pod
+    assert st["escalation_2.decide"] == "skipped"
+
+    # Relaunched from the newest checkpoint, finished, evaluated, reported.
+    run_dir = eks_env / "runs" / "llm-eks"
+    assert CheckpointCatalog(run_dir).latest().step == 20
+    assert xcom(dr, "evaluate")["checkpoint_id"] == "step_00000020"
+    assert Path(xcom(dr, "build_report")["markdown"]).is_file()
+    escalations = [r for r in read_events(run_dir / "events.jsonl") if r["event"] == Event.ESCALATION.value]
+    assert [(r["from_launch"], r["to_launch"], r["nodes"]) for r in escalations] == [("0", "1", [bad])]
+    jobs = [r.name for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]
+    assert len(jobs) == 3  # launch 0, launch 1, the evaluation
+    assert all(p["metadata"]["namespace"] == NS for p in cluster.pods(NS))
