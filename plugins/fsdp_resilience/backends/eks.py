@@ -699,7 +699,7 @@ class _Kube:
                 if e.status != 409:
                     raise
 
-    # pods: list, delete; pods/log: get; pods/eviction: create
+    # pods: list; pods/log: get; pods/eviction: create
     def list_pods(self, label_selector: str, field_selector: str | None = None) -> list[dict[str, Any]]:
         kwargs = {"label_selector": label_selector}
         if field_selector:
@@ -729,9 +729,12 @@ class _Kube:
             except self.ApiException as e:
                 if e.status == 404:
                     continue
-                if e.status != 429:  # 429: a disruption budget forbids it; the node is bad, so delete
+                if e.status != 429:
                     raise
-                self.core.delete_namespaced_pod(name, self.namespace)
+                # A disruption budget forbids it now: the pod goes with the node when its instance
+                # is terminated (or a human drains it under replacement=cordon).
+                evicted.append(f"{name} (eviction blocked by a disruption budget)")
+                continue
             evicted.append(name)
         return evicted
 
