@@ -448,11 +448,8 @@ class CheckpointCatalog:
         if not root.is_dir():
             return
         for p in root.iterdir():
-            if not (p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)):
-                continue
-            try:
-                step = int(p.name[len(CHECKPOINT_PREFIX):])
-            except ValueError:
+            step = checkpoint_step(p.name)
+            if step is None or not p.is_dir():
                 continue
             marker = read_commit_marker(p)
             if marker is None:
@@ -506,12 +503,32 @@ class CheckpointCatalog:
         return doomed
 
 
-def read_commit_marker(path: Path) -> dict[str, Any] | None:
+def parse_commit_marker(text: str | bytes) -> dict[str, Any] | None:
+    """A commit marker's content: a JSON object, or None (unreadable: the checkpoint is torn).
+    Wherever the marker was read from (the run dir, its S3 export)."""
     try:
-        data = json.loads((Path(path) / COMMIT_MARKER).read_text())
-    except (OSError, ValueError):
+        data = json.loads(text)
+    except ValueError:
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_commit_marker(path: Path) -> dict[str, Any] | None:
+    try:
+        text = (Path(path) / COMMIT_MARKER).read_bytes()
+    except OSError:
+        return None
+    return parse_commit_marker(text)
+
+
+def checkpoint_step(name: str) -> int | None:
+    """The step of a checkpoint folder's name (``step_00000020`` -> 20); None if it is not one."""
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return None
+    try:
+        return int(name[len(CHECKPOINT_PREFIX):])
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------
