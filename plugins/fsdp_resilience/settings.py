@@ -19,6 +19,10 @@ The EKS backend (``backend_config("eks")``; see README "Run on EKS"):
   FSDP_EKS_POD                   JSON pod settings (backends/eks_manifests.py PodTemplateSettings), e.g.
                                  {"gpus_per_node": 8, "efa_per_node": 32, "node_selector": {...}}
   FSDP_FSX_MOUNT_PATH            where FSx is mounted, in the pods and the Airflow workers; default /fsx
+  FSDP_FSX_FILE_SYSTEM_ID        the FSx for Lustre file system (fs-...): staging and export tasks
+  FSDP_CHECKPOINTS_S3            optional s3://bucket/prefix that the runs root is exported to (the FSx
+                                 data repository association): the watch reads checkpoint progress
+                                 there, for a triggerer that does not mount FSx
 """
 
 from __future__ import annotations
@@ -67,15 +71,38 @@ def _json_env(var: str) -> Any:
         raise ValueError(f"{var} is not valid JSON ({e}): {text[:200]}") from None
 
 
+def fsx_mount_path() -> Path:
+    """Where FSx for Lustre is mounted in the Airflow workers and triggerer (and the pods)."""
+    return Path(os.environ.get("FSDP_FSX_MOUNT_PATH") or "/fsx")
+
+
+def aws_conn_id() -> str:
+    """The Airflow AWS connection for FSx, S3, EKS and Auto Scaling calls."""
+    return os.environ.get("FSDP_AWS_CONN_ID") or "aws_default"
+
+
+def checkpoints_s3_uri(run_dir: str) -> str | None:
+    """The S3 export of a run dir (FSDP_CHECKPOINTS_S3 + its path under the runs root), or None."""
+    base = os.environ.get("FSDP_CHECKPOINTS_S3", "").strip().rstrip("/")
+    if not base:
+        return None
+    try:
+        relative = Path(run_dir).resolve().relative_to(runs_root())
+    except ValueError:
+        raise ValueError(f"run dir {run_dir} is not under FSDP_RUNS_ROOT={runs_root()}, so its S3 export under "
+                         f"FSDP_CHECKPOINTS_S3={base} is unknown") from None
+    return f"{base}/{relative.as_posix()}"
+
+
 def eks_backend_config() -> dict[str, Any]:
     env = os.environ.get
     pod = dict(_json_env("FSDP_EKS_POD") or {})
     if env("FSDP_FSX_MOUNT_PATH"):
-        pod.setdefault("fsx_mount_path", env("FSDP_FSX_MOUNT_PATH"))
+        pod.setdefault("fsx_mount_path", str(fsx_mount_path()))
     config: dict[str, Any] = {
         "name": "eks", "image": env("FSDP_EKS_IMAGE", ""), "namespace": env("FSDP_EKS_NAMESPACE", "fsdp-training"),
         "kubernetes_conn_id": env("FSDP_KUBERNETES_CONN_ID", "kubernetes_default"),
-        "cluster_name": env("FSDP_EKS_CLUSTER_NAME") or None, "aws_conn_id": env("FSDP_AWS_CONN_ID", "aws_default"),
+        "cluster_name": env("FSDP_EKS_CLUSTER_NAME") or None, "aws_conn_id": aws_conn_id(),
         "region_name": env("FSDP_AWS_REGION") or None, "replacement": env("FSDP_EKS_REPLACEMENT", "asg"),
         "max_unhealthy_share": float(env("FSDP_EKS_MAX_UNHEALTHY_SHARE", "0.2")), "pod": pod}
     pool = _json_env("FSDP_EKS_POOL_SELECTOR")
