@@ -12,8 +12,10 @@ replaces a node.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 from training.contract import Event, EventLog, FailureClass, RunConfig
@@ -75,7 +77,8 @@ def launch(run: dict[str, Any], launch_no: int) -> dict[str, Any]:
     handle = backend.submit(cfg, launch_id=str(launch_no), airflow_run_id=run.get("airflow_run_id"))
     return {"backend": run["backend"], "handle": handle.to_dict(), "run_dir": cfg.run_dir,
             "final_step": cfg.steps, "stall_timeout_s": cfg.stall_timeout_s,
-            "launched_at": float(handle.extra.get("submitted_at", time.time()))}
+            "launched_at": float(handle.extra.get("submitted_at", time.time())),
+            "checkpoints_s3": settings.checkpoints_s3_uri(cfg.run_dir), "aws_conn_id": settings.aws_conn_id()}
 
 
 def next_launch_no(outcome: dict[str, Any]) -> int:
@@ -139,3 +142,21 @@ def has_capacity(run: dict[str, Any]) -> bool:
 def evaluate(run: dict[str, Any]) -> dict[str, Any]:
     """Evaluate the newest committed checkpoint where the run trained (a local process, a pod)."""
     return get_backend(**run["backend"]).run_evaluation(RunConfig.from_dict(run["config"]))
+
+
+def export_plan(run: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """What to export to S3 after a run (its run dir: checkpoints, evaluation, report) and why
+    (not): an FSx export task on EKS when FSDP_FSX_FILE_SYSTEM_ID is set; nothing otherwise."""
+    if run["backend"]["name"] != "eks":
+        return None, f"the {run['backend']['name']} backend's run dir is a local folder: nothing to export"
+    file_system = os.environ.get("FSDP_FSX_FILE_SYSTEM_ID", "").strip()
+    if not file_system:
+        return None, "FSDP_FSX_FILE_SYSTEM_ID is not set: the run dir stays on FSx only (set it to export to S3)"
+    run_dir = Path(run["config"]["run_dir"])
+    try:
+        fs_path = "/" + run_dir.relative_to(settings.fsx_mount_path()).as_posix() + "/"
+    except ValueError:
+        raise EscalationError(f"run dir {run_dir} is not under the FSx mount {settings.fsx_mount_path()} "
+                              "(FSDP_FSX_MOUNT_PATH): cannot export it") from None
+    return {"file_system_id": file_system, "path": fs_path, "aws_conn_id": settings.aws_conn_id()}, \
+        f"export {fs_path} of {file_system} to its S3 data repository"

@@ -38,10 +38,21 @@ class Progress:
         return asdict(self)
 
 
+def latest_checkpoint(run_dir: str, checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Any:
+    """The run's newest committed checkpoint: from the run dir (FSx mounted here), or from its S3
+    export when ``checkpoints_s3`` is set (a triggerer without the mount). Same rules either way."""
+    if checkpoints_s3:
+        from fsdp_resilience.fsx_staging import latest_committed_in_s3
+
+        return latest_committed_in_s3(checkpoints_s3, aws_conn_id=aws_conn_id or "aws_default")
+    return CheckpointCatalog(run_dir).latest()
+
+
 def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str, final_step: int,
-                   stall_timeout_s: float, launched_at: float, now: float | None = None) -> Progress:
+                   stall_timeout_s: float, launched_at: float, now: float | None = None,
+                   checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Progress:
     """One look at a launch: its newest committed checkpoint, then its job's state."""
-    latest = CheckpointCatalog(run_dir).latest()
+    latest = latest_checkpoint(run_dir, checkpoints_s3, aws_conn_id)
     return judge_progress(backend.status(handle), latest, handle, final_step=final_step,
                           stall_timeout_s=stall_timeout_s, launched_at=launched_at, now=now)
 

@@ -34,7 +34,8 @@ class CheckpointProgressSensor(BaseSensorOperator):
         launch = self.launch
         return {"backend": launch["backend"], "handle": launch["handle"], "run_dir": launch["run_dir"],
                 "final_step": launch["final_step"], "stall_timeout_s": launch["stall_timeout_s"],
-                "launched_at": launch["launched_at"]}
+                "launched_at": launch["launched_at"], "checkpoints_s3": launch.get("checkpoints_s3"),
+                "aws_conn_id": launch.get("aws_conn_id")}
 
     def execute(self, context: Any) -> Any:
         if not self.deferrable:

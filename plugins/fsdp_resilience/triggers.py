@@ -8,9 +8,7 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from fsdp_resilience.backends import JobHandle, get_backend
-from training.contract import CheckpointCatalog
-
-from fsdp_resilience.progress import judge_progress
+from fsdp_resilience.progress import judge_progress, latest_checkpoint
 
 
 class TrainingProgressTrigger(BaseTrigger):
@@ -22,7 +20,8 @@ class TrainingProgressTrigger(BaseTrigger):
     """
 
     def __init__(self, *, backend: dict[str, Any], handle: dict[str, Any], run_dir: str, final_step: int,
-                 stall_timeout_s: float, launched_at: float, poll_interval_s: float = 5.0):
+                 stall_timeout_s: float, launched_at: float, poll_interval_s: float = 5.0,
+                 checkpoints_s3: str | None = None, aws_conn_id: str | None = None):
         super().__init__()
         self.backend = backend
         self.handle = handle
@@ -31,21 +30,24 @@ class TrainingProgressTrigger(BaseTrigger):
         self.stall_timeout_s = stall_timeout_s
         self.launched_at = launched_at
         self.poll_interval_s = poll_interval_s
+        self.checkpoints_s3 = checkpoints_s3
+        self.aws_conn_id = aws_conn_id
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}", {
             "backend": self.backend, "handle": self.handle, "run_dir": self.run_dir,
             "final_step": self.final_step, "stall_timeout_s": self.stall_timeout_s,
             "launched_at": self.launched_at, "poll_interval_s": self.poll_interval_s,
+            "checkpoints_s3": self.checkpoints_s3, "aws_conn_id": self.aws_conn_id,
         })
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(**self.backend)
         handle = JobHandle.from_dict(self.handle)
         while True:
-            # The checkpoint first (a file read: off the event loop), then the job's state
+            # The checkpoint first (a file or S3 read: off the event loop), then the job's state
             # (the backend's async client where it has one: the EKS backend's AsyncKubernetesHook).
-            latest = await asyncio.to_thread(CheckpointCatalog(self.run_dir).latest)
+            latest = await asyncio.to_thread(latest_checkpoint, self.run_dir, self.checkpoints_s3, self.aws_conn_id)
             status = await backend.status_async(handle)
             progress = judge_progress(status, latest, handle, final_step=self.final_step,
                                       stall_timeout_s=self.stall_timeout_s, launched_at=self.launched_at)

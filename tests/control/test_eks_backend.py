@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,36 @@ def test_evaluation_runs_as_a_one_pod_job_and_returns_its_result(cluster, tmp_pa
     assert backend.run_evaluation(cfg, timeout_s=30) == {"checkpoint_id": "step_00000020", "val_loss": 2.5}
     eval_jobs = [r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]
     assert len(eval_jobs) == 1
+
+
+def test_the_watch_reads_checkpoints_from_the_s3_export_and_the_job_through_the_async_hook(cluster, tmp_path, aws):
+    """A triggerer without the FSx mount: progress from the run dir's S3 export, job state through
+    AsyncKubernetesHook, all inside the deferrable trigger's event loop."""
+    import boto3
+
+    from fsdp_resilience.triggers import TrainingProgressTrigger
+    from training.contract import COMMIT_MARKER
+
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(run_config(tmp_path, run_id="s3watch"), "0")
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="exports", CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+    for step in (5, 10):
+        s3.put_object(Bucket="exports", Key=f"runs/s3watch/checkpoints/step_{step:08d}/{COMMIT_MARKER}",
+                      Body=json.dumps({"step": step, "world_size": 16, "committed_at": time.time()}).encode())
+    s3.put_object(Bucket="exports", Key="runs/s3watch/checkpoints/step_00000015/__0_0.distcp", Body=b"torn")
+    trigger = TrainingProgressTrigger(
+        backend=backend.to_config(), handle=handle.to_dict(), run_dir=str(tmp_path / "not-mounted"), final_step=10,
+        stall_timeout_s=600, launched_at=time.time(), poll_interval_s=0.05,
+        checkpoints_s3="s3://exports/runs/s3watch", aws_conn_id="aws_fake")
+    assert TrainingProgressTrigger(**trigger.serialize()[1]).serialize() == trigger.serialize()
+
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+
+    cluster.succeed_pods(NS, handle.job_name)
+    event = asyncio.run(asyncio.wait_for(first_event(), timeout=60))
+    assert event["outcome"] == "success" and event["checkpoint_id"] == "step_00000010", event
