@@ -2,7 +2,10 @@
 
 validate_config -> stage_data -> launch_training -> watch_checkpoints
     -> escalation_1 (decide -> diagnose_and_replace -> wait_for_capacity -> relaunch -> watch) -> ... x3
-    -> resolve_outcome -> evaluate -> build_report -> publish
+    -> resolve_outcome -> evaluate -> build_report -> plan_export -> export_to_s3 -> publish
+
+On EKS, export_to_s3 copies the run dir (checkpoints, evaluation, report) from FSx for Lustre to its
+S3 data repository with an export task (deferrable); elsewhere plan_export says why it is skipped.
 
 Each escalation rung runs only when the launch before it failed with a retryable class and the
 run's max_node_replacements allows it; otherwise its tasks show as skipped, with the reason in the
@@ -18,6 +21,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from fsdp_resilience import ladder
 from fsdp_resilience.backends import BackendError
+from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
 from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
 from fsdp_resilience.sensors import CheckpointProgressSensor
 from training.contract import MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
@@ -155,7 +159,19 @@ def fsdp_training():
         print(f"run report: {paths.to_dict()}")
         return paths.to_dict()
 
-    @task(outlets=[MODEL_CHECKPOINT, MODEL_EVALUATION])
+    @task.branch
+    def plan_export(run: dict, report: dict) -> str:
+        plan, why = ladder.export_plan(run)
+        print(why)
+        get_current_context()["ti"].xcom_push(key="plan", value=plan)
+        return "export_to_s3" if plan else "publish"
+
+    _plan = "ti.xcom_pull(task_ids='plan_export', key='plan')"
+    export_to_s3 = FsxDataRepositoryTaskOperator(
+        task_id="export_to_s3", kind="export", file_system_id=f"{{{{ {_plan}['file_system_id'] }}}}",
+        paths=[f"{{{{ {_plan}['path'] }}}}"], aws_conn_id=f"{{{{ {_plan}['aws_conn_id'] }}}}")
+
+    @task(outlets=[MODEL_CHECKPOINT, MODEL_EVALUATION], trigger_rule="none_failed_min_one_success")
     def publish(run: dict, outcome: dict, evaluation: dict, report: dict) -> dict:
         outlet_events = get_current_context()["outlet_events"]
         checkpoint = f"{run['config']['run_dir']}/checkpoints/{outcome['checkpoint_id']}"
@@ -168,7 +184,10 @@ def fsdp_training():
     outcome = resolve_outcome(run)
     previous >> outcome
     evaluation = evaluate(run, outcome)
-    publish(run, outcome, evaluation, build_report(run, evaluation))
+    report = build_report(run, evaluation)
+    exported = plan_export(run, report)
+    exported >> export_to_s3
+    [exported, export_to_s3] >> publish(run, outcome, evaluation, report)
 
 
 fsdp_training()

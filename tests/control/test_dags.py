@@ -73,7 +73,7 @@ def test_the_training_graph_reads_top_to_bottom():
     order = ["validate_config", "stage_data", "launch_training", "watch_checkpoints",
              "escalation_1.decide", "escalation_1.diagnose_and_replace", "escalation_1.relaunch",
              "escalation_1.watch", "escalation_2.decide", "escalation_3.watch", "resolve_outcome",
-             "evaluate", "build_report", "publish"]
+             "evaluate", "build_report", "plan_export", "export_to_s3", "publish"]
     for upstream, downstream in zip(order, order[1:]):
         assert upstream in dag.get_task(downstream).get_flat_relative_ids(upstream=True), (upstream, downstream)
 

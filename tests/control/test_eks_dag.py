@@ -4,7 +4,8 @@ group in moto, FSx a temp folder, and the pods are played by eks_cluster.FakeKub
 
 The scenario of the issue: launch -> the pod on node X ends with restarts exhausted -> X is
 cordoned and tainted and its instance terminated in the ASG -> the replacement instance joins as a
-new Ready node -> relaunch from the newest checkpoint -> success -> evaluation Job -> report.
+new Ready node -> relaunch from the newest checkpoint -> success -> evaluation Job -> report ->
+export of the run dir to S3 with an FSx data repository task (botocore Stubber: moto has none).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from botocore.stub import ANY
 
 from conftest import make_dataset
 from eks_cluster import NS, FakeKubelet, add_gpu_node, asg_instances, make_asg
+from test_fsx import (FS, a_task, expect_associations, expect_describe, expect_file_system,  # noqa: F401
+                      expect_in_flight, stub)
 from test_training_dag import states, trigger, xcom
 from training.contract import CheckpointCatalog, Event, ExitCode, read_events
 
@@ -35,7 +39,17 @@ def eks_env(tmp_path, monkeypatch, cluster, aws):
     return fsx
 
 
-def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(eks_env, cluster):
+def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(eks_env, cluster, stub, monkeypatch):
+    monkeypatch.setenv("FSDP_FSX_FILE_SYSTEM_ID", FS)
+    expect_file_system(stub)  # export_to_s3: the file system, its associations, no task in flight
+    expect_associations(stub)
+    expect_in_flight(stub)
+    stub.add_response("create_data_repository_task", {"DataRepositoryTask": a_task(
+        "PENDING", "EXPORT_TO_REPOSITORY", ["runs/llm-eks"])}, {
+        "Type": "EXPORT_TO_REPOSITORY", "FileSystemId": FS, "Paths": ["runs/llm-eks"], "Report": {"Enabled": False},
+        "ClientRequestToken": ANY})
+    expect_describe(stub, a_task("SUCCEEDED", "EXPORT_TO_REPOSITORY", ["runs/llm-eks"],
+                                 Status={"TotalCount": 9, "SucceededCount": 9, "FailedCount": 0}))
     instances = make_asg("gpu-ng", 2)
     for i, instance in enumerate(instances):
         add_gpu_node(cluster, f"gpu-{i}", instance)
@@ -77,3 +91,4 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
     jobs = [r.name for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]
     assert len(jobs) == 3  # launch 0, launch 1, the evaluation
     assert all(p["metadata"]["namespace"] == NS for p in cluster.pods(NS))
+    assert st["export_to_s3"] == "success" and st["publish"] == "success"
