@@ -10,7 +10,7 @@ AFBIN   := $(AFVENV)/bin
 AFSTAMP := $(AFVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo demo-training test test-training test-control clean
+.PHONY: setup demo demo-training test test-training test-control lint-deploy clean
 
 setup: $(STAMP) $(AFSTAMP)
 
@@ -40,6 +40,12 @@ test-training: $(STAMP)
 
 test-control: $(STAMP) $(AFSTAMP)
 	$(AFBIN)/python -m pytest -q tests/control
+
+# The deployment kit alone (make test runs the same checks): render every kustomization with
+# kubectl's kustomize, validate each object strictly against Kubernetes 1.33, lint the Dockerfiles.
+lint-deploy: $(AFSTAMP)
+	$(AFBIN)/python deploy/render.py --check
+	$(AFBIN)/hadolint --failure-threshold style images/training/Dockerfile images/airflow/Dockerfile
 
 clean:
 	rm -rf $(VENV) $(AFVENV) runs build *.egg-info .pytest_cache
