@@ -91,6 +91,14 @@ def add_gpu_node(kube: FakeKube, name: str, instance: str | None = None, **kw) -
                          provider_id=f"aws:///{REGION}a/{instance}" if instance else None, **kw)
 
 
+def commit_checkpoint(run_dir: str | Path, step: int, world_size: int) -> None:
+    """A checkpoint as the ranks leave it (DCP's .metadata) and rank 0's commit."""
+    catalog = CheckpointCatalog(run_dir)
+    catalog.layout.checkpoint_dir(step).mkdir(parents=True, exist_ok=True)
+    (catalog.layout.checkpoint_dir(step) / ".metadata").write_bytes(b"")
+    catalog.commit(step, world_size=world_size)
+
+
 def wait_for(predicate: Callable, timeout: float = 30.0, what: str = "condition"):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -175,14 +183,10 @@ class FakeKubelet:
         events.emit(Event.LAUNCH_BEGIN, restart_mode=cfg.restart_mode)
         last = cfg.steps if code == 0 else self.fail_at_step
         if index == 0:
-            catalog = CheckpointCatalog(cfg.run_dir)
-            newest = catalog.latest()
+            newest = CheckpointCatalog(cfg.run_dir).latest()
             for step in range(cfg.checkpoint_interval, last + 1, cfg.checkpoint_interval):
-                if newest and step <= newest.step:
-                    continue
-                catalog.layout.checkpoint_dir(step).mkdir(parents=True, exist_ok=True)
-                (catalog.layout.checkpoint_dir(step) / ".metadata").write_bytes(b"")
-                catalog.commit(step, world_size=cfg.nodes * cfg.procs_per_node)
+                if not newest or step > newest.step:
+                    commit_checkpoint(cfg.run_dir, step, cfg.nodes * cfg.procs_per_node)
         else:
             # Wait for node 0's commits, as the ranks of one job do at each collective save.
             wait_for(lambda: (CheckpointCatalog(cfg.run_dir).latest() or None) and

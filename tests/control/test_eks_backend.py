@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eks_cluster import NS, add_gpu_node, asg_instances, make_asg, wait_for
+from eks_cluster import NS, add_gpu_node, asg_instances, commit_checkpoint, make_asg, wait_for
 from training.contract import Event, EventLog, ExitCode, RunConfig
 
 from fsdp_resilience.backends import BackendError, InsufficientCapacityError, JobConflictError, get_backend
@@ -249,12 +249,7 @@ def test_evaluation_runs_as_a_one_pod_job_and_returns_its_result(cluster, tmp_pa
     cfg = run_config(tmp_path, nodes=1)
     with pytest.raises(BackendError, match="no committed checkpoint"):
         backend.run_evaluation(cfg)
-    from training.contract import CheckpointCatalog
-
-    catalog = CheckpointCatalog(cfg.run_dir)
-    catalog.layout.checkpoint_dir(20).mkdir(parents=True)
-    (catalog.layout.checkpoint_dir(20) / ".metadata").write_text("")
-    catalog.commit(20, world_size=8)
+    commit_checkpoint(cfg.run_dir, 20, world_size=8)
 
     import threading
 

@@ -15,9 +15,9 @@ import threading
 import pytest
 
 from conftest import REPO
-from eks_cluster import NS, add_gpu_node, asg_instances, make_asg, wait_for
+from eks_cluster import NS, add_gpu_node, asg_instances, commit_checkpoint, make_asg, wait_for
 from test_eks_backend import backend_for, run_config
-from training.contract import CheckpointCatalog, ExitCode
+from training.contract import ExitCode
 
 sys.path.insert(0, str(REPO / "deploy"))
 render = pytest.importorskip("render")
@@ -47,10 +47,7 @@ def exercise(cluster, tmp_path, replacement: str) -> None:
     third = backend.submit(run_config(tmp_path, run_id=f"rbac-{replacement}-3", nodes=1), "0")
     backend.cancel(third)
 
-    catalog = CheckpointCatalog(cfg.run_dir)
-    catalog.layout.checkpoint_dir(5).mkdir(parents=True)
-    (catalog.layout.checkpoint_dir(5) / ".metadata").write_text("")
-    catalog.commit(5, world_size=16)
+    commit_checkpoint(cfg.run_dir, 5, world_size=16)
 
     def fail_the_evaluation():
         pod = wait_for(lambda: [p for p in cluster.pods(NS) if "eval" in p["metadata"]["name"]

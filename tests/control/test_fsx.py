@@ -390,25 +390,11 @@ def test_stage_dataset_imports_an_s3_dataset_into_fsx_and_verifies_it(stub, tmp_
 # -- checkpoint progress from the S3 export -------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto_s3():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture()
-def s3(moto_s3, monkeypatch):
-    for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    client = boto3.client("s3", region_name="us-east-1")
-    client.create_bucket(Bucket="exports")
+def s3(aws):
+    """A bucket in moto's server (the ``aws`` fixture: tests/control/eks_cluster.py)."""
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="exports", CreateBucketConfiguration={"LocationConstraint": client.meta.region_name})
     yield client
     for page in client.get_paginator("list_objects_v2").paginate(Bucket="exports"):
         for obj in page.get("Contents", []):

@@ -32,7 +32,6 @@ import contextlib
 import json
 import re
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -301,10 +300,13 @@ class EksBackend(TrainingBackend):
                                "take the node out of service and let a human replace it)")
         if not 0 < max_unhealthy_share <= 1:
             raise BackendError(f"max_unhealthy_share={max_unhealthy_share} must be in (0, 1]")
-        known = {f.name for f in fields(PodTemplateSettings)} - {"image", "namespace"}
-        unknown = sorted(set(pod or {}) - known)
-        if unknown:
-            raise BackendError(f"unknown pod settings {unknown}; known: {sorted(known)}")
+        if {"image", "namespace"} & set(pod or {}):
+            raise BackendError("give image and namespace as the backend's own settings, not in pod")
+        try:
+            self.settings = PodTemplateSettings.from_dict({"image": image, "namespace": namespace, **(pod or {})},
+                                                          validate=False)
+        except (TypeError, ValueError) as e:
+            raise BackendError(f"EKS pod settings: {e}") from None
         self.image = image
         self.namespace = namespace
         self.kubernetes_conn_id = kubernetes_conn_id
@@ -315,7 +317,6 @@ class EksBackend(TrainingBackend):
         self.max_unhealthy_share = float(max_unhealthy_share)
         self.evaluation_poll_s = float(evaluation_poll_s)
         self.pod = dict(pod or {})
-        self.settings = PodTemplateSettings(image=image, namespace=namespace, **self.pod)
         #: The GPU node pool: the nodes training pods may land on (default: the pods' nodeSelector).
         self.pool_selector = dict(pool_selector if pool_selector is not None else self.settings.node_selector)
 

@@ -285,7 +285,9 @@ class PodTemplateSettings:
         return copy.deepcopy(dataclasses.asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PodTemplateSettings":
+    def from_dict(cls, data: dict[str, Any], validate: bool = True) -> "PodTemplateSettings":
+        """Settings from a dict (unknown keys refused), validated unless ``validate=False`` (a
+        backend built before it knows its image; every builder validates)."""
         if not isinstance(data, dict):
             raise TypeError(f"PodTemplateSettings.from_dict needs a dict, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -293,7 +295,8 @@ class PodTemplateSettings:
         if unknown:
             raise ValueError(f"unknown pod template setting(s) {unknown}; known settings: {sorted(known)}")
         settings = cls(**copy.deepcopy(data))
-        settings.validate()
+        if validate:
+            settings.validate()
         return settings
 
 
