@@ -295,3 +295,24 @@ def test_the_watch_reads_checkpoints_from_the_s3_export_and_the_job_through_the_
     cluster.succeed_pods(NS, handle.job_name)
     event = asyncio.run(asyncio.wait_for(first_event(), timeout=60))
     assert event["outcome"] == "success" and event["checkpoint_id"] == "step_00000010", event
+
+
+def test_with_a_cluster_name_the_kubeconfig_comes_from_eks_and_the_aws_connection(aws, tmp_path):
+    """Airflow outside the cluster: EksHook builds the kubeconfig from DescribeCluster (endpoint,
+    CA) with a token from the AWS connection's credentials, and removes it afterwards."""
+    import boto3
+    import yaml
+
+    role = boto3.client("iam").create_role(RoleName="eks-cluster", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    cluster = boto3.client("eks").create_cluster(name="training", roleArn=role,
+                                                 resourcesVpcConfig={"subnetIds": ["subnet-1"]})["cluster"]
+    backend = backend_for(tmp_path, cluster_name="training")
+    assert get_backend(**backend.to_config()).cluster_name == "training"
+    with backend._kubeconfig() as path:
+        config = yaml.safe_load(Path(path).read_text())
+    assert not Path(path).exists()  # it held a credential: gone once used
+    (server,) = [c["cluster"]["server"] for c in config["clusters"]]
+    assert server == boto3.client("eks").describe_cluster(name="training")["cluster"]["endpoint"]
+    assert cluster["name"] == "training"
+    assert config["contexts"][0]["context"]["namespace"] == NS
+    assert "exec" in config["users"][0]["user"]  # a short-lived token, refreshed per request
