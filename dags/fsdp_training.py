@@ -23,7 +23,7 @@ from fsdp_resilience import ladder
 from fsdp_resilience.backends import BackendError
 from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
 from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
-from fsdp_resilience.sensors import CheckpointProgressSensor
+from fsdp_resilience.sensors import CheckpointProgressSensor, NodeCapacitySensor
 from training.contract import MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
 
 
@@ -114,10 +114,6 @@ def fsdp_training():
                 except ladder.EscalationError as e:
                     raise AirflowFailException(str(e)) from None
 
-            @task.sensor(poke_interval=2, timeout=900, mode="reschedule")
-            def wait_for_capacity(run: dict, replaced: dict) -> bool:
-                return ladder.has_capacity(run)
-
             @task
             def relaunch(run: dict, outcome: dict, replaced: dict) -> dict:
                 return ladder.launch(run, launch_no=ladder.next_launch_no(outcome))
@@ -125,7 +121,7 @@ def fsdp_training():
             outcome = decide(run)
             replaced = diagnose_and_replace(run, outcome)
             relaunched = relaunch(run, outcome, replaced)
-            wait_for_capacity(run, replaced) >> relaunched
+            replaced >> NodeCapacitySensor(task_id="wait_for_capacity", run=run) >> relaunched
             watch = CheckpointProgressSensor(task_id="watch", launch=relaunched)
         previous >> group
         watches.append(watch)

@@ -132,13 +132,6 @@ def diagnose_and_replace(run: dict[str, Any], outcome: dict[str, Any], rung: int
             "replaced": replacement.replaced, "evidence": diagnosis.evidence}
 
 
-def has_capacity(run: dict[str, Any]) -> bool:
-    capacity = get_backend(**run["backend"]).capacity()
-    print(f"capacity: {capacity.healthy} of {capacity.total} node(s) healthy, out of service: {capacity.quarantined}"
-          + ("; the platform provisions nodes on demand" if capacity.provisions_on_demand else ""))
-    return capacity.fits(run["config"]["nodes"])
-
-
 def evaluate(run: dict[str, Any]) -> dict[str, Any]:
     """Evaluate the newest committed checkpoint where the run trained (a local process, a pod)."""
     return get_backend(**run["backend"]).run_evaluation(RunConfig.from_dict(run["config"]))

@@ -1,4 +1,4 @@
-"""The checkpoint sensor: waits for a training launch to finish, deferring while it runs."""
+"""The sensors: wait for a training launch to finish, and for node capacity, deferring meanwhile."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from airflow.sdk import BaseSensorOperator
 
 from fsdp_resilience.backends import JobHandle, get_backend
 from fsdp_resilience.progress import check_progress
-from fsdp_resilience.triggers import TrainingProgressTrigger
+from fsdp_resilience.triggers import NodeCapacityTrigger, TrainingProgressTrigger
 
 
 class CheckpointProgressSensor(BaseSensorOperator):
@@ -55,4 +55,36 @@ class CheckpointProgressSensor(BaseSensorOperator):
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         self.log.info("launch %s: %s (%s) — %s", event["launch_id"], event["outcome"], event["failure_class"],
                       event["message"])
+        return event
+
+
+class NodeCapacitySensor(BaseSensorOperator):
+    """Waits, deferred, until the run's backend can place ``cfg.nodes`` nodes (after a node was
+    replaced: until its replacement has joined). Fails after ``timeout_s`` with what it saw."""
+
+    template_fields = ("run",)
+
+    def __init__(self, *, run: dict[str, Any] | str, timeout_s: float = 1800.0, poll_interval_s: float = 10.0,
+                 **kwargs: Any):
+        super().__init__(poke_interval=poll_interval_s, timeout=timeout_s, **kwargs)
+        self.run = run  # validate_config's XCom: config, backend
+        self.timeout_s = timeout_s
+        self.poll_interval_s = poll_interval_s
+
+    def execute(self, context: Any) -> Any:
+        self.defer(trigger=NodeCapacityTrigger(backend=self.run["backend"], nodes=self.run["config"]["nodes"],
+                                               timeout_s=self.timeout_s, started_at=time.time(),
+                                               poll_interval_s=self.poll_interval_s),
+                   method_name="execute_complete")
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        capacity = event["capacity"]
+        summary = (f"{capacity['healthy']} of {capacity['total']} node(s) healthy, out of service "
+                   f"{capacity['quarantined']}, after {event['waited_s']}s")
+        if not event["ready"]:
+            from airflow.sdk.exceptions import AirflowFailException
+
+            raise AirflowFailException(f"not enough healthy nodes for {self.run['config']['nodes']} node(s) within "
+                                       f"{self.timeout_s:.0f}s: {summary}; scale the node group up or lower nodes")
+        self.log.info("capacity: %s", summary)
         return event

@@ -1,8 +1,10 @@
-"""Deferrable trigger: watch a training launch from the triggerer, holding no worker slot."""
+"""Deferrable triggers: watch a training launch, and wait for node capacity, from the triggerer,
+holding no worker slot."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -55,4 +57,37 @@ class TrainingProgressTrigger(BaseTrigger):
                 yield TriggerEvent(progress.to_dict())
                 return
             self.log.info("%s", progress.message)
+            await asyncio.sleep(self.poll_interval_s)
+
+
+class NodeCapacityTrigger(BaseTrigger):
+    """Fires once the backend's node pool can take a job of ``nodes`` nodes (enough healthy,
+    schedulable nodes, or a platform that provisions on demand), or after ``timeout_s`` with the
+    capacity last seen. Stateless like the progress trigger: it only polls ``capacity()``."""
+
+    def __init__(self, *, backend: dict[str, Any], nodes: int, timeout_s: float, started_at: float,
+                 poll_interval_s: float = 10.0):
+        super().__init__()
+        self.backend = backend
+        self.nodes = nodes
+        self.timeout_s = timeout_s
+        self.started_at = started_at
+        self.poll_interval_s = poll_interval_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", {
+            "backend": self.backend, "nodes": self.nodes, "timeout_s": self.timeout_s,
+            "started_at": self.started_at, "poll_interval_s": self.poll_interval_s})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        backend = get_backend(**self.backend)
+        while True:
+            capacity = await asyncio.to_thread(backend.capacity)  # a few API calls: off the loop
+            waited = time.time() - self.started_at
+            if capacity.fits(self.nodes) or waited > self.timeout_s:
+                yield TriggerEvent({"ready": capacity.fits(self.nodes), "waited_s": round(waited, 1),
+                                    "capacity": capacity.to_dict()})
+                return
+            self.log.info("%d of %d node(s) healthy; %d needed (out of service: %s)", capacity.healthy,
+                          capacity.total, self.nodes, capacity.quarantined)
             await asyncio.sleep(self.poll_interval_s)

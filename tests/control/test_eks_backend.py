@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -251,7 +252,6 @@ def test_evaluation_runs_as_a_one_pod_job_and_returns_its_result(cluster, tmp_pa
         backend.run_evaluation(cfg)
     commit_checkpoint(cfg.run_dir, 20, world_size=8)
 
-    import threading
 
     def pod_that_evaluates():
         pods = wait_for(lambda: [p for p in cluster.pods(NS) if "eval" in p["metadata"]["name"]], what="the eval pod")
@@ -316,3 +316,35 @@ def test_with_a_cluster_name_the_kubeconfig_comes_from_eks_and_the_aws_connectio
     assert cluster["name"] == "training"
     assert config["contexts"][0]["context"]["namespace"] == NS
     assert "exec" in config["users"][0]["user"]  # a short-lived token, refreshed per request
+
+
+def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_what_it_saw(cluster, tmp_path):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from fsdp_resilience.sensors import NodeCapacitySensor
+    from fsdp_resilience.triggers import NodeCapacityTrigger
+
+    add_gpu_node(cluster, "gpu-0")
+    add_gpu_node(cluster, "gpu-1", ready=False)
+    backend = backend_for(tmp_path)
+
+    async def first_event(trigger):
+        async for event in trigger.run():
+            return event.payload
+
+    def trigger(timeout_s):
+        return NodeCapacityTrigger(backend=backend.to_config(), nodes=2, timeout_s=timeout_s, started_at=time.time(),
+                                   poll_interval_s=0.05)
+
+    gave_up = asyncio.run(first_event(trigger(0.2)))
+    assert gave_up["ready"] is False and gave_up["capacity"]["healthy"] == 1
+    sensor = NodeCapacitySensor(task_id="wait_for_capacity", run={"backend": backend.to_config(),
+                                                                  "config": {"nodes": 2}}, timeout_s=0.2)
+    with pytest.raises(AirflowFailException, match="not enough healthy nodes for 2"):
+        sensor.execute_complete({}, gave_up)
+
+    waiting = trigger(60)
+    assert NodeCapacityTrigger(**waiting.serialize()[1]).serialize() == waiting.serialize()
+    threading.Timer(0.3, lambda: cluster.set_node_condition("gpu-1", "Ready", "True", "KubeletReady")).start()
+    ready = asyncio.run(asyncio.wait_for(first_event(waiting), timeout=30))
+    assert ready["ready"] is True and ready["capacity"]["healthy"] == 2
