@@ -193,8 +193,8 @@ def test_backends_are_built_by_name_and_from_their_config(tmp_path):
         assert isinstance(again, LocalProcessBackend) and again.to_config() == b.to_config()
     with pytest.raises(BackendError, match="unknown training backend 'slurm'"):
         get_backend("slurm")
-    with pytest.raises(BackendError, match="'eks' training backend is not available"):
-        get_backend("eks")
+    eks = get_backend("eks", image="registry/fsdp:1", namespace="team-a")  # imported on first use
+    assert get_backend(**json.loads(json.dumps(eks.to_config()))).to_config() == eks.to_config()
     with pytest.raises(BackendError, match="belongs to the 'eks' backend"):
         b.status(JobHandle("eks", "r", "1", "r-1"))
 
