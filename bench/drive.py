@@ -1,0 +1,137 @@
+"""Run training the way the fsdp_training DAG does, minus Airflow's scheduler, and time the control
+plane's part of each relaunch.
+
+``drive`` submits launch 0 to a backend, watches it with the check the deferrable sensor's trigger
+makes (``fsdp_resilience.progress.check_progress``, every ``poll_s``: 5 s like the sensor), and
+when a launch fails with a retryable class climbs the escalation ladder with the DAG's own
+functions (``fsdp_resilience.ladder``): diagnose and replace the node, wait for capacity (the
+check the DAG's ``wait_for_capacity`` trigger makes, first at once, then every 10 s), relaunch
+from the newest committed checkpoint.
+What this leaves out of a real deployment: the scheduler starting each task (seconds per task in
+a busy Airflow) and the triggerer's own loop. Torch-free: runs in the control-plane venv.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from bench.common import log, plugins_on_path
+
+plugins_on_path()
+
+from fsdp_resilience import ladder  # noqa: E402
+from fsdp_resilience.backends import JobHandle, get_backend  # noqa: E402
+from fsdp_resilience.progress import check_progress  # noqa: E402
+from training.contract import RunConfig, read_events  # noqa: E402
+
+CAPACITY_POLL_S = 10.0  # the DAG's wait_for_capacity (NodeCapacitySensor) poll interval
+
+
+def has_capacity(run: dict[str, Any]) -> bool:
+    """What the DAG's wait_for_capacity asks: can the backend place the run's nodes now?"""
+    return get_backend(**run["backend"]).capacity().fits(run["config"]["nodes"])
+
+
+def watch(launch: dict[str, Any], poll_s: float, deadline: float,
+          stop: Callable[[], bool] | None = None) -> tuple[dict[str, Any] | None, float]:
+    """Poll one launch until it succeeds, fails or stalls: (Progress dict, when it was seen); or
+    until ``stop()`` says the benchmark has what it needs: (None, when)."""
+    backend = get_backend(**launch["backend"])
+    handle = JobHandle.from_dict(launch["handle"])
+    while True:
+        progress = check_progress(backend, handle, run_dir=launch["run_dir"], final_step=launch["final_step"],
+                                  stall_timeout_s=launch["stall_timeout_s"], launched_at=launch["launched_at"])
+        if progress.outcome is not None:
+            return progress.to_dict(), time.time()
+        if stop is not None and stop():
+            return None, time.time()
+        if time.time() > deadline:
+            raise TimeoutError(f"launch {handle.launch_id} of {handle.run_id} was still running at the deadline: "
+                               f"{progress.message}")
+        time.sleep(poll_s)
+
+
+def drive(run: dict[str, Any], *, poll_s: float = 5.0, timeout_s: float = 1800.0,
+          stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Launch, watch, and escalate until the run succeeds or the ladder stops, or until ``stop()``
+    (asked at every poll) is true: the running launch is then cancelled, as a user would. ``run``
+    is what the DAG's ``validate_config`` returns: ``{"config", "backend", "max_node_replacements"}``.
+    Returns the outcome of every launch and the control plane's timestamps of every rung."""
+    deadline = time.time() + timeout_s
+    launches: list[dict[str, Any]] = []
+    rungs: list[dict[str, Any]] = []
+    launch = ladder.launch(run, launch_no=0)
+    try:
+        while True:
+            outcome, seen_at = watch(launch, poll_s, deadline, stop)
+            if outcome is None:
+                get_backend(**launch["backend"]).cancel(JobHandle.from_dict(launch["handle"]))
+                launches.append({"launch_id": launch["handle"]["launch_id"], "outcome": "stopped",
+                                 "failure_class": None, "message": "stopped by the benchmark", "seen_at": seen_at,
+                                 "node_ids": launch["handle"]["extra"].get("node_ids")})
+                log(f"launch {launch['handle']['launch_id']}: stopped by the benchmark")
+                return {"launches": launches, "rungs": rungs, "stopped_because": "stop condition", "stopped_at": seen_at}
+            launches.append({"launch_id": outcome["launch_id"], "outcome": outcome["outcome"],
+                             "failure_class": outcome["failure_class"], "message": outcome["message"],
+                             "seen_at": seen_at, "node_ids": launch["handle"]["extra"].get("node_ids")})
+            log(f"launch {outcome['launch_id']}: {outcome['outcome']} ({outcome['failure_class']}) {outcome['message'][:120]}")
+            rung = len(rungs) + 1
+            climb, why = ladder.should_escalate(outcome, rung, run["max_node_replacements"])
+            if not climb:
+                return {"launches": launches, "rungs": rungs, "stopped_because": why}
+            began = time.time()
+            replaced = ladder.diagnose_and_replace(run, outcome, rung)
+            replaced_at = time.time()
+            while not has_capacity(run):
+                if time.time() > deadline:
+                    raise TimeoutError("no capacity for a relaunch before the deadline")
+                time.sleep(CAPACITY_POLL_S)
+            capacity_at = time.time()
+            launch = ladder.launch(run, launch_no=ladder.next_launch_no(outcome))
+            rungs.append({"rung": rung, "from_launch": outcome["launch_id"], "to_launch": launch["handle"]["launch_id"],
+                          "failure_seen_at": seen_at, "began": began, "replaced_at": replaced_at,
+                          "capacity_at": capacity_at, "submitted_at": time.time(), "replaced": replaced["replaced"],
+                          "failure_class": replaced["failure_class"]})
+    finally:
+        get_backend(**launch["backend"]).cancel(JobHandle.from_dict(launch["handle"]))  # no-op when done
+
+
+def relaunch_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per relaunch: seconds from the failed launch giving up (its launcher's ``final`` event, or
+    the node loss that left no launcher to write one) to the first step of the relaunch, split
+    into detect (the watch sees it), diagnose + replace, capacity + submit (-> the new launcher
+    starts), start + restore (-> ``train_begin``) and first step (-> ``restart_end``)."""
+    events = sorted(read_events(cfg.layout.events), key=lambda r: r["ts"])
+
+    def first(launch_id: str, **match: Any) -> dict[str, Any] | None:
+        return next((r for r in events if str(r.get("launch_id", "")) == launch_id
+                     and all(r.get(k) == v for k, v in match.items())), None)
+
+    trials = []
+    for rung in driven["rungs"]:
+        old, new = str(rung["from_launch"]), str(rung["to_launch"])
+        final = first(old, event="final")
+        faults = [r for r in events if r.get("event") == "fault_injected" and str(r.get("launch_id", "")) == old]
+        fault = faults[-1] if faults else None
+        gave_up = final["ts"] if final else (fault["ts"] if fault else None)
+        begin = first(new, event="launch_begin")
+        start = first(new, event="train_begin", rank=0)
+        end = first(new, event="restart_end", layer="relaunch")
+        if gave_up is None or end is None:
+            trials.append({"rung": rung["rung"], "note": "relaunch did not complete a step", "total_s": None})
+            continue
+        marks = [("detect", gave_up, rung["failure_seen_at"]), ("diagnose_replace", rung["failure_seen_at"], rung["replaced_at"]),
+                 ("capacity_submit", rung["replaced_at"], begin["ts"] if begin else None),
+                 ("start_restore", begin["ts"] if begin else None, start["ts"] if start else None),
+                 ("first_step", start["ts"] if start else None, end["ts"])]
+        trials.append({
+            "rung": rung["rung"], "kind": fault.get("kind") if fault else None,
+            "failure_class": rung["failure_class"], "replaced": rung["replaced"],
+            "launch_failed_by": "final event" if final else "node lost (no final event)",
+            "data_plane_s": round(gave_up - fault["ts"], 3) if (fault and final) else None,
+            "total_s": round(end["ts"] - gave_up, 3),
+            "parts": {name: (round(b - a, 3) if (a is not None and b is not None) else None) for name, a, b in marks},
+            "restart_end_latency_s": end.get("latency_s"),
+        })
+    return trials

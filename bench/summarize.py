@@ -1,0 +1,501 @@
+"""Merge the benchmark results into one summary JSON, draw the plots, and write the Markdown
+table of the latest figures (docs/benchmarks.md, merged into the README).
+
+    .venv-airflow/bin/python -m bench.summarize [--out bench/results] [--quick] [--docs docs/benchmarks.md]
+
+``render_markdown(summary)`` is a pure function of the summary JSON (standard library only), so
+a test can check that the committed table matches the committed JSON. Plots need matplotlib
+(the control-plane venv has it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, RESULTS, read_json, write_json
+
+SUMMARY = "latest.json"
+#: How each checkpoint method saves, for the table's notes.
+METHOD_HOW = {
+    "memcpy": "copies each rank's tensors into buffers allocated once (no file: the floor)",
+    "nvrx_async": "`AsyncCheckpointer.save`: snapshot into reused shared-memory buffers, DCP plan, hand-off to "
+                  "NVRx's persistent writer process, which writes and fsyncs; committed by the next poll/wait",
+    "torch_async_save": "`torch.distributed.checkpoint.async_save` with its default stager (a fresh CPU copy per "
+                        "save), written by a background thread",
+    "dcp_save": "`torch.distributed.checkpoint.save`, returns when written (fsync) and the metadata is out",
+    "torch_save": "`torch.save` of each rank's local shards to its own file, then fsync",
+}
+#: Short names of the checkpoint methods, for table headers and legends.
+METHOD_NAMES = {"memcpy": "memcpy (floor)", "nvrx_async": "project: NVRx async DCP", "torch_async_save": "torch dcp.async_save",
+                "dcp_save": "torch dcp.save (sync)", "torch_save": "torch.save"}
+PARTS = {"training_plane": "training_plane.json", "chaos": "chaos.json", "control_plane": "control_plane.json"}
+#: Phases of a recovery, in time order, and their colours in the plot.
+PHASES = ("detect", "tear_down", "rendezvous", "rendezvous_restore", "detect_to_new_workers", "diagnose_replace",
+          "capacity_submit", "start_restore", "first_step")
+PHASE_COLORS = {"detect": "tab:red", "tear_down": "tab:orange", "rendezvous": "tab:olive",
+                "rendezvous_restore": "tab:purple", "detect_to_new_workers": "tab:brown", "diagnose_replace": "tab:pink",
+                "capacity_submit": "tab:gray", "start_restore": "tab:cyan", "first_step": "tab:green"}
+PLOTS = ("stall.png", "recovery.png", "young_daly.png", "chaos-timeline.png", "chaos-goodput.png")
+
+
+def build_summary(out: Path, quick: bool = False) -> dict[str, Any]:
+    """One JSON with every part's results (quick: the *.quick.json files)."""
+    summary: dict[str, Any] = {"quick": quick}
+    driver = out / ("run.quick.json" if quick else "run.json")
+    if driver.exists():
+        summary["run"] = read_json(driver)
+    for part, name in PARTS.items():
+        path = out / (name.replace(".json", ".quick.json") if quick else name)
+        if path.exists():
+            summary[part] = read_json(path)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------
+
+
+def _s(x: float | None) -> str:
+    """Seconds, with the precision the value needs."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    if x < 0.01:
+        return f"{x * 1000:.1f} ms"
+    if x < 1:
+        return f"{x * 1000:.0f} ms"
+    if x < 10:
+        return f"{x:.2f} s"
+    if x < 100:
+        return f"{x:.1f} s"
+    return f"{x:.0f} s"
+
+
+def _stat(stats: dict[str, Any] | None) -> str:
+    """median (min–max, n)"""
+    if not stats or not stats.get("n"):
+        return "—"
+    if stats["n"] == 1:
+        return f"{_s(stats['median'])} (n=1)"
+    return f"{_s(stats['median'])} ({_s(stats['min'])}–{_s(stats['max'])})"
+
+
+def _ok(met: bool | None) -> str:
+    return "—" if met is None else ("met" if met else "**missed**")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _load(part: dict[str, Any]) -> str:
+    load = part.get("load") or {}
+    during = load.get("loadavg_1m_during") or {}
+    if not during.get("n"):
+        return "load average not recorded"
+    return f"1-min load average {during['min']}–{during['max']} (median {during['median']}) on {load.get('cores')} cores"
+
+
+def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
+    """(figure, target, measured, met) for every target of the issue."""
+    rows: list[tuple[str, str, str, bool | None]] = []
+    stall = (summary.get("training_plane") or {}).get("stall")
+    if stall:
+        for size in stall["sizes"]:
+            r = size["ratios"]
+            rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ memcpy floor", "≤ 2×",
+                         f"{r['nvrx_async_over_memcpy']}×", r["nvrx_async_over_memcpy"] <= 2.0))
+            rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ synchronous dcp.save", "≤ 0.1×",
+                         f"{r['nvrx_async_over_dcp_save']}×", r["nvrx_async_over_dcp_save"] <= 0.1))
+    recovery = (summary.get("training_plane") or {}).get("recovery")
+    if recovery:
+        for row in recovery["rows"]:
+            if "target_s" in row:
+                rows.append((f"recovery, {row['kind']} ({row['restart_mode']}) → {row['layer']}", f"≤ {row['target_s']:.0f} s",
+                             _stat(row["latency_s"]), row["target_met"]))
+    relaunch = (summary.get("control_plane") or {}).get("relaunch")
+    if relaunch:
+        for row in relaunch["rows"]:
+            rows.append((f"recovery, {row['kind']} → relaunch on a replaced node (control plane)", "≤ 60 s",
+                         _stat(row["total_s"]), row["target_met"]))
+    chaos = summary.get("chaos")
+    if chaos:
+        target = chaos["young_daly"][1]
+        rows.append(("goodput: ETTR at one fault per 10 min, Young/Daly interval (model fed with measured costs)",
+                     "≥ 0.97", f"{target['ettr']['young_daly']:.3f}", target["ettr"]["young_daly"] >= 0.97))
+        rows.append((f"goodput: time lost per fault (measured, {chaos['faults_injected']} faults)", "≤ 10 s",
+                     _s(chaos["lost_per_fault_s"]), chaos["lost_per_fault_s"] is not None and chaos["lost_per_fault_s"] <= 10))
+    slots = (summary.get("control_plane") or {}).get("slots")
+    if slots:
+        sensor = sum(v for k, v in slots["worker_slot_s_by_task"].items() if "watch" in k)
+        rows.append(("worker slots held while training runs (dag.test: the sensor deferred)", "0",
+                     f"{slots['slots_held_while_deferred']} while deferred ({slots['deferred_trigger_s_during_training']:.0f} s "
+                     f"in the trigger); the sensor ran {_s(sensor)} to defer; {slots['worker_slot_s_during_training']:.2f} "
+                     f"slot-s of task code in the {slots['training_window_s']:.0f} s window",
+                     slots["slots_held_while_deferred"] == 0 and slots["deferrals"] > 0))
+    evaluation = (summary.get("training_plane") or {}).get("eval_load")
+    if evaluation:
+        r = evaluation["ratios"]["load_over_raw_read_model_bytes"]
+        rows.append((f"evaluation load ÷ raw read of the same bytes ({evaluation['model']})", "≤ 1.5×", f"{r}×", r <= 1.5))
+    return rows
+
+
+def render_markdown(summary: dict[str, Any]) -> str:
+    tp = summary.get("training_plane") or {}
+    cp = summary.get("control_plane") or {}
+    chaos = summary.get("chaos") or {}
+    run = summary.get("run") or {}
+    machine = tp.get("machine") or cp.get("machine") or chaos.get("machine") or {}
+    versions = {**(tp.get("versions") or {}), **(cp.get("versions") or {})}
+    lines = ["## Benchmarks", ""]
+    lines += [
+        f"Produced by `{run.get('command', 'make bench')}`"
+        + (f" in {run['wall_s'] / 60:.1f} min" if run.get("wall_s") else "")
+        + (f" on {run['started_at'][:10]}" if run.get("started_at") else "")
+        + f": {machine.get('cores', '?')} cores ({machine.get('cpu', 'CPU')}), {machine.get('memory_gb', '?')} GB, "
+        + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())) + ". "
+        "Other work shared the machine; each part records its load average. Each figure is a ratio "
+        "measured within one run, or a latency as median (min–max) over repeated trials. Targets "
+        "missed are reported as missed. `make bench-quick` is a smoke run of the same scripts. "
+        "Raw results: `bench/results/latest.json`.", ""]
+    if summary.get("quick"):
+        lines += ["> **Quick smoke run**: too few trials and too small states to quote.", ""]
+
+    lines += ["### Targets", ""]
+    lines += _table(("figure", "target", "measured", ""), [(f, t, m, _ok(ok)) for f, t, m, ok in targets(summary)])
+
+    stall = tp.get("stall")
+    if stall:
+        lines += ["### 1. Checkpoint stall", ""]
+        lines += [f"Blocking time per save (the training loop waits this long; the slowest of {stall['world_size']} "
+                  f"ranks), {stall['device']}, {stall['backend']}, {stall['trials']} trials after a warm-up save, "
+                  f"methods in round-robin; state: {stall['state']}. {_load(tp)}.", ""]
+        header = ("state", *[METHOD_NAMES.get(m, m) for m in stall["sizes"][0]["methods"]], "project ÷ memcpy",
+                  "project ÷ dcp.save")
+        rows = []
+        for size in stall["sizes"]:
+            cells = [_stat(m["blocking_s"]) for m in size["methods"].values()]
+            rows.append((f"{size['state_mb']:.0f} MB", *cells, f"{size['ratios']['nvrx_async_over_memcpy']}×",
+                         f"{size['ratios']['nvrx_async_over_dcp_save']}×"))
+        lines += _table(header, rows)
+        lines += ["Methods: " + "; ".join(f"*{METHOD_NAMES.get(k, k)}*: {METHOD_HOW[k]}" for k in stall["sizes"][0]["methods"]
+                                       if k in METHOD_HOW) + ".", ""]
+        parts = [(f"{s['state_mb']:.0f} MB", *[_s(v) for v in s["methods"]["nvrx_async"]["breakdown_median_s"].values()],
+                  _stat(s["methods"]["nvrx_async"]["complete_s"]), _s(s["methods"]["nvrx_async"]["warmup_blocking_s"][0]))
+                 for s in stall["sizes"]]
+        keys = list(stall["sizes"][0]["methods"]["nvrx_async"]["breakdown_median_s"])
+        lines += ["Where the project's blocking time goes (medians), how long until the save is committed, and the "
+                  "warm-up save at each size (new snapshot buffers; at the first size also the writer process still "
+                  "starting), which the figures above leave out:", ""]
+        lines += _table(("state", *[k.replace("_s", "") for k in keys], "save → committed", "warm-up save"), parts)
+        lines += ["![checkpoint stall](/bench/results/stall.png)", ""]
+
+    recovery = tp.get("recovery")
+    relaunch = cp.get("relaunch")
+    if recovery or relaunch:
+        lines += ["### 2. Recovery per rung", ""]
+    if recovery:
+        s = recovery["settings"]
+        lines += [f"Seconds from the fault to the next completed step (`restart_end.latency_s`), 2 ranks, "
+                  f"`{s['model']}` model, collective timeout {s['collective_timeout_s']:.0f} s, heartbeat timeout "
+                  f"{s['heartbeat_timeout_s']:.0f} s, hang timeout {s['hang_timeout_s']:.0f} s. Breakdown: medians, "
+                  "from the events log and ft_launcher's log. {}.".format(_load(tp)), ""]
+        rows = []
+        for row in recovery["rows"]:
+            p = row["parts_median_s"]
+            if row["layer"] == "inprocess":
+                detail = (f"detect {_s(p.get('detect'))} · tear down {_s(p.get('tear_down'))} · rendezvous + restore "
+                          f"{_s(p.get('rendezvous_restore'))} · first step {_s(p.get('first_step'))}")
+            else:
+                detail = (f"detect {_s(p.get('detect'))} · tear down {_s(p.get('tear_down'))} · rendezvous "
+                          f"{_s(p.get('rendezvous'))} · start + restore {_s(p.get('start_restore'))} · first step "
+                          f"{_s(p.get('first_step'))}")
+            rows.append((row["kind"], row["restart_mode"], row["layer"], row["latency_s"]["n"], _stat(row["latency_s"]),
+                         detail, f"≤ {row['target_s']:.0f} s: {_ok(row['target_met'])}" if "target_s" in row else "—"))
+        lines += _table(("fault", "restart mode", "recovered by", "n", "latency", "breakdown (median)", "target"), rows)
+    if relaunch:
+        lines += [f"Relaunch after node replacement (local backend), control-plane time only: from the failed launch "
+                  f"giving up to the relaunch's first step, watch polled every {relaunch['poll_interval_s']:.0f} s "
+                  "(the sensor's default). The ladder's functions run without Airflow's scheduler. "
+                  f"{_load(cp)}.", ""]
+        rows = []
+        for row in relaunch["rows"]:
+            p = row["parts_median_s"]
+            rows.append((row["kind"], row["launch_failed_by"], row["total_s"]["n"], _stat(row["total_s"]),
+                         f"detect {_s(p['detect'])} · diagnose + replace {_s(p['diagnose_replace'])} · capacity + submit "
+                         f"{_s(p['capacity_submit'])} · start + restore {_s(p['start_restore'])} · first step {_s(p['first_step'])}",
+                         _stat(row["data_plane_s"]), f"≤ 60 s: {_ok(row['target_met'])}"))
+        lines += _table(("fault (bad node)", "launch failed by", "n", "control plane", "breakdown (median)",
+                         "before it: fault → launch gave up", "target"), rows)
+    if recovery or relaunch:
+        lines += ["![recovery per rung](/bench/results/recovery.png)", ""]
+
+    if chaos:
+        lines += ["### 3. Goodput under chaos", ""]
+        stopped = (" stopped by the benchmark once it had lasted "
+                   f"{chaos['duration_s'] / 60:.0f} min and recovered from every fault," if chaos.get("outcome") == "stopped" else "")
+        lines += [f"One run of {chaos['wall_s'] / 60:.1f} min (`{chaos['command'].strip()}`),{stopped} 2 ranks, `layered` restarts, "
+                  f"{chaos['faults_injected']} faults ({', '.join(f'{k} {v}' for k, v in chaos['faults_by_kind'].items())}), "
+                  f"one per ~{chaos['mtbf_s']:.0f} s, seeded ({chaos['seed']}), kinds apportioned from the Llama 3 "
+                  f"mix below; checkpoint every {chaos['plan']['interval_steps']} steps ({_s(chaos['interval_s'])}: the "
+                  f"Young/Daly interval for that MTBF from the save cost and step time of "
+                  f"{chaos['calibration']['source']}); node losses climb the escalation ladder (replace the slot, relaunch). "
+                  f"Accounting: `fsdp_resilience.report.goodput`. {_load(chaos)}.", ""]
+        b = chaos["badput_s"]
+        wall = chaos["wall_s"]
+        rows = [("**ETTR** (productive ÷ wall)", f"**{chaos['ettr']:.3f}**", ""),
+                (f"ETTR without the first start-up ({_s(chaos['initial_startup_s'])}) and the final shutdown "
+                 f"({_s(chaos['final_shutdown_s'])}), which a long run amortises", f"{chaos['ettr_steady']:.3f}", ""),
+                ("productive", _s(chaos["productive_s"]), f"{100 * chaos['productive_s'] / wall:.1f} %")]
+        rows += [(k.replace("_", " "), _s(v), f"{100 * v / wall:.1f} %") for k, v in b.items() if v > 0]
+        rows += [("wall", _s(wall), "100 %"),
+                 ("lost per fault (restart + restore + lost progress, first start-up excluded)",
+                  _s(chaos["lost_per_fault_s"]),
+                  f"restart + restore {_s(chaos['lost_per_fault_parts_s']['restart_and_restore'])}, lost progress "
+                  f"{_s(chaos['lost_per_fault_parts_s']['lost_progress'])}")]
+        lines += _table(("", "seconds", "share"), rows)
+        c = chaos["save_costs"]
+        m = chaos["model"]
+        lines += [f"Measured save cost: blocking {_stat(c['blocking_s'])} per save; save → committed "
+                  f"{_stat(c['commit_s'])}. Not in ETTR: while the background writer runs, steps take "
+                  f"{_s(c['step_s_during_a_save'].get('median'))} instead of {_s(c['step_s_otherwise'].get('median'))} "
+                  f"(the writer shares the 2 cores with the 2 ranks), {_s(c['interference_per_save_s'])} more per save. "
+                  f"Model: {m['formula']}, with C = {_s(m['C_save_cost_s'])}, R = {_s(m['R_restart_per_fault_s'])} "
+                  f"per fault, W = {_s(m['W_commit_s'])}, loop overhead {100 * m['loop_overhead']:.1f} %; at this run's "
+                  f"interval and fault rate it gives {m['check']['model_at_this_run']:.3f} against the measured "
+                  f"{m['check']['measured_ettr_steady']:.3f} (without start-up and shutdown).", ""]
+        rows = [(y["mtbf"], _s(y["mtbf_s"]), f"{_s(y['young_interval_s'])} ({y['interval_steps']} steps)",
+                 f"{y['ettr']['half']:.3f}", f"**{y['ettr']['young_daly']:.3f}**", f"{y['ettr']['double']:.3f}")
+                for y in chaos["young_daly"]]
+        lines += ["Checkpoint interval by Young/Daly (sqrt(2·C·MTBF)) and the ETTR the model gives there, at half "
+                  "and at twice that interval (modeled, not measured: three more 10-minute runs do not fit the "
+                  "30-minute budget):", ""]
+        lines += _table(("MTBF", "", "Young/Daly interval", "ETTR at ½×", "ETTR at 1×", "ETTR at 2×"), rows)
+        recov = chaos.get("recovery_by_kind_s") or {}
+        if recov:
+            lines += _table(("fault → recovered by (in the chaos run)", "latency"), [(k, _stat(v)) for k, v in recov.items()])
+        mix = {}
+        for row in chaos["mix"]:
+            mix.setdefault(row["drill"], []).append(f"{row['cause']} {row['count']}")
+        lines += ["Llama 3 interruption causes (54 days, 419 unexpected interruptions; counts as weights — the "
+                  "paper prints 30.1 % for faulty GPU, but 148 of 419 is 35.3 %) mapped to the project's drills by "
+                  "how the fault reaches the training processes:", ""]
+        why = {row["drill"]: row["why"] for row in chaos["mix"]}
+        lines += _table(("drill", "share", "causes (count)", "how it shows"),
+                        [(d, f"{100 * share:.1f} %", ", ".join(mix[d]), why[d]) for d, share in chaos["drill_shares"].items()])
+        lines += ["![chaos timeline](/bench/results/chaos-timeline.png)", "",
+                  "![chaos goodput](/bench/results/chaos-goodput.png)", "",
+                  "![ETTR against checkpoint interval](/bench/results/young_daly.png)", ""]
+
+    if cp.get("slots") or cp.get("watch") or cp.get("parse"):
+        lines += ["### 4. Control-plane overhead", ""]
+        rows = []
+        slots = cp.get("slots")
+        if slots:
+            rows.append(("worker slots held while training runs",
+                         f"{slots['worker_slot_s_during_training']:.2f} slot-seconds in a {slots['training_window_s']:.0f} s "
+                         f"training window ({100 * slots['worker_slot_share_of_training']:.1f} %): "
+                         + ", ".join(f"{k} {v:.2f} s" for k, v in slots["worker_slot_s_by_task"].items())
+                         + f"; the deferred sensor's trigger: {slots['deferred_trigger_s_during_training']:.0f} s; "
+                           f"{slots['deferrals']} deferral(s)"))
+        watch = cp.get("watch")
+        if watch:
+            rows.append((f"checkpoint commit → the trigger fires (poll {watch['poll_interval_s']:g} s, {watch['trials']} trials)",
+                         _stat(watch["commit_to_trigger_event_s"])))
+        parse = cp.get("parse")
+        if parse:
+            fresh, pre = parse["fresh_imports"], parse["pre_imported"]
+            rows.append((f"DAG parse of dags/ (torch blocked, {parse['trials']} trials)",
+                         f"{_stat(fresh['dagbag_s'])} importing the plugin modules; {_stat(pre['dagbag_s'])} with them "
+                         "pre-imported (as Airflow's DAG processor does); per file: "
+                         + ", ".join(f"{f} {_s(v['median'])}" for f, v in fresh["per_file_s"].items())
+                         + f"; importing Airflow itself: {_s(parse['airflow_import_s'])}"))
+        lines += _table(("figure", "measured"), rows)
+        if slots:
+            lines += [f"About the slot figure: {slots['note']}", ""]
+        lines += [f"{_load(cp)}.", ""]
+
+    evaluation = tp.get("eval_load")
+    if evaluation:
+        s = evaluation["seconds"]
+        lines += ["### 5. Evaluation load", ""]
+        lines += [f"`training.evaluate.load_model` of a `{evaluation['model']}` checkpoint saved by {evaluation['saved_world_size']} "
+                  f"ranks, {evaluation['file_mb']:.0f} MB of files of which {evaluation['model_mb']:.0f} MB are the model "
+                  f"(the rest is optimizer state, which evaluation skips), into one process, {evaluation['trials']} "
+                  f"trials. Page cache: {evaluation['page_cache']}. Raw read: {evaluation.get('raw_read', 'reads into a buffer')}.", ""]
+        lines += _table(("", "seconds", "load ÷ this"), [
+            ("load into the evaluation process (build the model, DCP load, set the weights)", _stat(s["load_model"]), "1×"),
+            ("  of which building the model (random init)", _stat(s["build_model_only"]), ""),
+            ("raw read of the model tensors' bytes (what the load reads)", _stat(s["raw_read_model_bytes"]),
+             f"{evaluation['ratios']['load_over_raw_read_model_bytes']}×"),
+            ("raw read of all the checkpoint's files", _stat(s["raw_read_files"]),
+             f"{evaluation['ratios']['load_over_raw_read_files']}×")])
+
+    lines += ["### Reproduce", "", "```sh",
+              "make bench          # everything, ≤ 30 min on 2 cores: bench/results/ (latest.json and the plots are",
+              "                    # committed) and this table, docs/benchmarks.md",
+              "make bench-quick    # smoke run of the same scripts, under a minute: bench/results/quick/",
+              ".venv/bin/python -m bench.training_plane --sizes-mb 50,200,1000 --trials 5   # one part, any sizes",
+              ".venv-airflow/bin/python -m bench.chaos --duration-s 600 --mtbf-s 60 --seed 1234",
+              "```", "",
+              "On a GPU node the same scripts use CUDA and NCCL (`--device auto`); pass larger `--sizes-mb` and "
+              "`--model` there.", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def plot_stall(stall: dict[str, Any], path: Path) -> None:
+    figure = _figure(8, 4.5)
+    ax = figure.subplots()
+    sizes = [s["state_mb"] for s in stall["sizes"]]
+    for method in stall["sizes"][0]["methods"]:
+        stats = [s["methods"][method]["blocking_s"] for s in stall["sizes"]]
+        med = [x["median"] for x in stats]
+        err = [[m - x["min"] for m, x in zip(med, stats)], [x["max"] - m for m, x in zip(med, stats)]]
+        ax.errorbar(sizes, med, yerr=err, marker="o", capsize=3, label=METHOD_NAMES.get(method, method),
+                    linestyle="--" if method == "memcpy" else "-")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("checkpoint state, MB (total over ranks)")
+    ax.set_ylabel("blocking time per save, s (median, min–max)")
+    ax.set_title(f"Checkpoint stall, {stall['world_size']} ranks, {stall['device']}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+    figure.savefig(path)
+
+
+def plot_recovery(tp: dict[str, Any], cp: dict[str, Any], path: Path) -> None:
+    rows = []
+    for row in (tp.get("recovery") or {}).get("rows", []):
+        rows.append((f"{row['kind']} ({row['restart_mode']}) → {row['layer']}", row["parts_median_s"], row["latency_s"],
+                     row.get("target_s")))
+    for row in (cp.get("relaunch") or {}).get("rows", []):
+        rows.append((f"{row['kind']} → relaunch (control plane)", row["parts_median_s"], row["total_s"], row.get("target_s")))
+    if not rows:
+        return
+    figure = _figure(10, 0.55 * len(rows) + 1.6)
+    ax = figure.subplots()
+    for y, (label, parts, total, target) in enumerate(rows):
+        left = 0.0
+        for name in sorted(parts, key=lambda n: PHASES.index(n) if n in PHASES else len(PHASES)):
+            value = parts[name]
+            if not value:
+                continue
+            ax.barh(y, value, left=left, color=PHASE_COLORS.get(name, "tab:gray"), label=name.replace("_", " "))
+            left += value
+        ax.errorbar([total["median"]], [y], xerr=[[total["median"] - total["min"]], [total["max"] - total["median"]]],
+                    fmt="k|", capsize=4)
+        if target:
+            ax.plot([target], [y], marker="v", color="black", markersize=7)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = {}
+    for h, label in zip(handles, labels):
+        seen.setdefault(label, h)
+    order = [p.replace("_", " ") for p in PHASES]
+    labels = sorted(seen, key=lambda label: order.index(label) if label in order else len(order))  # time order
+    ax.legend([seen[label] for label in labels], labels, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the fault to the next completed step (bars: median breakdown; "
+                  "whisker: min–max; ▼ target)")
+    ax.set_title("Recovery per rung")
+    ax.grid(alpha=0.3, axis="x")
+    figure.savefig(path)
+
+
+def plot_young_daly(chaos: dict[str, Any], path: Path) -> None:
+    from bench.common import ettr_model
+
+    m = chaos["model"]
+    figure = _figure(8, 4.5)
+    ax = figure.subplots()
+    for row in chaos["young_daly"]:
+        tau = row["young_interval_s"]
+        xs = [tau * 2 ** (k / 8) for k in range(-24, 25)]
+        ys = [ettr_model(x, save_cost_s=m["C_save_cost_s"], mtbf_s=row["mtbf_s"], restart_s=m["R_restart_per_fault_s"],
+                         commit_s=m["W_commit_s"], loop_overhead=m["loop_overhead"]) for x in xs]
+        line, = ax.plot(xs, ys, label=f"MTBF {_s(row['mtbf_s'])}: {row['mtbf']}")
+        ax.plot([tau / 2, tau, 2 * tau], [row["ettr"]["half"], row["ettr"]["young_daly"], row["ettr"]["double"]], "o",
+                color=line.get_color())
+    ax.plot([chaos["interval_s"]], [m["check"]["measured_ettr_steady"]], "k*", markersize=12,
+            label="measured in the chaos run (without start-up and shutdown)")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("checkpoint interval, s (dots: ½×, 1×, 2× the Young/Daly interval)")
+    ax.set_ylabel("ETTR (modeled from measured costs)")
+    ax.set_title("ETTR against checkpoint interval")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small", loc="lower center")
+    figure.savefig(path)
+
+
+README_BEGIN, README_END = "<!-- bench:begin (make bench writes this block) -->", "<!-- bench:end -->"
+
+
+def readme_block(summary: dict[str, Any]) -> str:
+    """The README's part of the table: the lead paragraph and the targets, up to the details
+    (which stay in docs/benchmarks.md)."""
+    lead = render_markdown(summary).split("\n### 1.", 1)[0]
+    lead = lead.replace("## Benchmarks\n\n", "", 1).rstrip()
+    return f"{README_BEGIN}\n{lead}\n\nPer-benchmark details, plots and how each figure is measured: " \
+           f"[docs/benchmarks.md](docs/benchmarks.md).\n{README_END}"
+
+
+def update_readme(readme: Path, summary: dict[str, Any]) -> None:
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(head + readme_block(summary) + tail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.summarize", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="summarise the *.quick.json files into OUT/quick/")
+    parser.add_argument("--docs", type=Path, default=None,
+                        help="where the Markdown goes (default: docs/benchmarks.md; quick: OUT/quick/benchmarks.md)")
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
+    summary = build_summary(args.out, args.quick)
+    target_dir = args.out / "quick" if args.quick else args.out
+    target_dir.mkdir(parents=True, exist_ok=True)
+    summary = read_json(write_json(target_dir / SUMMARY, summary))  # render exactly what is committed
+    tp, cp, chaos = summary.get("training_plane") or {}, summary.get("control_plane") or {}, summary.get("chaos")
+    if tp.get("stall"):
+        plot_stall(tp["stall"], target_dir / "stall.png")
+    if tp.get("recovery") or cp.get("relaunch"):
+        plot_recovery(tp, cp, target_dir / "recovery.png")
+    if chaos:
+        plot_young_daly(chaos, target_dir / "young_daly.png")
+    docs = args.docs or (target_dir / "benchmarks.md" if args.quick else REPO / "docs" / "benchmarks.md")
+    docs.write_text(render_markdown(summary))
+    if not args.quick and args.docs is None:
+        update_readme(REPO / "README.md", summary)
+    print(f"[bench] summary {target_dir / SUMMARY}; table {docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,547 @@
+"""Training-plane benchmarks, run with the training venv (torch, NVRx):
+
+    .venv/bin/python -m bench.training_plane [--quick] [--out DIR] [--only stall,eval_load,recovery]
+
+stall      Blocking time per checkpoint save on 2 ranks (FSDP2 shards of a Linear stack with AdamW
+           state) of 50 MB to 1 GB, for the project's NVRx async DCP path (AsyncCheckpointer),
+           torch ``dcp.async_save``, synchronous ``dcp.save`` and ``torch.save``, and the floor: a
+           memcpy of the same state into reused buffers. Trials go round-robin over the methods,
+           so load from other work hits them alike.
+eval_load  Loading the newest committed checkpoint into the evaluation process
+           (``training.evaluate.load_model``) against raw reads of the same files.
+recovery   Seconds from a fault to the next completed step, per fault kind and restart mode, with
+           the breakdown (detect, tear down, rendezvous, restore, first step), from real 2-rank
+           runs of ``python -m training.launch`` with fault drills.
+
+Writes DIR/training_plane.json (default DIR: bench/results). On a GPU node the same script uses
+CUDA + NCCL (``--device auto``); sizes, trials and the model are parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    REPO,
+    RESULTS,
+    RUN_SETTINGS,
+    LoadMonitor,
+    assign_attempts,
+    ensure_dataset,
+    free_port,
+    group_trials,
+    launcher_marks,
+    log,
+    machine,
+    restart_trials,
+    spread_schedule,
+    step_cadence,
+    summarize,
+    write_json,
+)
+
+METHODS = ("memcpy", "nvrx_async", "torch_async_save", "dcp_save", "torch_save")
+METHOD_LABELS = {
+    "memcpy": "memcpy into reused buffers (floor)",
+    "nvrx_async": "project: NVRx async DCP (AsyncCheckpointer)",
+    "torch_async_save": "torch dcp.async_save (default stager)",
+    "dcp_save": "torch dcp.save (synchronous)",
+    "torch_save": "torch.save of each rank's shard (+ fsync)",
+}
+WIDTH = 1024  # Linear(1024, 1024): 1.05 M params, 12.6 MB with AdamW's two moments
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint stall: one process per rank
+# --------------------------------------------------------------------------------------------
+
+
+def _local_tensors(state: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested state -> {"a.b": tensor} with DTensors as their local shards (what each rank holds)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        out: dict[str, Any] = {}
+        for k, v in state.items():
+            out.update(_local_tensors(v, f"{prefix}{k}."))
+        return out
+    if isinstance(state, (list, tuple)):
+        out = {}
+        for i, v in enumerate(state):
+            out.update(_local_tensors(v, f"{prefix}{i}."))
+        return out
+    if isinstance(state, DTensor):
+        return {prefix[:-1]: state.to_local()}
+    if isinstance(state, torch.Tensor):
+        return {prefix[:-1]: state}
+    return {}
+
+
+def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
+    """Everything one rank does; rank 0 writes the results to spec["result"]."""
+    try:
+        result = _run_stall_rank(rank, world, port, spec)
+        if rank == 0:
+            Path(spec["result"]).write_text(json.dumps(result, default=str))
+    except BaseException:
+        Path(spec["result"]).with_suffix(f".rank{rank}.error").write_text(traceback.format_exc())
+        raise
+
+
+def _run_stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from training.checkpoint import AsyncCheckpointer
+
+    device = torch.device(spec["device"], rank % max(1, torch.cuda.device_count())) \
+        if spec["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # Built before the process group, as train.py does: the writer process boots meanwhile. Its
+    # run dir ends up holding the checkpoint the evaluation bench loads (one writer boot, not two).
+    ckpt = AsyncCheckpointer(spec["nvrx_run_dir"], rank=rank, world_size=world, keep=10_000, device=device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # async_save needs a CPU backend
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    ckpt.rebind()
+    mesh = init_device_mesh(device.type, (world,))
+    sizes_out, step = [], 0
+    for target_mb in spec["sizes_mb"]:
+        size, step = _stall_size(target_mb, step, ckpt, mesh, device, rank, world, spec)
+        gc.collect()
+        if rank == 0:
+            sizes_out.append(size)
+            log(f"stall {target_mb} MB: " + ", ".join(
+                f"{m} {v['blocking_s'].get('median')}s" for m, v in size["methods"].items()))
+    eval_checkpoint = _save_eval_checkpoint(ckpt, step + 1, rank, world, mesh, device, spec) if spec["eval"] else None
+    ckpt.close()
+    dist.destroy_process_group()
+    return {"sizes": sizes_out, "eval_checkpoint": eval_checkpoint}
+
+
+def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, rank: int, world: int,
+                spec: dict[str, Any]) -> tuple[dict[str, Any] | None, int]:
+    """All methods on a state of ``target_mb`` (total over ranks); (rank 0's results, last step)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    from training.checkpoint import app_state
+
+    scratch = Path(spec["scratch"])
+    layers = max(1, round(target_mb * 1e6 / (12 * (WIDTH * WIDTH + WIDTH))))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, device=device) for _ in range(layers)])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    model(torch.randn(4, WIDTH, device=device)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    state = app_state(model, optimizer, {"step": 0})
+    state_dict_s = time.perf_counter() - t0
+    local = _local_tensors(state)
+    local_bytes = sum(t.numel() * t.element_size() for t in local.values())
+    floor_buffers: dict[str, Any] = {}
+
+    def gather(value: Any) -> list[Any]:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, value)
+        return out
+
+    def memcpy() -> None:
+        for name, tensor in local.items():
+            buffer = floor_buffers.get(name)
+            if buffer is None:
+                buffer = floor_buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                           pin_memory=device.type == "cuda")
+            buffer.copy_(tensor, non_blocking=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(method: str, folder: Path) -> tuple[float, float, dict[str, Any]]:
+        """(blocking s, complete s, extra) of one save by ``method``."""
+        extra: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        if method == "memcpy":
+            memcpy()
+            blocking = time.perf_counter() - t0
+        elif method == "nvrx_async":
+            ckpt.save(step, state)
+            blocking = time.perf_counter() - t0
+            ckpt.wait()
+            s = ckpt.last_save
+            extra = {"settle_s": s.settle_s, "snapshot_s": s.snapshot_s, "plan_s": s.plan_s,
+                     "schedule_s": s.schedule_s}
+        elif method == "torch_async_save":
+            future = dcp.async_save(state, checkpoint_id=str(folder))
+            blocking = time.perf_counter() - t0
+            future.result()
+        elif method == "dcp_save":
+            dcp.save(state, checkpoint_id=str(folder))
+            blocking = time.perf_counter() - t0
+        elif method == "torch_save":
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / f"rank{rank}.pt", "wb") as f:
+                torch.save(local, f)
+                f.flush()
+                os.fsync(f.fileno())
+            blocking = time.perf_counter() - t0
+        else:
+            raise ValueError(method)
+        return blocking, time.perf_counter() - t0, extra
+
+    rows: dict[str, list[Any]] = {m: [] for m in spec["methods"]}
+    warm: dict[str, list[float]] = {m: [] for m in spec["methods"]}
+    for trial in range(spec["warmup"] + spec["trials"]):
+        for method in spec["methods"]:  # round-robin: machine noise hits every method alike
+            step += 1
+            dist.barrier()
+            blocking, complete, extra = run(method, scratch / method / f"step_{step:08d}")
+            per_rank = gather((blocking, complete, extra))
+            if rank == 0:
+                # The loop goes on when the slowest rank does (its next collective waits).
+                record = (max(b for b, _, _ in per_rank), max(c for _, c, _ in per_rank), per_rank[0][2])
+                if trial < spec["warmup"]:
+                    warm[method].append(record[0])
+                else:
+                    rows[method].append(record)
+                if method == "nvrx_async":  # its folders are in the run-dir layout
+                    for old in ckpt.layout.checkpoints.glob("step_*"):
+                        shutil.rmtree(old, ignore_errors=True)
+                elif method != "memcpy":
+                    shutil.rmtree(scratch / method, ignore_errors=True)
+                os.sync()  # no write-back of this save lands in the next one's timing
+            dist.barrier()
+    total_bytes = sum(gather(local_bytes))
+    if rank != 0:
+        return None, step
+    methods_out = {}
+    for method, records in rows.items():
+        entry = {"label": METHOD_LABELS[method], "blocking_s": summarize(r[0] for r in records),
+                 "complete_s": summarize(r[1] for r in records), "warmup_blocking_s": [round(w, 4) for w in warm[method]]}
+        if method == "nvrx_async":
+            entry["breakdown_median_s"] = {k: summarize(r[2][k] for r in records)["median"]
+                                           for k in ("settle_s", "snapshot_s", "plan_s", "schedule_s")}
+        methods_out[method] = entry
+    return {"target_mb": target_mb, "state_mb": round(total_bytes / 1e6, 1), "per_rank_mb": round(local_bytes / 1e6, 1),
+            "layers": layers, "state_dict_s": round(state_dict_s, 4), "methods": methods_out}, step
+
+
+def _save_eval_checkpoint(ckpt: Any, step: int, rank: int, world: int, mesh: Any, device: Any,
+                          spec: dict[str, Any]) -> dict[str, Any]:
+    """A training checkpoint of the ``spec["eval_model"]`` GPT (FSDP2 over the ranks, AdamW state
+    after one step), committed by the project's checkpointer: what evaluation loads."""
+    import torch
+
+    from training.checkpoint import app_state
+    from training.model import cross_entropy_loss
+    from training.parallelize import build_sharded_model
+
+    model = build_sharded_model(spec["eval_model"], mesh, device, seed=1234, max_seq_len=spec["eval_seq_len"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    tokens = torch.randint(0, 256, (2, spec["eval_seq_len"] + 1), generator=torch.Generator().manual_seed(rank))
+    tokens = tokens.to(device)
+    cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    optimizer.step()
+    ckpt.save(step, app_state(model, optimizer, {"step": step}))
+    ckpt.wait()
+    return {"model": spec["eval_model"], "saved_world_size": world, "step": step}
+
+
+def bench_stall(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import torch
+    import torch.multiprocessing as mp
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    scratch = Path(tempfile.mkdtemp(prefix="stall-", dir=args.scratch))
+    spec = {"device": device, "scratch": str(scratch), "sizes_mb": args.sizes_mb, "trials": args.trials,
+            "warmup": 1, "methods": list(METHODS), "result": str(work / "stall-result.json"),
+            "eval": "eval_load" in args.only,
+            "nvrx_run_dir": str(work / "eval-run") if "eval_load" in args.only else str(scratch / "nvrx"),
+            "eval_model": args.eval_model, "eval_seq_len": RUN_SETTINGS["seq_len"]}
+    shutil.rmtree(work / "eval-run", ignore_errors=True)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_stall_rank, args=(r, args.nproc, port, spec)) for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.stall_timeout_s
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    shutil.rmtree(scratch, ignore_errors=True)
+    errors = "\n".join(f.read_text() for f in sorted(work.glob("stall-result.rank*.error")))
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"stall ranks exited {[p.exitcode for p in procs]}:\n{errors}")
+    raw = json.loads(Path(spec["result"]).read_text())
+    sizes = raw["sizes"]
+    for size in sizes:
+        m = size["methods"]
+        project = m["nvrx_async"]["blocking_s"]["median"]
+        size["ratios"] = {
+            "nvrx_async_over_memcpy": round(project / m["memcpy"]["blocking_s"]["median"], 2),
+            "nvrx_async_over_dcp_save": round(project / m["dcp_save"]["blocking_s"]["median"], 3),
+            "torch_async_save_over_dcp_save": round(m["torch_async_save"]["blocking_s"]["median"]
+                                                    / m["dcp_save"]["blocking_s"]["median"], 3),
+        }
+        size["targets"] = {
+            "nvrx_async <= 2x memcpy": size["ratios"]["nvrx_async_over_memcpy"] <= 2.0,
+            "nvrx_async <= 1/10 dcp_save": size["ratios"]["nvrx_async_over_dcp_save"] <= 0.1,
+        }
+    return {"world_size": args.nproc, "device": device, "backend": "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
+            "scratch_dir": args.scratch or tempfile.gettempdir(), "trials": args.trials, "warmup_trials": 1,
+            "state": f"FSDP2 Linear({WIDTH},{WIDTH}) stack, fp32 params + AdamW exp_avg/exp_avg_sq, split over ranks",
+            "blocking": "seconds the caller waited, slowest rank, per save; complete = until durable (fsync) / committed",
+            "sizes": sizes, "eval_checkpoint": raw.get("eval_checkpoint")}
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation load
+# --------------------------------------------------------------------------------------------
+
+
+def _read_ranges(ranges: list[tuple[Path, int, int]], buffer: bytearray) -> int:
+    """Read byte ranges of files one after another into ``buffer`` (allocated once, as big as all
+    of them, reused by every trial): the bytes land in this process's memory, as a load's do."""
+    view = memoryview(buffer)
+    handles: dict[Path, int] = {}
+    at = 0
+    try:
+        for path, offset, length in ranges:
+            fd = handles.get(path)
+            if fd is None:
+                fd = handles[path] = os.open(path, os.O_RDONLY)
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [view[at + done: at + length]], offset + done)
+                if n <= 0:
+                    raise OSError(f"short read of {path} at {offset + done}")
+                done += n
+            at += length
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    return at
+
+
+def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from training.contract import CheckpointCatalog, RunConfig
+    from training.evaluate import load_model
+    from training.model import build_model
+
+    run_dir = work / "eval-run"
+    info = CheckpointCatalog(run_dir).latest()
+    if info is None:
+        raise RuntimeError(f"no committed checkpoint in {run_dir}: the stall bench writes it (run with --only stall,eval_load)")
+    cfg = RunConfig(run_id="bench-eval", run_dir=str(run_dir), dataset_dir=str(work / "unused"),
+                    model=args.eval_model, seq_len=RUN_SETTINGS["seq_len"], device="cpu")
+    files = sorted(p for p in info.path.iterdir() if p.is_file())
+    metadata = FileSystemReader(str(info.path)).read_metadata()
+    # The byte ranges evaluation actually needs: the model's tensors (the optimizer's are skipped).
+    ranges = sorted((info.path / s.relative_path, s.offset, s.length)
+                    for index, s in metadata.storage_data.items() if index.fqn.startswith("model."))
+    whole_files = [(p, 0, p.stat().st_size) for p in files]
+    buffer = bytearray(sum(r[2] for r in whole_files))
+    device = torch.device("cpu")
+    timings: dict[str, list[float]] = {"load_model": [], "raw_read_model_bytes": [], "raw_read_files": [],
+                                       "build_model_only": []}
+    tasks = {
+        "raw_read_files": lambda: _read_ranges(whole_files, buffer),
+        "raw_read_model_bytes": lambda: _read_ranges(ranges, buffer),
+        "load_model": lambda: load_model(cfg, info, device),
+        "build_model_only": lambda: build_model(cfg.model, device=device, max_seq_len=cfg.seq_len),
+    }
+    order = list(tasks)
+    for trial in range(1 + args.trials):  # trial 0 warms the page cache and the allocator
+        for name in order[trial % len(order):] + order[: trial % len(order)]:
+            t0 = time.perf_counter()
+            tasks[name]()
+            elapsed = time.perf_counter() - t0
+            if trial:
+                timings[name].append(elapsed)
+        gc.collect()
+    shutil.rmtree(run_dir, ignore_errors=True)  # hundreds of MB, and nothing reads it again
+    out = {name: summarize(values) for name, values in timings.items()}
+    load = out["load_model"]["median"]
+    ratio_bytes = round(load / out["raw_read_model_bytes"]["median"], 2)
+    ratio_files = round(load / out["raw_read_files"]["median"], 2)
+    return {
+        "model": args.eval_model, "checkpoint": info.checkpoint_id, "saved_world_size": info.world_size,
+        "files": len(files), "file_mb": round(sum(r[2] for r in whole_files) / 1e6, 1),
+        "model_mb": round(sum(r[2] for r in ranges) / 1e6, 1), "trials": args.trials,
+        "page_cache": "warm (the checkpoint was just written; trial 0 is discarded)",
+        "raw_read": "os.preadv into one preallocated buffer that holds all the bytes read",
+        "seconds": out,
+        "ratios": {"load_over_raw_read_model_bytes": ratio_bytes, "load_over_raw_read_files": ratio_files},
+        "targets": {"load <= 1.5x raw read (model bytes)": ratio_bytes <= 1.5,
+                    "load <= 1.5x raw read (whole files)": ratio_files <= 1.5},
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Recovery per rung (in-process, in-job); the relaunch rung is in bench.control_plane
+# --------------------------------------------------------------------------------------------
+
+#: Faults per recovery run, in the order they fire (mixed, so one slow phase of the machine does
+#: not land on one kind). layered: what NVRx recovers in-process, and what escalates to
+#: ft_launcher; injob: an exception with ft_launcher only (what the in-process layer saves). A
+#: frozen rank waits out the heartbeat timeout (~50 s a trial here): one trial, to fit `make
+#: bench` in 30 minutes.
+RECOVERY_RUNS = {
+    "layered": ["exception", "hang", "checkpoint_crash", "sigkill", "exception", "oom", "hang", "sigstop",
+                "checkpoint_crash", "sigkill", "exception", "oom", "sigkill"],
+    "injob": ["exception", "exception"],
+}
+QUICK_RECOVERY_RUNS = {"layered": ["exception"]}
+
+
+def run_launch(run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float) -> tuple[int, Path, float]:
+    """``python -m training.launch`` on this machine, as a pod runs it; returns (exit code, log, wall s)."""
+    from training.contract import RunConfig
+
+    cfg = RunConfig(**cfg_fields)
+    cfg_path = run_dir.parent / f"{cfg.run_id}.json"
+    cfg_path.write_text(cfg.to_json())
+    log_path = run_dir.parent / f"{cfg.run_id}.launch.log"
+    t0 = time.time()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "training.launch", "--config", str(cfg_path)], cwd=REPO,
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            rc = proc.wait()
+    return rc, log_path, time.time() - t0
+
+
+def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from training.contract import read_events
+
+    dataset = ensure_dataset(work / "data" / "stdlib-text")
+    runs = QUICK_RECOVERY_RUNS if args.quick else RECOVERY_RUNS
+    interval, gap, first = 3, 8, 8
+    out_runs, rows = [], []
+    for mode, kinds in runs.items():
+        drills = spread_schedule(kinds, first_step=first, last_step=first + gap * len(kinds), min_gap=gap,
+                                 interval=interval, world_size=2, seed=args.seed)
+        drills = assign_attempts(drills, mode)
+        steps = max(d["step"] for d in drills) + 2 * interval
+        run_id = f"recovery-{mode}"
+        run_dir = work / "runs" / run_id
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        fields = {**RUN_SETTINGS, "run_id": run_id, "run_dir": str(run_dir), "dataset_dir": str(dataset),
+                  "nodes": 1, "procs_per_node": 2, "steps": steps, "checkpoint_interval": interval,
+                  "restart_mode": mode, "max_restarts": 50, "max_inprocess_restarts": 50,
+                  "rdzv_port": free_port(), "faults": drills}
+        log(f"recovery: {mode} run, {steps} steps, faults {[d['kind'] for d in drills]}")
+        rc, log_path, wall = run_launch(run_dir, fields, timeout_s=args.run_timeout_s)
+        events = read_events(run_dir / "events.jsonl")
+        trials = restart_trials(events, launcher_marks(log_path.read_text(errors="replace")))
+        steps_logged = [r for r in events if r.get("event") == "step"]
+        blocking = [r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin"]
+        rows += group_trials(trials, mode)
+        out_runs.append({"restart_mode": mode, "exit_code": rc, "wall_s": round(wall, 1), "steps": steps,
+                         "checkpoint_interval": interval, "scheduled": drills, "trials": trials,
+                         "step_s": summarize(r.get("step_s") for r in steps_logged),
+                         "step_cadence_s": step_cadence(events),
+                         "checkpoint_blocking_s": summarize(blocking), "run_dir": str(run_dir)})
+        log(f"recovery: {mode} exit {rc} in {wall:.0f}s; " + ", ".join(
+            f"{t['kind']}->{t['layer']} {t['latency_s']}s" for t in trials))
+    targets = {"inprocess": 3.0, "injob": 15.0}
+    for row in rows:
+        limit = targets.get(row["layer"])
+        if limit is not None:
+            row["target_s"] = limit
+            row["target_met"] = row["latency_s"]["median"] <= limit
+    return {"settings": {k: RUN_SETTINGS[k] for k in ("model", "seq_len", "batch_size", "collective_timeout_s",
+                                                      "heartbeat_timeout_s", "hang_timeout_s")},
+            "world_size": 2, "latency": "restart_end.latency_s: fault -> next completed step",
+            "targets_s": targets, "rows": rows, "runs": out_runs}
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.training_plane", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: one small size, two trials, tiny model; recovery only if asked for")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated parts: stall,eval_load,recovery (default all; quick: stall,eval_load)")
+    parser.add_argument("--sizes-mb", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="checkpoint state sizes, total over ranks (default 50,200,1000; quick 16)")
+    parser.add_argument("--trials", type=int, default=None, help="timed trials per method (default 5; quick 2)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks for the stall bench (default 2)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--eval-model", default=None, help="model preset evaluated (default small; quick tiny)")
+    parser.add_argument("--scratch", default=None, help="where checkpoints are written (default: the temp dir)")
+    parser.add_argument("--seed", type=int, default=1234, help="seeds fault steps and ranks")
+    parser.add_argument("--stall-timeout-s", type=float, default=900.0)
+    parser.add_argument("--run-timeout-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
+    args.only = [p.strip() for p in (args.only or ("stall,eval_load" if args.quick else "stall,eval_load,recovery"))
+                 .split(",") if p.strip()]
+    args.sizes_mb = args.sizes_mb or ([16] if args.quick else [50, 200, 1000])
+    args.trials = args.trials or (2 if args.quick else 5)
+    args.eval_model = args.eval_model or ("tiny" if args.quick else "small")
+
+    out: dict[str, Any] = {"bench": "training_plane", "quick": args.quick, "machine": machine(),
+                           "versions": {p: importlib.metadata.version(p) for p in ("torch", "nvidia-resiliency-ext")},
+                           "command": "python -m bench.training_plane " + " ".join(argv if argv is not None else sys.argv[1:])}
+    work = args.out / ("quick" if args.quick else "work")
+    work.mkdir(parents=True, exist_ok=True)
+    with LoadMonitor() as load:
+        if "stall" in args.only or "eval_load" in args.only:
+            log(f"stall: {args.nproc} ranks, sizes {args.sizes_mb} MB, {args.trials} trials")
+            out["stall"] = bench_stall(args, work)
+        if "eval_load" in args.only:
+            log(f"eval_load: {args.eval_model}")
+            out["eval_load"] = bench_eval_load(args, work)
+        if "recovery" in args.only:
+            out["recovery"] = bench_recovery(args, work)
+    out["load"] = load.result()
+    if "stall" not in args.only:
+        out.pop("stall", None)
+    path = write_json(args.out / ("training_plane.quick.json" if args.quick else "training_plane.json"), out)
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
