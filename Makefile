@@ -10,7 +10,7 @@ AFBIN   := $(AFVENV)/bin
 AFSTAMP := $(AFVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo demo-training test test-training test-control lint-deploy clean
+.PHONY: setup demo demo-training test test-training test-control lint-deploy bench bench-quick clean
 
 setup: $(STAMP) $(AFSTAMP)
 
@@ -40,6 +40,14 @@ test-training: $(STAMP)
 
 test-control: $(STAMP) $(AFSTAMP)
 	$(AFBIN)/python -m pytest -q tests/control
+
+# Benchmarks, <= 30 min on 2 cores: JSON + plots in bench/results/, the table in README.md and
+# docs/benchmarks.md. bench-quick: a smoke run of the same scripts (about a minute).
+bench: $(STAMP) $(AFSTAMP)
+	$(AFBIN)/python -m bench.run
+
+bench-quick: $(STAMP) $(AFSTAMP)
+	$(AFBIN)/python -m bench.run --quick
 
 # The deployment kit alone (make test runs the same checks): render every kustomization with
 # kubectl's kustomize, validate each object strictly against Kubernetes 1.33, lint the Dockerfiles.
