@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +39,8 @@ def aws():
     server.start()
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
+    # moto keeps its state per process, not per server: start every module from an empty account.
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=30).close()
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
            "AWS_ENDPOINT_URL": url,
            "AIRFLOW_CONN_AWS_FAKE": json.dumps({"conn_type": "aws", "extra": {"region_name": REGION,
