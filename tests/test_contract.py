@@ -73,7 +73,32 @@ def test_unknown_and_missing_fields_are_named():
 
 def test_heartbeat_must_outlast_an_inprocess_restart():
     with pytest.raises(ConfigError, match="heartbeat_timeout_s=3.0 must exceed"):
-        make(heartbeat_timeout_s=3.0, collective_timeout_s=3.0)
+        make(heartbeat_timeout_s=3.0, collective_timeout_s=3.0, device="cpu")
+
+
+def test_nccl_timeout_must_exceed_the_wrappers_hard_timeout():
+    """On NCCL the watchdog kills ranks whose collective timed out: below the Wrapper's hard
+    timeout, it would kill the healthy ranks before a hang is recovered in-process."""
+    with pytest.raises(ConfigError, match=r"collective_timeout_s=30.0 must exceed the in-process hard timeout"):
+        make(device="cuda", collective_timeout_s=30.0, hang_timeout_s=60.0)
+    # "auto" may run on either backend, so both orders must hold.
+    with pytest.raises(ConfigError, match="on nccl"):
+        make(device="auto", collective_timeout_s=3.0, hang_timeout_s=15.0, heartbeat_timeout_s=30.0)
+    # Without a Wrapper there is nothing to outlast.
+    make(device="cuda", collective_timeout_s=30.0, hang_timeout_s=60.0, restart_mode="injob")
+    # The tests' CPU settings are a valid gloo order.
+    make(device="cpu", collective_timeout_s=3.0, hang_timeout_s=15.0, heartbeat_timeout_s=30.0)
+
+
+def test_collective_timeout_unset_is_derived_per_backend():
+    cfg = make(device="auto", hang_timeout_s=60.0, heartbeat_timeout_s=120.0)
+    gloo, nccl = cfg.timeouts("gloo"), cfg.timeouts("nccl")
+    assert gloo.collective_s == 30.0
+    assert nccl.collective_s > nccl.hard_s == 120.0
+    assert nccl.soft_s < nccl.hard_s < nccl.collective_s
+    assert cfg.collective_backends == ("gloo", "nccl")
+    assert make(device="cuda").collective_backends == ("nccl",)
+    assert RunConfig.from_json(cfg.to_json()).collective_timeout_s is None
 
 
 def test_fault_selection_by_step_rank_attempt_and_node():

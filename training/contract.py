@@ -157,6 +157,61 @@ class FaultDrill:
             raise ConfigError(f"{where}.node_id must be a node name or null, got {self.node_id!r}")
 
 
+#: The collective timeout on gloo when the run config leaves it unset.
+DEFAULT_GLOO_COLLECTIVE_TIMEOUT_S = 30.0
+#: On NCCL, how far the collective timeout is set above the Wrapper's hard timeout when unset.
+NCCL_TIMEOUT_MARGIN_S = 60.0
+
+
+@dataclass(frozen=True)
+class RestartTimeouts:
+    """The timeouts of the restart layers on one collective backend, and the order they must keep.
+
+    - ``soft_s`` (``hang_timeout_s``): the in-process Wrapper interrupts a rank that made no
+      progress this long and restarts in place; ``hard_s`` (2x soft): it kills the rank.
+    - ``heartbeat_s``: ft_launcher restarts the worker group when a rank is silent this long.
+    - ``collective_s``: the process groups' timeout.
+
+    gloo: the Wrapper's abort cannot interrupt a blocked gloo receive, so a healthy rank learns of
+    a failed peer only when its collective times out; heartbeats pause that long during an
+    in-process restart, so ``heartbeat_s`` must exceed ``collective_s``.
+
+    NCCL: with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (torch's default) the watchdog kills a rank whose
+    collective timed out. NVRx's in-process guide requires the NCCL timeout to exceed the Wrapper's
+    hard timeout; otherwise the watchdog kills the healthy ranks waiting on a hung one before the
+    Wrapper can recover it, and no hang is ever recovered in-process.
+    """
+
+    backend: str
+    collective_s: float
+    soft_s: float
+    hard_s: float
+    heartbeat_s: float
+    initial_heartbeat_s: float
+
+    def check(self, restart_mode: str) -> None:
+        in_process = restart_mode in ("layered", "inprocess")
+        monitored = restart_mode in ("layered", "injob")
+        where = f"on {self.backend} ({'CPU' if self.backend == 'gloo' else 'CUDA'})"
+        if self.backend == "nccl" and in_process and self.collective_s <= self.hard_s:
+            raise ConfigError(
+                f"collective_timeout_s={self.collective_s} must exceed the in-process hard timeout "
+                f"(2 x hang_timeout_s = {self.hard_s}) {where}: otherwise the NCCL watchdog kills the "
+                "healthy ranks before a hang can be recovered in-process. Raise it, or leave it unset "
+                f"to get {self.hard_s + NCCL_TIMEOUT_MARGIN_S}")
+        if self.backend == "gloo" and monitored and self.heartbeat_s <= self.collective_s + 1:
+            # An in-process restart pauses heartbeats for about one collective timeout; a shorter
+            # heartbeat timeout makes ft_launcher kill ranks that were recovering by themselves.
+            raise ConfigError(
+                f"heartbeat_timeout_s={self.heartbeat_s} must exceed collective_timeout_s + 1 "
+                f"= {self.collective_s + 1} {where}, so in-process restarts are not cut short")
+        if restart_mode == "layered" and self.soft_s >= self.heartbeat_s:
+            # Otherwise ft_launcher kills a hung rank before the Wrapper can recover it in place.
+            raise ConfigError(
+                f"hang_timeout_s={self.soft_s} must be below heartbeat_timeout_s={self.heartbeat_s} "
+                "in layered mode, so hangs are recovered in-process first")
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
@@ -198,7 +253,9 @@ class RunConfig:
     restart_mode: str = "layered"
     max_restarts: int = 3  # in-job (ft_launcher) restarts
     max_inprocess_restarts: int = 5  # in-process (Wrapper) restarts per launcher round
-    collective_timeout_s: float = 30.0  # gloo/NCCL timeout; bounds in-process restart latency
+    #: The process groups' collective timeout. None: derived per backend (``timeouts``): 30 s on
+    #: gloo, where it bounds in-process restart latency; above the Wrapper's hard timeout on NCCL.
+    collective_timeout_s: float | None = None
     heartbeat_timeout_s: float = 120.0  # ft_launcher: a rank silent this long is restarted
     initial_heartbeat_timeout_s: float = 600.0  # ...before its first heartbeat (start, restore)
     hang_timeout_s: float = 60.0  # Wrapper soft timeout (hard = 2x): no progress this long -> restart
@@ -207,6 +264,9 @@ class RunConfig:
     rdzv_port: int = 29400
     log_interval: int = 1
     eval_batches: int = 8
+    #: NVRx's NVML GPU / NVLink / NIC checks before an in-process restart (CUDA only; a rank that
+    #: fails them leaves the job, so ft_launcher restarts it or the ladder replaces the node).
+    gpu_health_checks: bool = True
     faults: tuple[FaultDrill, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -237,6 +297,23 @@ class RunConfig:
     def layout(self) -> "RunDir":
         return RunDir(self.run_dir)
 
+    @property
+    def collective_backends(self) -> tuple[str, ...]:
+        """The collective backends this run may use: its device decides (``auto``: either)."""
+        return {"cpu": ("gloo",), "cuda": ("nccl",)}.get(self.device, ("gloo", "nccl"))
+
+    def timeouts(self, backend: str) -> "RestartTimeouts":
+        """Every restart-layer timeout of this run on ``backend`` ("gloo" or "nccl")."""
+        if backend not in ("gloo", "nccl"):
+            raise ConfigError(f"collective backend {backend!r} is not supported; use gloo or nccl")
+        hard = 2 * self.hang_timeout_s
+        collective = self.collective_timeout_s
+        if collective is None:
+            collective = DEFAULT_GLOO_COLLECTIVE_TIMEOUT_S if backend == "gloo" else hard + NCCL_TIMEOUT_MARGIN_S
+        return RestartTimeouts(backend=backend, collective_s=float(collective), soft_s=self.hang_timeout_s,
+                               hard_s=hard, heartbeat_s=self.heartbeat_timeout_s,
+                               initial_heartbeat_s=self.initial_heartbeat_timeout_s)
+
     # -- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
         if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id):
@@ -265,7 +342,8 @@ class RunConfig:
         _check_choice("restart_mode", self.restart_mode, RESTART_MODES)
         _check_int("max_restarts", self.max_restarts, 0, 1000)
         _check_int("max_inprocess_restarts", self.max_inprocess_restarts, 0, 1000)
-        _check_float("collective_timeout_s", self.collective_timeout_s, 0.5, 3600.0)
+        if self.collective_timeout_s is not None:
+            _check_float("collective_timeout_s", self.collective_timeout_s, 0.5, 3600.0)
         _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 1.0, 86_400.0)
         _check_float("initial_heartbeat_timeout_s", self.initial_heartbeat_timeout_s, 1.0, 86_400.0)
         _check_float("hang_timeout_s", self.hang_timeout_s, 1.0, 86_400.0)
@@ -274,19 +352,10 @@ class RunConfig:
         _check_int("rdzv_port", self.rdzv_port, 1024, 65_000)
         _check_int("log_interval", self.log_interval, 1, 1_000_000)
         _check_int("eval_batches", self.eval_batches, 1, 100_000)
-        if self.restart_mode in ("layered", "injob") and self.heartbeat_timeout_s <= self.collective_timeout_s + 1:
-            # An in-process restart pauses heartbeats for about one collective timeout; a shorter
-            # heartbeat timeout makes ft_launcher kill ranks that were recovering by themselves.
-            raise ConfigError(
-                f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed collective_timeout_s + 1 "
-                f"= {self.collective_timeout_s + 1} so in-process restarts are not cut short"
-            )
-        if self.restart_mode == "layered" and self.hang_timeout_s >= self.heartbeat_timeout_s:
-            # Otherwise ft_launcher kills a hung rank before the Wrapper can recover it in place.
-            raise ConfigError(
-                f"hang_timeout_s={self.hang_timeout_s} must be below heartbeat_timeout_s="
-                f"{self.heartbeat_timeout_s} in layered mode, so hangs are recovered in-process first"
-            )
+        if not isinstance(self.gpu_health_checks, bool):
+            raise ConfigError(f"gpu_health_checks must be true or false, got {self.gpu_health_checks!r}")
+        for backend in self.collective_backends:
+            self.timeouts(backend).check(self.restart_mode)
         for i, f in enumerate(self.faults):
             f.validate(self, f"faults[{i}]")
 
@@ -389,6 +458,7 @@ class RunDir:
           launches/<launch_id>.json the config of each (re)launch, written by the backend
           checkpoints/
             latest                 name of the newest committed checkpoint (atomic rename)
+            latest_step            its step as a bare integer (NVRx 0.7's progress tracking reads it)
             step_00000010/         one DCP checkpoint: a shard file per rank + .metadata
               COMMITTED.json       the commit marker, written last, by rank 0
     """
@@ -405,6 +475,7 @@ class RunDir:
     launches = property(lambda self: self.root / "launches")
     checkpoints = property(lambda self: self.root / "checkpoints")
     latest_pointer = property(lambda self: self.root / "checkpoints" / "latest")
+    latest_step = property(lambda self: self.root / "checkpoints" / "latest_step")
 
     def create(self) -> None:
         for d in (self.root, self.control, self.logs, self.checkpoints):
@@ -481,6 +552,7 @@ class CheckpointCatalog:
                   "contract_version": CONTRACT_VERSION, **(extra or {})}
         atomic_write_text(path / COMMIT_MARKER, json.dumps(marker, sort_keys=True))
         atomic_write_text(self.layout.latest_pointer, path.name + "\n")
+        atomic_write_text(self.layout.latest_step, f"{step}\n")
         return CheckpointInfo(step, path, True, world_size, now)
 
     def apply_retention(self, keep: int) -> list[Path]:
