@@ -52,8 +52,13 @@ def pick_checkpoint(cfg: RunConfig, checkpoint_id: str | None) -> CheckpointInfo
 
 
 def load_model(cfg: RunConfig, info: CheckpointInfo, device: torch.device) -> torch.nn.Module:
-    """A plain (unsharded) model holding the checkpoint's weights; optimizer state is not read."""
-    model = build_model(cfg.model, device=device, max_seq_len=cfg.seq_len)
+    """A plain (unsharded) model holding the checkpoint's weights; optimizer state is not read.
+
+    Built on the meta device and materialised uninitialised: the checkpoint fills every
+    parameter, so a random init would be wasted work (most of the load time of a large model)."""
+    model = build_model(cfg.model, device="meta", max_seq_len=cfg.seq_len)
+    model.to_empty(device=device)
+    model.init_buffers()
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(info.path))
     set_model_state_dict(model, state["model"])

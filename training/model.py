@@ -177,14 +177,20 @@ class GPT(nn.Module):
         return self.output(self.norm(h))
 
     @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Fill the derived (non-checkpointed) buffers: all a model needs after ``to_empty()``
+        when a checkpoint is about to fill every parameter."""
+        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Fill every parameter and buffer deterministically; see the module docstring.
 
         ``seed=None`` uses ``torch.initial_seed()`` (the last ``torch.manual_seed``)."""
         base_seed = torch.initial_seed() if seed is None else int(seed)
-        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        self.init_buffers()
         # GPT-2 style: residual output projections scaled down with depth.
         residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from training.contract import ConfigError
@@ -90,22 +90,47 @@ def parallelize(model: GPT, mesh: DeviceMesh, *, mixed_precision: bool, activati
     return model
 
 
+def device_mesh(device: torch.device, nodes: int, procs_per_node: int) -> DeviceMesh:
+    """The FSDP mesh: HSDP (shard within a node, replicate across nodes) when several nodes each
+    run several ranks, so parameter all-gathers and gradient reduce-scatters stay on the node's
+    fast links and only one all-reduce of the shards crosses the network; plain FSDP over every
+    rank otherwise (one rank per node would make HSDP pure replication)."""
+    if nodes > 1 and procs_per_node > 1:
+        return init_device_mesh(device.type, (nodes, procs_per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (nodes * procs_per_node,), mesh_dim_names=("shard",))
+
+
+def build_optimizer(model: nn.Module, device: torch.device, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW: the fused kernel on CUDA (one launch per step for every parameter), the foreach
+    implementation on CPU (bitwise the same on every run there)."""
+    impl = {"fused": True} if torch.device(device).type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), **impl)
+
+
 def build_sharded_model(
     preset: str,
     mesh: DeviceMesh,
     device: torch.device,
     seed: int,
     precision: Precision | None = None,
+    init_weights: bool = True,
     **overrides,
 ) -> GPT:
     """Build ``preset`` on meta, shard it over ``mesh``, materialise the local shards on
-    ``device`` and initialise them deterministically from ``seed``; returns it in train mode."""
+    ``device`` and initialise them deterministically from ``seed``; returns it in train mode.
+
+    ``init_weights=False`` leaves the parameters uninitialised (only the derived buffers are
+    filled): for a model a checkpoint is about to overwrite, where a random init is wasted work.
+    """
     precision = precision or Precision.for_device(device)
     model = build_model(preset, device="meta", **overrides)
     parallelize(model, mesh, mixed_precision=precision.mixed_precision,
                 activation_checkpointing=precision.activation_checkpointing)
     model.to_empty(device=device)
-    model.init_weights(seed)
+    if init_weights:
+        model.init_weights(seed)
+    else:
+        model.init_buffers()
     return model.train()
 
 

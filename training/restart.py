@@ -171,22 +171,30 @@ class _RecordRestart(inprocess.finalize.Finalize):
         return state
 
 
+def use_libuv() -> bool:
+    """Whether TCPStores use libuv: torch's own ``USE_LIBUV`` switch (default on). Torch builds
+    without libuv (Debian's, in the NVRx 0.7 test lane) need ``USE_LIBUV=0``."""
+    return os.environ.get("USE_LIBUV", "1").strip().lower() not in ("0", "false", "no")
+
+
 def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_type: str) -> inprocess.Wrapper:
     """The in-process restart Wrapper for this run.
 
     Stores: the Wrapper's own TCPStore listens on ``MASTER_PORT + 2`` (the training process group
     uses ``MASTER_PORT + 1``); ft_launcher picks a fresh ``MASTER_PORT`` each rendezvous round, so
-    the ports never clash across in-job restarts.
+    the ports never clash across in-job restarts. Timeouts follow the run contract's order
+    (``RunConfig.timeouts``), which ``RunConfig.validate`` has checked for this backend.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     master_port = int(os.environ["MASTER_PORT"])
-    soft = datetime.timedelta(seconds=cfg.hang_timeout_s)
-    hard = datetime.timedelta(seconds=2 * cfg.hang_timeout_s)
+    timeouts = cfg.timeouts("nccl" if device_type == "cuda" else "gloo")
+    soft = datetime.timedelta(seconds=timeouts.soft_s)
+    hard = datetime.timedelta(seconds=timeouts.hard_s)
     barrier = max(datetime.timedelta(seconds=cfg.initial_heartbeat_timeout_s), hard + datetime.timedelta(seconds=10))
     log_dir = Path(cfg.run_dir).resolve() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     wrapper = inprocess.Wrapper(
-        store_kwargs={"port": master_port + 2, "timeout": barrier},
+        store_kwargs={"port": master_port + 2, "timeout": barrier, "use_libuv": use_libuv()},
         # Fixed world size: FSDP shards are laid out for it. Losing a rank, or spending the
         # in-process budget, raises RestartAbort, ends the process, and escalates to ft_launcher.
         initialize=inprocess.initialize.RetryController(
@@ -201,22 +209,46 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
         completion_timeout=barrier,
         monitor_process_logfile=str(log_dir / "inprocess-monitor-rank{rank}.log"),
     )
-    # nvidia-resiliency-ext 0.7 adds NVML GPU/NVLink/NIC restart health checks by itself when
-    # LOCAL_RANK is set; on CPU they fail (no NVML) and turn every in-process restart into a
-    # process exit. Drop them there; on GPU keep them.
-    if device_type == "cpu" and hasattr(wrapper, "restart_health_check"):
-        wrapper.restart_health_check = None
+    if not restart_health_checks_wanted(cfg, device_type):
+        disable_gpu_health_checks(wrapper)
     return wrapper
 
 
+def restart_health_checks_wanted(cfg: RunConfig, device_type: str) -> bool:
+    """NVRx 0.7's NVML GPU / NVLink / NIC checks before an in-process restart: on CUDA unless the
+    run turns them off (``gpu_health_checks``); never on CPU, where NVML does not exist and every
+    check fails, turning each in-process restart into a process exit."""
+    return device_type == "cuda" and cfg.gpu_health_checks
+
+
+def disable_gpu_health_checks(wrapper: inprocess.Wrapper) -> None:
+    """Drop the restart health checks NVRx 0.7 chains in by itself when LOCAL_RANK is set.
+
+    The Wrapper has no constructor switch for them. ``restart_health_check`` is the public
+    attribute the Wrapper builds from ``health_check`` plus those NVML checks and consults before
+    each restart; we pass no ``health_check`` of our own, so what remains is exactly the NVML
+    chain. 0.4.1 has no such attribute and adds no checks.
+    """
+    if getattr(wrapper, "restart_health_check", None) is not None:
+        wrapper.restart_health_check = None
+
+
+def process_group_options(device: torch.device) -> dict:
+    """Extra ``init_process_group`` arguments for ``device``: on CUDA, ``device_id`` binds the
+    group to this rank's GPU, so NCCL creates its communicator eagerly on the right device (and
+    no collective ever guesses the device from the current one)."""
+    return {"device_id": device} if device.type == "cuda" else {}
+
+
 def init_process_group(backend: str, iteration: int, timeout_s: float, join_timeout_s: float,
-                       app_store: dist.Store) -> None:
+                       app_store: dist.Store, device: torch.device | None = None) -> None:
     """A fresh default process group for this in-process iteration, on its own key prefix so
     iterations never read each other's rendezvous keys.
 
     Ranks arrive at different times after a restart (a healthy rank first sits out its collective
-    timeout), so forming the group may take up to ``join_timeout_s``; collectives then get the
-    short ``timeout_s`` that bounds how long a healthy rank waits for a failed one.
+    timeout), so forming the group may take up to ``join_timeout_s``; collectives then get
+    ``timeout_s`` (``RunConfig.timeouts(backend).collective_s``): on gloo it bounds how long a
+    healthy rank waits for a failed one; on NCCL it stays above the Wrapper's hard timeout.
     """
     store = dist.PrefixStore(f"train-iter-{iteration}", app_store)
     dist.init_process_group(
@@ -225,6 +257,7 @@ def init_process_group(backend: str, iteration: int, timeout_s: float, join_time
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=datetime.timedelta(seconds=max(timeout_s, join_timeout_s)),
+        **process_group_options(device if device is not None else torch.device("cpu")),
     )
     dist.barrier()  # every rank is connected before the timeout shrinks
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
@@ -243,5 +276,5 @@ def app_store() -> dist.TCPStore:
         is_master=rank == 0,
         timeout=datetime.timedelta(seconds=300),
         wait_for_workers=False,
-        use_libuv=True,
+        use_libuv=use_libuv(),
     )

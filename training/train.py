@@ -18,14 +18,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess import CallWrapper
-from torch.distributed.device_mesh import init_device_mesh
 
 from training import faults, restart
-from training.checkpoint import AsyncCheckpointer, app_state, load_latest, restore_app_state
+from training.checkpoint import AsyncCheckpointer, app_state, choose_checkpoint, load_checkpoint, restore_app_state
 from training.contract import ConfigError, Event, EventLog, ExitCode, RunConfig, node_id, read_events
 from training.data import BatchSampler, TokenShards
 from training.model import cross_entropy_loss
-from training.parallelize import backend_for, build_sharded_model, choose_device
+from training.parallelize import backend_for, build_optimizer, build_sharded_model, choose_device, device_mesh
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,12 @@ class WorkerEnv:
     local_rank: int
     world_size: int
     node_rank: int
-    attempt: int  # launcher restart round: 0 on the first launch
+    #: The launcher's restart round (TORCHELASTIC_RESTART_COUNT): 0 on the first launch. NVRx 0.7
+    #: counts rendezvous rounds of the whole job (the same on every node, and kept by a node that
+    #: joins late); 0.4.1 counts this node agent's restarts. Every node restarts in every round
+    #: of a fixed-size job, so both give the same number here; fault drills and the events log
+    #: use it as "the launcher round". It restarts from 0 on a relaunch by the control plane.
+    attempt: int
 
     @classmethod
     def from_environ(cls) -> "WorkerEnv":
@@ -60,10 +64,9 @@ class Trainer:
         self.layout = cfg.layout
         self.events = EventLog(self.layout.events, run_id=cfg.run_id, rank=env.rank, node_rank=env.node_rank,
                                attempt=env.attempt, launch_id=os.environ.get("TRAINING_LAUNCH_ID", ""))
-        self.device = choose_device(cfg.device, env.local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = setup_device(cfg, env)
         self.backend = backend_for(self.device)
+        self.timeouts = cfg.timeouts(self.backend)
         self.monitor = restart.RankMonitor()
         self.store = restart.app_store()  # outlives in-process restarts; process groups do not
         self.fired: set[tuple[int, int | None, str]] = set()  # drills fire once per process
@@ -82,19 +85,22 @@ class Trainer:
         self.monitor.start()
         self.monitor.enter("setup")
         try:
-            restart.init_process_group(self.backend, self.iteration, cfg.collective_timeout_s,
-                                       cfg.initial_heartbeat_timeout_s, self.store)
-            mesh = init_device_mesh(self.device.type, (env.world_size,))
+            restart.init_process_group(self.backend, self.iteration, self.timeouts.collective_s,
+                                       cfg.initial_heartbeat_timeout_s, self.store, self.device)
+            mesh = device_mesh(self.device, cfg.nodes, cfg.procs_per_node)
             self.checkpointer.rebind(dist.group.WORLD)
 
-            model = build_sharded_model(cfg.model, mesh, self.device, seed=cfg.seed, max_seq_len=cfg.seq_len)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                          betas=(0.9, 0.95), foreach=True)
+            # Which checkpoint to resume from is agreed before the model exists, so weights a
+            # checkpoint is about to overwrite are never randomly initialised.
+            resumed = choose_checkpoint(cfg.run_dir, events=events if env.rank == 0 else None)
+            model = build_sharded_model(cfg.model, mesh, self.device, seed=cfg.seed,
+                                        init_weights=resumed is None, max_seq_len=cfg.seq_len)
+            optimizer = build_optimizer(model, self.device, lr=cfg.lr, weight_decay=cfg.weight_decay)
             sampler = BatchSampler(self.shards, cfg.seq_len, cfg.batch_size, env.rank, env.world_size, cfg.seed)
             trainer_state = {"step": 0, "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
             state = app_state(model, optimizer, trainer_state)
-            resumed = load_latest(cfg.run_dir, state, events=events if env.rank == 0 else None)
             if resumed is not None:
+                load_checkpoint(resumed, state)
                 restore_app_state(model, optimizer, state)
                 sampler.load_state_dict(state["trainer"]["sampler"])
                 torch.set_rng_state(state["trainer"]["rng"])
@@ -127,9 +133,11 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                loss = loss.detach()
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-                loss_value = loss.item()
+                log_step = step % cfg.log_interval == 0 or step == cfg.steps
+                if log_step:  # the only host sync of a step: on the logging interval
+                    loss = loss.detach()
+                    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+                    loss_value = loss.item()
             except Exception as exc:
                 self._on_fault(exc, step)
                 raise
@@ -141,7 +149,7 @@ class Trainer:
                 layer, fault_ts = recovering
                 events.emit(Event.RESTART_END, layer=layer, step=step, latency_s=round(time.time() - fault_ts, 3))
             recovering = None
-            if env.rank == 0 and (step % cfg.log_interval == 0 or step == cfg.steps):
+            if env.rank == 0 and log_step:
                 events.emit(Event.STEP, step=step, loss=loss_value, step_s=round(step_s, 4),
                             tokens_per_s=round(tokens_per_step / step_s, 1))
             if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
@@ -236,6 +244,16 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close(wait=False)  # a clean run has nothing pending; a failed one has no group
+
+
+def setup_device(cfg: RunConfig, env: WorkerEnv) -> torch.device:
+    """This rank's device, made current. On CUDA this runs before anything of NVRx's starts (the
+    in-process Wrapper forks its monitor process; the checkpoint writer spawns), so none of them
+    starts from a process whose device is still unset."""
+    device = choose_device(cfg.device, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def main(argv: list[str] | None = None) -> int:
