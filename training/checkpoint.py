@@ -6,9 +6,11 @@ What a save does (``AsyncCheckpointer.save``), on every rank of the process grou
    process is up and that all ranks save the same step;
 2. snapshot: copy every tensor of the state dict into host buffers allocated on the first save and
    reused afterwards (pinned on CUDA, plain shared memory on CPU); non-tensor values are deep-copied.
-   This memcpy is the only part of the save that has to stop training;
+   On CUDA the copies run on a side stream that the next step's parameter writes wait for. This
+   memcpy is the only copy of the state a save makes;
 3. plan with NVRx's ``save_state_dict_async_plan`` over the snapshot (never the live tensors) and
-   hand the shard to NVRx's persistent writer process through ``AsyncCallsQueue``;
+   hand the shard to NVRx's persistent writer process through ``AsyncCallsQueue`` (on NVRx 0.7 the
+   buffers themselves are handed over once per writer process, see ``_SnapshotWriter``);
 4. return. The writer writes ``__<rank>_*.distcp`` into ``RunDir.checkpoint_dir(step)``.
 
 Finalizing (``poll``/``wait``, and at the start of the next ``save``) is a collective: every rank
@@ -26,20 +28,22 @@ parameters that training keeps changing. Here:
 
 - the snapshot is an explicit copy taken in the trainer before ``save`` returns;
 - the "all calls done" decision and the call-index check are one all-reduce of small tensors over
-  the bound process group (CPU tensors on gloo, CUDA tensors on NCCL), done in short rounds so a
-  slow writer never holds a collective open longer than a round;
+  the protocol's process group (the training group on gloo; a gloo group over the same ranks when
+  training runs on NCCL, so no round touches the GPU), done in short rounds so a slow writer never
+  holds a collective open longer than a round;
 - the worker-side preload (a device-to-host stage the snapshot already did) is dropped when the
-  request carries the write buckets itself (0.4.1); where it builds them (0.7) it is kept, and on
-  CPU it runs with ``non_blocking=False`` (no ``torch.cuda.synchronize``);
+  request carries the write buckets itself (0.4.1); where it builds them (0.7) it is kept but never
+  waited for, and on CPU it runs with ``non_blocking=False`` (no ``torch.cuda.synchronize``);
 - waits on the worker are bounded and check that its process is alive; completions are matched by
   call index; each save gets its own write-results queue, so nothing from an abandoned save can be
   mistaken for a later one.
 
-NVRx versions: written against 0.4.1 (tested here) and kept valid for 0.7.x by feature detection:
-``PersistentAsyncCaller._start_worker`` (0.7 starts its worker itself, with PDEATHSIG and QoS),
-``cpu_shm_mode`` (0.7's worker skips CUDA initialisation with it), whether the save request
-carries its write buckets, the ``non_blocking`` parameter of the preload, and write errors raised
-(0.4.1) or returned wrapped (0.7). Only interfaces both versions share are used otherwise.
+NVRx versions: tested on 0.4.1 and 0.7.0 (``make test-nvrx07``), with feature detection where they
+differ: ``cpu_shm_mode`` (0.7's writer opens no CUDA context with it), the writer loop's arguments
+(we spawn the writer ourselves on both, with a parent-death signal), whether the save request carries
+its write buckets, the ``non_blocking`` parameter of the preload, and write errors raised (0.4.1) or
+returned wrapped (0.7). ``AsyncCallsQueue.close`` (0.7 runs it from ``__del__``) never runs NVRx's
+CUDA finalize here. Only interfaces both versions share are used otherwise.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
     PersistentAsyncCaller,
 )
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+from torch.distributed.checkpoint.planner import WriteItemType
 from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 from torch import multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -92,6 +97,8 @@ __all__ = [
     "SaveStats",
     "SnapshotBuffers",
     "app_state",
+    "choose_checkpoint",
+    "load_checkpoint",
     "load_latest",
     "restore_app_state",
 ]
@@ -180,6 +187,12 @@ class SnapshotBuffers:
     def __init__(self, pin_memory: bool = False):
         self.pin_memory = pin_memory
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._stream = None  # CUDA: the side stream the device-to-host copies run on
+        self._copied = None  # CUDA: an event recorded after the last snapshot's copies
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self._buffers.values())
 
     @property
     def nbytes(self) -> int:
@@ -188,11 +201,31 @@ class SnapshotBuffers:
     @torch.no_grad()
     def snapshot(self, state: Any) -> Any:
         """A copy of ``state`` with the same structure: tensors (DTensor shards included) copied
-        into the buffers, other values deep-copied. Returns once every copy has landed."""
-        copied = self._copy(state, ())
-        if self.pin_memory:
-            torch.cuda.synchronize()  # the D2H copies were non_blocking
+        into the buffers, other values deep-copied.
+
+        On CUDA the device-to-host copies run on a side stream, after the work already queued on
+        the current stream (the optimizer step that wrote the parameters), and the current stream
+        waits for them, so the next step cannot write a parameter before its copy is taken. They
+        may still be in flight when this returns: call ``wait_copied`` before the host reads the
+        buffers (the caller plans the save meanwhile)."""
+        if not self.pin_memory:
+            return self._copy(state, ())
+        current = torch.cuda.current_stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            copied = self._copy(state, ())
+            self._copied = torch.cuda.Event()
+            self._copied.record(self._stream)
+        current.wait_stream(self._stream)
         return copied
+
+    def wait_copied(self) -> None:
+        """Block the host until the last snapshot's copies have landed (a no-op on CPU)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def _copy(self, obj: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(obj, DTensor):
@@ -287,6 +320,56 @@ def _cpu_safe_preload(preload_fn: Callable | None) -> Callable | None:
     return functools.partial(preload_fn.func, *args, **{**preload_fn.keywords, "non_blocking": False})
 
 
+#: NVRx 0.7 builds the write buckets in the writer process: ``preload_tensors`` takes
+#: ``(checkpoint_dir, (identifier, data))``. 0.4.1 builds them in the trainer.
+_BUCKETS_IN_WRITER = hasattr(nvrx_filesystem, "ConsistentDataIdentifier")
+
+
+class _SnapshotWriter(FileSystemWriterAsync):
+    """NVRx's async file writer over our snapshot buffers: one copy of the state per save.
+
+    On NVRx 0.7 the stock ``prepare_write_data`` clones every CPU tensor (a second copy of the
+    state in private memory), and sending the clones to the writer moves each into fresh shared
+    memory (a third): an 8b save on 2x8 GPUs would need about twice its size in ``/dev/shm``. Our
+    snapshot already is a stable copy in shared memory, reused by every save and left untouched
+    until the save that read it is finalized. So here the buffers are handed to the writer as they
+    are, and only once per writer process: the writer keeps them under NVRx's plan-shape key
+    (``ConsistentDataIdentifier``) and later saves send no tensor at all, only the plan.
+
+    ``handed_over`` maps a plan key to the buffers' storage addresses the current writer process
+    holds; ``AsyncCheckpointer`` clears it whenever it starts a writer. 0.4.1 clones nothing (it
+    builds the buckets here, and the buffers pickle as shared memory), so it keeps the stock path.
+    """
+
+    def __init__(self, path: str, *, handed_over: dict[str, tuple], **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.handed_over = handed_over
+
+    def prepare_write_data(self, plan, planner) -> None:
+        if not _BUCKETS_IN_WRITER:
+            return super().prepare_write_data(plan, planner)
+        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
+        tensors = [planner.resolve_data(item).detach() for item in tensor_items]
+        not_shared = [item.index.fqn for item, t in zip(tensor_items, tensors) if not t.is_shared()]
+        if not_shared:  # only our snapshot may be handed over uncopied
+            raise RuntimeError(f"_SnapshotWriter writes snapshot buffers only; not in shared memory: {not_shared[:3]}")
+        self.consistent_data_identifier = None
+        self.cached_tensor_data = None
+        if tensor_items:
+            key = nvrx_filesystem._compute_data_structure_key_from_plan(tensor_items)
+            storages = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in tensors)
+            self.consistent_data_identifier = nvrx_filesystem.ConsistentDataIdentifier(key)
+            if self.handed_over.get(key) != storages:
+                self.cached_tensor_data = (tensor_items, tensors)
+                self.handed_over[key] = storages
+        self.uncached_tensor_data = None
+        self.byte_io_data = (byte_items, [planner.resolve_data(item) for item in byte_items]) if byte_items else None
+        self.storage_plan = plan.storage_data
+        self.has_data_to_write = len(plan.items) > 0
+        self.results_queue = nvrx_filesystem.get_write_results_queue() if self.has_data_to_write else None
+
+
 class _PersistentWriter(PersistentAsyncCaller):
     """NVRx's persistent checkpoint worker (one spawned process per rank) with bounded waits.
 
@@ -295,10 +378,12 @@ class _PersistentWriter(PersistentAsyncCaller):
     index; a ``close`` that never blocks on a dead worker's queues.
     """
 
-    def __init__(self, rank: int, cpu_only: bool, stall_timeout_s: float):
+    def __init__(self, rank: int, stall_timeout_s: float):
         params = inspect.signature(PersistentAsyncCaller.__init__).parameters
-        # 0.7 initialises CUDA in the worker unless told the host buffers are all it will see.
-        super().__init__(**({"cpu_shm_mode": True} if cpu_only and "cpu_shm_mode" in params else {}))
+        # 0.7 opens a CUDA context in the worker unless told host memory is all it will see. It
+        # is: the snapshot is in host buffers on every device, so the writer never needs a GPU
+        # (and never holds GPU memory a training rank could use).
+        super().__init__(**({"cpu_shm_mode": True} if "cpu_shm_mode" in params else {}))
         self.rank = rank
         self.stall_timeout_s = stall_timeout_s
         self.completed_idx = -1
@@ -312,10 +397,10 @@ class _PersistentWriter(PersistentAsyncCaller):
         return self.process is not None and self.process.is_alive()
 
     def start(self) -> None:
+        """Spawn the writer ourselves on every NVRx version: 0.7's own ``_start_worker`` starts a
+        daemon (which may not fork file writers) with no parent-death signal, so a killed trainer
+        would leave it running."""
         if self.process is not None:
-            return
-        if hasattr(PersistentAsyncCaller, "_start_worker"):  # NVRx >= 0.7 starts it itself
-            self._start_worker(self.rank)
             return
         # Tie the writer's life to ours only when spawned from the main thread (see _die_with_parent).
         parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
@@ -329,40 +414,25 @@ class _PersistentWriter(PersistentAsyncCaller):
         params = inspect.signature(PersistentAsyncCaller.async_loop).parameters
         known = {"rank": self.rank, "queue": self.queue, "preload_q": self.preload_q, "comp_q": self.comp_q,
                  "shm_rel_q": getattr(self, "shm_rel_q", None),
-                 "log_level": logging.getLogger(PersistentAsyncCaller.__module__).getEffectiveLevel()}
+                 "log_level": logging.getLogger(PersistentAsyncCaller.__module__).getEffectiveLevel(),
+                 "cpu_shm_mode": getattr(self, "cpu_shm_mode", True)}
         missing = [n for n, p in params.items() if p.default is p.empty and n not in known]
         if missing:
             raise RuntimeError(f"unsupported nvidia-resiliency-ext: its writer loop needs {missing}")
         return {n: v for n, v in known.items() if n in params}
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Hand a request to the worker and return at once. The stock caller waits here for the
+        worker's preload (a device-to-host stage): our snapshot already is a host copy that stays
+        untouched until this save is finalized, so nothing needs that wait."""
         if async_req.async_fn is None:
             return
         if not self.alive:
             raise _WriterGone(f"the checkpoint writer (pid {self.pid}) is not running")
         self.start_time = time.time()
         if async_req.preload_fn:
-            self.preload_q.put(async_req.call_idx)
+            self.preload_q.put(async_req.call_idx)  # the worker takes it before running the preload
         self.queue.put(async_req)
-        if async_req.preload_fn:
-            self._wait_until_staged()
-
-    def _wait_until_staged(self) -> None:
-        """``preload_q.join()`` that notices a dead or stalled worker."""
-        unfinished = getattr(self.preload_q, "_unfinished_tasks", None)
-        if unfinished is None or not hasattr(getattr(unfinished, "_semlock", None), "_is_zero"):
-            self.preload_q.join()  # unknown queue internals: the stock (unbounded) wait
-            return
-        deadline = time.monotonic() + self.stall_timeout_s
-        delay = 1e-4
-        while not unfinished._semlock._is_zero():
-            if not self.alive:
-                raise _WriterGone(f"the checkpoint writer (pid {self.pid}) died while taking the save")
-            if time.monotonic() > deadline:
-                raise _WriterGone(f"the checkpoint writer (pid {self.pid}) did not take the save "
-                                  f"within {self.stall_timeout_s:.0f}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
 
     def wait_completed(self, call_idx: int, timeout: float) -> bool:
         """Whether call ``call_idx`` (and so every earlier one: the worker runs them in order) has
@@ -410,6 +480,16 @@ class _WriterQueue(AsyncCallsQueue):
 
     def _get_async_caller(self) -> _PersistentWriter:
         return self.persistent_caller
+
+    def close(self, abort: bool = False) -> None:
+        """Forget the calls; never the stock close, whose finalize runs NVRx's CUDA collective
+        (0.7 calls it from ``__del__``, i.e. whenever garbage collection gets to us). The writer
+        process is ``AsyncCheckpointer``'s to stop."""
+        self.async_calls.clear()
+        self.persistent_caller = None
+
+    def __del__(self) -> None:
+        pass
 
     def forget_up_to(self, call_idx: int) -> None:
         """Drop requests the writer finished. Not earlier: a request holds the only trainer-side
@@ -593,6 +673,7 @@ class AsyncCheckpointer:
         self._helpers = _HelperProcesses()
         self._reaper = weakref.finalize(self, _HelperProcesses.stop, self._helpers)
         self._calls: _WriterQueue | None = None
+        self._handed_over: dict[str, tuple] = {}  # what the current writer process holds (_SnapshotWriter)
         if process_group is not None or dist.is_initialized():
             self.rebind(process_group)
         if async_save:
@@ -636,10 +717,10 @@ class AsyncCheckpointer:
         if not dist.is_initialized():
             raise RuntimeError("rebind needs an initialized torch.distributed process group")
         group = process_group if process_group is not None else dist.group.WORLD
-        self._group = group
+        self._group = _protocol_group(group)
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
-        self._collective_device = _collective_device(group)
+        self._collective_device = _collective_device(self._group)
         if self.async_save and self._helpers.writer is not None and not self._helpers.writer.alive:
             log.warning("rank %d: checkpoint writer (pid %s) is gone; starting a new one",
                         self._rank, self._helpers.writer.pid)
@@ -721,11 +802,12 @@ class AsyncCheckpointer:
         snapshot = self._buffers.snapshot(state)
         snapped = time.monotonic()
         results_queue = self._helpers.channel.new_queue()  # before planning: see _WriteResultsChannel
-        writer = FileSystemWriterAsync(str(path), thread_count=self.thread_count)
+        writer = _SnapshotWriter(str(path), handed_over=self._handed_over, thread_count=self.thread_count)
         writer, metadata, dist_wrapper = save_state_dict_async_plan(snapshot, writer, process_group=self._group)
         if writer.results_queue is not None:
             writer.results_queue = results_queue
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        self._buffers.wait_copied()  # CUDA: the D2H copies ran while we planned; the writer reads them next
         planned = time.monotonic()
         pending = _PendingSave(step, path, writer, metadata, dist_wrapper, call_idx=None, began=began,
                                scheduled=planned)
@@ -923,9 +1005,9 @@ class AsyncCheckpointer:
         old = self._helpers.writer
         if old is not None:
             old.close(abort=True)
-        writer = _PersistentWriter(self._rank, cpu_only=self.device.type != "cuda",
-                                   stall_timeout_s=self.write_timeout_s)
+        writer = _PersistentWriter(self._rank, stall_timeout_s=self.write_timeout_s)
         writer.start()
+        self._handed_over.clear()  # a new process holds no buffers yet
         self._helpers.writer = writer
         if self._calls is None:
             self._calls = _WriterQueue(writer)
@@ -944,6 +1026,20 @@ class AsyncCheckpointer:
                 raise RuntimeError("checkpointing needs an initialized torch.distributed process group "
                                    "(call rebind() after init_process_group)")
             self.rebind(None)
+
+
+def _protocol_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group the save protocol (planning, settle and finalize rounds, commit) runs on.
+
+    On NCCL every round would be a GPU collective plus a host sync of its result, once per step
+    while a save is pending. A gloo group over the same ranks keeps them on the host, off the GPU
+    streams, as torch's docs recommend for async checkpointing. Creating it is a collective:
+    ``rebind`` is called on every rank at the same point."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" not in backend or "gloo" in backend:
+        return group
+    ranks = None if group is dist.group.WORLD else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
 
 
 def _failed_ranks(states: list[int]) -> list[int]:
@@ -970,16 +1066,15 @@ def _remove_torn(path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def load_latest(
+def choose_checkpoint(
     run_dir: str | os.PathLike | RunDir,
-    state: dict[str, Any],
     process_group: dist.ProcessGroup | None = None,
     events: EventLog | None = None,
 ) -> CheckpointInfo | None:
-    """Load the newest committed checkpoint into ``state`` in place (DCP reshards to this world
-    size, one process included). Torn folders (no commit marker) are never loaded; each one newer
-    than the loaded checkpoint gets a ``checkpoint_skip`` event on rank 0. With a process group
-    the ranks use rank 0's choice. Returns what was loaded, or None (nothing committed yet)."""
+    """The newest committed checkpoint, the same on every rank (rank 0's choice, broadcast), or
+    None when nothing is committed yet. Torn folders (no commit marker) are never chosen; each one
+    newer than the choice gets a ``checkpoint_skip`` event on rank 0. Call it before building the
+    model, so weights a checkpoint will overwrite are never initialised."""
     catalog = CheckpointCatalog(run_dir)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
@@ -999,7 +1094,24 @@ def load_latest(
         return None
     info = next((c for c in catalog.committed() if c.step == chosen), None)
     if info is None:  # rank 0 saw it committed; this rank's view of a shared filesystem lags
-        path = catalog.layout.checkpoint_dir(chosen)
-        info = CheckpointInfo(chosen, path, True)
+        info = CheckpointInfo(chosen, catalog.layout.checkpoint_dir(chosen), True)
+    return info
+
+
+def load_checkpoint(info: CheckpointInfo, state: dict[str, Any], process_group: dist.ProcessGroup | None = None) -> None:
+    """Load checkpoint ``info`` into ``state`` in place (DCP reshards to this world size)."""
     dcp.load(state, checkpoint_id=str(info.path), process_group=process_group)
+
+
+def load_latest(
+    run_dir: str | os.PathLike | RunDir,
+    state: dict[str, Any],
+    process_group: dist.ProcessGroup | None = None,
+    events: EventLog | None = None,
+) -> CheckpointInfo | None:
+    """``choose_checkpoint`` then ``load_checkpoint``: the newest committed checkpoint loaded into
+    ``state``; returns what was loaded, or None (nothing committed yet)."""
+    info = choose_checkpoint(run_dir, process_group, events)
+    if info is not None:
+        load_checkpoint(info, state, process_group)
     return info
