@@ -27,6 +27,8 @@ expensive work starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
 import json
 import os
 import shlex
@@ -89,32 +91,80 @@ def rdzv_host_from_env(explicit: str | None, cfg: RunConfig) -> str:
                       "(on EKS: the headless Service name of the pod with completion index 0)")
 
 
-def ft_launcher_config(cfg: RunConfig) -> dict:
-    """ft_launcher's ``fault_tolerance:`` section, with only keys both NVRx 0.4.1 and 0.7.x accept
-    (unknown keys are silently ignored; --max-restarts has no key and goes on the command line).
+def nvrx_fault_tolerance_config() -> type:
+    """The installed NVRx's ``FaultToleranceConfig`` class: what ft_launcher parses its YAML into.
+
+    Loaded from its own file: importing the ``fault_tolerance`` package would import torch, and
+    this module starts in milliseconds. The file needs only the standard library and yaml."""
+    spec = importlib.util.find_spec("nvidia_resiliency_ext")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("nvidia-resiliency-ext is not installed in this environment: install the training "
+                          "requirements (pip install -e '.[training]')")
+    path = Path(spec.submodule_search_locations[0]) / "fault_tolerance" / "config.py"
+    name = "_nvrx_fault_tolerance_config"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(name, None)
+    return module.FaultToleranceConfig
+
+
+def ft_launcher_config(cfg: RunConfig, known_keys: set[str] | frozenset[str]) -> dict:
+    """ft_launcher's ``fault_tolerance:`` section for the installed NVRx (``known_keys``: its
+    ``FaultToleranceConfig`` fields). --max-restarts has no key and goes on the command line.
 
     Workers report heartbeats and sections (training/restart.py: RankMonitor): ``setup``
     (process group, model, restore) may take as long as the first heartbeat; ``step`` and
     ``checkpoint`` (the blocking part of a save) as long as a heartbeat.
+
+    Where NVRx tracks progress (0.7: exit 93 after restart cycles that commit nothing new), it
+    reads the newest committed step from ``RunDir.latest_step``.
     """
-    return {
-        "fault_tolerance": {
-            "initial_rank_heartbeat_timeout": cfg.initial_heartbeat_timeout_s,
-            "rank_heartbeat_timeout": cfg.heartbeat_timeout_s,
-            "rank_section_timeouts": {
-                "setup": cfg.initial_heartbeat_timeout_s,
-                "step": cfg.heartbeat_timeout_s,
-                "checkpoint": cfg.heartbeat_timeout_s,
-            },
-            "rank_out_of_section_timeout": cfg.initial_heartbeat_timeout_s,
-            "workload_check_interval": 1.0,
-            "node_health_check_interval": 5.0,
-            "safety_factor": 5.0,
-            "rank_termination_signal": "SIGKILL",
-            "log_level": "INFO",
-            "restart_check_interval": 1.0,
-        }
+    section = {
+        "initial_rank_heartbeat_timeout": cfg.initial_heartbeat_timeout_s,
+        "rank_heartbeat_timeout": cfg.heartbeat_timeout_s,
+        "rank_section_timeouts": {
+            "setup": cfg.initial_heartbeat_timeout_s,
+            "step": cfg.heartbeat_timeout_s,
+            "checkpoint": cfg.heartbeat_timeout_s,
+        },
+        "rank_out_of_section_timeout": cfg.initial_heartbeat_timeout_s,
+        "workload_check_interval": 1.0,
+        "node_health_check_interval": 5.0,
+        "safety_factor": 5.0,
+        "rank_termination_signal": "SIGKILL",
+        "log_level": "INFO",
+        "restart_check_interval": 1.0,
     }
+    if "checkpoint_iteration_file" in known_keys:
+        section["checkpoint_iteration_file"] = str(cfg.layout.latest_step.absolute())
+    return {"fault_tolerance": section}
+
+
+def check_ft_launcher_config(path: Path, written: dict, config_class: type) -> None:
+    """Parse ``path`` the way ft_launcher will, refusing unknown keys, and compare what it read
+    with what we meant. NVRx ignores a YAML file it cannot parse, and unknown keys, without a word
+    (it then runs with its defaults: on 0.7, no hang detection at all), so a mistake here would
+    only show as restarts that never come."""
+    try:
+        parsed = config_class.from_yaml_file(str(path), ignore_not_recognized=False)
+    except Exception as e:
+        raise ConfigError(f"ft_launcher would not read {path} as written: {e}. This is a bug of training.launch "
+                          "with this nvidia-resiliency-ext version; report it with the file") from None
+    for key, value in written["fault_tolerance"].items():
+        if isinstance(value, (int, float, dict)) and not isinstance(value, bool):
+            got = getattr(parsed, key)
+            if got != value:
+                raise ConfigError(f"ft_launcher would read {key}={got!r} from {path}, not {value!r}")
+
+
+def _libuv_conf() -> str:
+    """Torch builds without libuv (``USE_LIBUV=0``) need the rendezvous store told so too: NVRx
+    0.7 reads ``use_libuv`` from --rdzv-conf (default true) and ignores the environment."""
+    return ",use_libuv=false" if os.environ.get("USE_LIBUV", "1").strip().lower() in ("0", "false", "no") else ""
 
 
 def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: Path,
@@ -128,7 +178,7 @@ def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: P
         f"--rdzv-id={cfg.run_id}",
         # Node 0 hosts the rendezvous store; saying so avoids guessing from host names, which
         # fails when several "nodes" share one machine (the local backend).
-        f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'},join_timeout=600",
+        f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'},join_timeout=600{_libuv_conf()}",
         "--monitor-interval=0.5",
     ]
     worker = ["-m", "training.train", "--config", str(Path(cfg.run_dir) / "run.json")]
@@ -147,8 +197,12 @@ def classify(cfg: RunConfig, rc: int, stalled: bool) -> tuple[FailureClass, str]
     if layout.user_error_marker.exists():
         info = json.loads(layout.user_error_marker.read_text() or "{}")
         return FailureClass.USER_ERROR, f"user error at step {info.get('step')}: {info.get('error')}"
-    if stalled or rc == ExitCode.NO_PROGRESS:
+    if stalled:
         return FailureClass.NO_PROGRESS, f"no new committed checkpoint for {cfg.stall_timeout_s:.0f}s"
+    if rc == ExitCode.NO_PROGRESS:
+        latest = CheckpointCatalog(layout).latest()
+        return FailureClass.NO_PROGRESS, ("ft_launcher stopped restarting: its last restart cycles committed no "
+                                          f"checkpoint past step {latest.step if latest else 0}")
     latest = CheckpointCatalog(layout).latest()
     if rc == 0:
         if latest is not None and latest.step >= cfg.steps:
@@ -186,8 +240,12 @@ class NodeLauncher:
             if not self.layout.config.exists():
                 atomic_write_text(self.layout.config, self.cfg.to_json() + "\n")
         ft_cfg = self.layout.logs / f"ft-launcher-node{self.node_rank}.yaml"
-        # JSON is YAML: this module needs no yaml parser.
-        atomic_write_text(ft_cfg, json.dumps(ft_launcher_config(self.cfg), indent=2) + "\n")
+        if self.cfg.restart_mode in ("layered", "injob"):
+            config_class = nvrx_fault_tolerance_config()
+            section = ft_launcher_config(self.cfg, {f.name for f in dataclasses.fields(config_class)})
+            # JSON is YAML: written without a yaml library, read back with NVRx's own parser.
+            atomic_write_text(ft_cfg, json.dumps(section, indent=2) + "\n")
+            check_ft_launcher_config(ft_cfg, section, config_class)
         return build_command(self.cfg, self.node_rank, self.rdzv_host, ft_cfg, self.layout.logs)
 
     def _forward_signal(self, signum, _frame) -> None:
@@ -204,6 +262,10 @@ class NodeLauncher:
         env = dict(os.environ)
         env[LAUNCH_PID_ENV] = str(os.getpid())
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.cfg.nodes > 1 and self.rdzv_host in ("127.0.0.1", "localhost", "::1"):
+            # Several "nodes" on one host (the local backend): NVRx 0.7's rendezvous otherwise
+            # refuses the second launcher as a duplicate participant.
+            env.setdefault("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1")
         # The worker imports the ``training`` package from wherever this one came from.
         pkg_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
@@ -285,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
     launcher = NodeLauncher(cfg, node_rank, rdzv_host)
-    command = launcher.prepare()
+    try:
+        command = launcher.prepare()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return int(ExitCode.CONFIG_ERROR)
     if args.dry_run:
         print(shlex.join(command))
         return 0
