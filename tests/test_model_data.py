@@ -259,6 +259,18 @@ def test_forward_shapes_init_and_activation_checkpointing():
 # ------------------------------------------------------------------------------ FSDP2, 2 ranks
 
 
+def gloo_reduces_bf16() -> bool:
+    """Whether this gloo build reduces bf16 tensors (PyPI's torch does; Debian's system gloo, in the
+    NVRx 0.7 lane's chroot, does not). The GPU recipe reduces on NCCL; on CPU it is a smoke test."""
+    import torch.distributed as dist
+
+    try:
+        dist.all_reduce(torch.ones(1, dtype=torch.bfloat16))
+        return True
+    except RuntimeError:
+        return False
+
+
 def _fsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -290,11 +302,13 @@ def _fsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_di
         changed = any(not torch.equal(initial[n], t) for n, t in full_state(model).items())
 
         # The GPU recipe (bf16 compute, fp32 master weights, activation checkpointing) runs too.
-        bf16 = build_sharded_model("tiny", mesh, torch.device("cpu"), seed=1234, precision=Precision(True, True))
-        bf16_loss = cross_entropy_loss(bf16(inputs), targets)
-        bf16_loss.backward()
-        bf16_ok = (all(p.dtype == torch.float32 and p.grad is not None for p in bf16.parameters())
-                   and bool(torch.isfinite(bf16_loss)) and bf16.rope_cos.dtype == torch.float32)
+        bf16_ok = None  # None: this gloo build has no bf16 collectives (Debian's system gloo)
+        if gloo_reduces_bf16():
+            bf16 = build_sharded_model("tiny", mesh, torch.device("cpu"), seed=1234, precision=Precision(True, True))
+            bf16_loss = cross_entropy_loss(bf16(inputs), targets)
+            bf16_loss.backward()
+            bf16_ok = (all(p.dtype == torch.float32 and p.grad is not None for p in bf16.parameters())
+                       and bool(torch.isfinite(bf16_loss)) and bf16.rope_cos.dtype == torch.float32)
         if rank == 0:
             (Path(out_dir) / "result.json").write_text(json.dumps(
                 {"losses": losses, "step_s": step_s, "changed": changed, "bf16_ok": bf16_ok}))
@@ -314,7 +328,9 @@ def test_fsdp2_two_ranks_gloo_trains_and_inits_like_one_rank(dataset, tmp_path):
     mp.spawn(_fsdp_worker, args=(2, free_port(), str(dataset), str(tmp_path)), nprocs=2, join=True)
     result = json.loads((tmp_path / "result.json").read_text())
     losses = result["losses"]
-    assert result["changed"] and result["bf16_ok"]
+    assert result["changed"] and result["bf16_ok"] in (True, None)
+    if result["bf16_ok"] is None:
+        print("bf16 smoke test not run: this gloo build has no bf16 collectives")
     assert losses[-1] < losses[0] - 0.3, f"loss did not fall: {losses}"
 
     # World size 2 (sharded, meta -> to_empty -> init) == world size 1 (a plain CPU model), bitwise.
@@ -326,3 +342,65 @@ def test_fsdp2_two_ranks_gloo_trains_and_inits_like_one_rank(dataset, tmp_path):
     for name, tensor in sharded_init.items():
         assert torch.equal(tensor, expected[name].detach()), f"{name} differs between world size 1 and 2"
     print(f"tiny FSDP2 on 2 gloo ranks: step_s={[round(s, 3) for s in result['step_s']]} losses={losses}")
+
+
+# ------------------------------------------------------------------------------ HSDP, 2 nodes x 2 ranks
+
+
+def _hsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import Replicate, Shard
+
+    from training.parallelize import build_optimizer, build_sharded_model, device_mesh, full_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        for name, (nodes, procs) in {"hsdp": (2, 2), "fsdp": (1, 4)}.items():
+            mesh = device_mesh(torch.device("cpu"), nodes, procs)
+            model = build_sharded_model("tiny", mesh, torch.device("cpu"), seed=1234)
+            optimizer = build_optimizer(model, torch.device("cpu"), lr=3e-3, weight_decay=0.1)
+            sampler = BatchSampler(TokenShards(dataset_dir, "train"), 64, 4, rank, world_size, seed=1234)
+            losses = []
+            for _ in range(3):
+                inputs, targets = sampler.next_batch()
+                loss = cross_entropy_loss(model(inputs), targets)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                losses.append(mean.item() / world_size)
+            placements = [str(p) for p in model.output.weight.placements]
+            if name == "hsdp":
+                assert model.output.weight.placements == (Replicate(), Shard(0)), placements
+                dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(Path(out_dir) / "hsdp-ckpt"))
+            else:  # an HSDP checkpoint loads into a plain FSDP mesh (DCP reshards)
+                fresh = build_sharded_model("tiny", mesh, torch.device("cpu"), seed=99)
+                state = {"model": get_model_state_dict(fresh)}
+                dcp.load(state, checkpoint_id=str(Path(out_dir) / "hsdp-ckpt"))
+                results["reloaded"] = {k: v.full_tensor().sum().item() for k, v in state["model"].items()}
+            results[name] = {"losses": losses, "placements": placements,
+                             "full": {k: v.sum().item() for k, v in full_state(model).items()}}
+            dist.barrier()
+        if rank == 0:
+            (Path(out_dir) / "hsdp.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_hsdp_over_two_nodes_trains_like_fsdp_and_its_checkpoint_reshards(dataset, tmp_path):
+    """Multi-node runs shard within a node and replicate across nodes (HSDP): the same maths as
+    FSDP over every rank, and its checkpoint loads into any other mesh."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_hsdp_worker, args=(4, free_port(), str(dataset), str(tmp_path)), nprocs=4, join=True)
+    result = json.loads((tmp_path / "hsdp.json").read_text())
+    hsdp, fsdp = result["hsdp"], result["fsdp"]
+    assert hsdp["placements"] == ["R", "S(0)"] and fsdp["placements"] == ["S(0)"]
+    assert hsdp["losses"] == pytest.approx(fsdp["losses"], rel=1e-4)
+    assert result["reloaded"] == pytest.approx(hsdp["full"], rel=1e-5)
