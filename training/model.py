@@ -60,6 +60,54 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+@dataclass(frozen=True)
+class PresetRun:
+    """Where a preset is meant to run: its default world size (GPUs) and tokens per rank per step."""
+
+    nodes: int
+    gpus_per_node: int
+    batch_size: int
+    seq_len: int
+
+
+#: The default world size of each GPU preset (``tiny`` is the CPU demo's). Multi-node runs use HSDP,
+#: so optimizer state is sharded over one node's GPUs.
+PRESET_RUNS: dict[str, PresetRun] = {
+    "small": PresetRun(nodes=1, gpus_per_node=1, batch_size=8, seq_len=2048),
+    "1b": PresetRun(nodes=1, gpus_per_node=8, batch_size=4, seq_len=4096),
+    "8b": PresetRun(nodes=2, gpus_per_node=8, batch_size=2, seq_len=8192),
+}
+
+#: CUDA context, NCCL buffers and allocator slack per GPU: measured figures vary by driver and
+#: NCCL version; this is a round allowance, not a measurement.
+GPU_OVERHEAD_BYTES = 2 * 2**30
+
+
+def memory_per_gpu(cfg: ModelConfig, run: PresetRun) -> dict[str, float]:
+    """An estimate (GiB) of one GPU's peak memory for ``cfg`` trained as ``run`` with this project's
+    recipe: FSDP2/HSDP sharding over a node's GPUs, fp32 master weights, gradients and AdamW moments
+    (16 bytes a parameter, sharded), bf16 compute with activation checkpointing per block (one bf16
+    input saved per block; one block's activations live at a time while it recomputes), two
+    blocks' parameters unsharded at once (prefetch) plus the root's, whose fp32 gradients are
+    reduced unsharded. ``make gpu-check`` measures the ``1b`` preset against it."""
+    gib = float(2**30)
+    params = param_count(cfg)
+    block = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_hidden + 2 * cfg.dim
+    root = 2 * cfg.vocab_size * cfg.dim + cfg.dim
+    tokens = run.batch_size * run.seq_len
+    parts = {
+        "sharded_state": 16 * params / run.gpus_per_node,
+        "unsharded_params": 2 * (2 * block + root) + 4 * (block + root),
+        "activations": (2 * tokens * cfg.dim * cfg.n_layers  # saved block inputs
+                        + 2 * tokens * (16 * cfg.dim + 3 * cfg.ffn_hidden)  # one block recomputing
+                        + 10 * tokens * cfg.vocab_size),  # bf16 logits, their fp32 copy and gradient
+        "overhead": GPU_OVERHEAD_BYTES,
+    }
+    out = {k: round(v / gib, 2) for k, v in parts.items()}
+    out["total"] = round(sum(parts.values()) / gib, 1)
+    return out
+
+
 def param_count(cfg: ModelConfig) -> int:
     """Number of parameters, computed from the shapes (no allocation)."""
     attention = 4 * cfg.dim * cfg.dim
