@@ -271,6 +271,25 @@ def gloo_reduces_bf16() -> bool:
         return False
 
 
+def train_steps(model, optimizer, sampler, steps: int, world_size: int):
+    """``steps`` plain training steps; returns the mean loss and time of each, and the last batch."""
+    import torch.distributed as dist
+
+    losses, step_s = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        inputs, targets = sampler.next_batch()
+        loss = cross_entropy_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+        step_s.append(time.perf_counter() - start)
+    return losses, step_s, (inputs, targets)
+
+
 def _fsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -287,18 +306,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_di
             torch.save(initial, Path(out_dir) / "init.pt")
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         sampler = BatchSampler(TokenShards(dataset_dir, "train"), 128, 8, rank, world_size, seed=1234)
-        losses, step_s = [], []
-        for _ in range(5):
-            start = time.perf_counter()
-            inputs, targets = sampler.next_batch()
-            loss = cross_entropy_loss(model(inputs), targets)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world_size)
-            step_s.append(time.perf_counter() - start)
+        losses, step_s, (inputs, targets) = train_steps(model, optimizer, sampler, 5, world_size)
         changed = any(not torch.equal(initial[n], t) for n, t in full_state(model).items())
 
         # The GPU recipe (bf16 compute, fp32 master weights, activation checkpointing) runs too.
@@ -364,16 +372,7 @@ def _hsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_di
             model = build_sharded_model("tiny", mesh, torch.device("cpu"), seed=1234)
             optimizer = build_optimizer(model, torch.device("cpu"), lr=3e-3, weight_decay=0.1)
             sampler = BatchSampler(TokenShards(dataset_dir, "train"), 64, 4, rank, world_size, seed=1234)
-            losses = []
-            for _ in range(3):
-                inputs, targets = sampler.next_batch()
-                loss = cross_entropy_loss(model(inputs), targets)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                mean = loss.detach().clone()
-                dist.all_reduce(mean)
-                losses.append(mean.item() / world_size)
+            losses, _, _ = train_steps(model, optimizer, sampler, 3, world_size)
             placements = [str(p) for p in model.output.weight.placements]
             if name == "hsdp":
                 assert model.output.weight.placements == (Replicate(), Shard(0)), placements
