@@ -1,6 +1,9 @@
 # Set-up is two commands on a fresh machine with python3 and make: `make demo`, `make test`.
 # Two virtual environments that never mix: .venv (data plane: torch, NVRx) and .venv-airflow
 # (control plane: Airflow and its providers; no torch).
+# `make test` also runs the training tests on NVRx 0.7 (test-nvrx07: tests/nvrx07/lane.sh), in a
+# cached Debian testing root, because 0.7 does not install here. It needs root, debootstrap and
+# zstd; without them it prints one line and skips.
 PYTHON  ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -10,7 +13,7 @@ AFBIN   := $(AFVENV)/bin
 AFSTAMP := $(AFVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo demo-training test test-training test-control lint-deploy bench bench-quick clean
+.PHONY: setup demo demo-training test test-training test-nvrx07 test-control lint-deploy bench bench-quick gpu-check clean
 
 setup: $(STAMP) $(AFSTAMP)
 
@@ -33,10 +36,16 @@ demo: $(STAMP) $(AFSTAMP)
 demo-training: $(STAMP)
 	$(BIN)/python -m training.demo
 
-test: test-training test-control
+test: test-training test-nvrx07 test-control
 
 test-training: $(STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/control
+
+# The training tests again on nvidia-resiliency-ext 0.7.0 (Python 3.14, Debian's CPU torch). The
+# first run builds the root (a few minutes); later runs restore it from
+# ~/.cache/fsdp-resilience in seconds. Pytest arguments: bash tests/nvrx07/lane.sh ARGS.
+test-nvrx07:
+	bash tests/nvrx07/lane.sh
 
 test-control: $(STAMP) $(AFSTAMP)
 	$(AFBIN)/python -m pytest -q tests/control
@@ -48,6 +57,12 @@ bench: $(STAMP) $(AFSTAMP)
 
 bench-quick: $(STAMP) $(AFSTAMP)
 	$(AFBIN)/python -m bench.run --quick
+
+# The training plane on a CUDA machine (every GPU it finds, NCCL): bf16 FSDP2, the async
+# checkpoint, in-process and in-job restarts, evaluation, the 1b preset's memory -> docs/gpu.md.
+# Without a GPU it checks its own wiring and says so (make test runs that dry mode).
+gpu-check: $(STAMP)
+	$(BIN)/python -m bench.gpu_check
 
 # The deployment kit alone (make test runs the same checks): render every kustomization with
 # kubectl's kustomize, validate each object strictly against Kubernetes 1.33, lint the Dockerfiles.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -15,6 +16,33 @@ from shared import FAST_RUN, make_dataset
 from training.contract import RunConfig, read_events
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def lane_versions() -> str:
+    """Which NVRx and torch this lane runs: the .venv lane (0.4.1) and tests/nvrx07/lane.sh (0.7).
+    From package metadata (the same string as torch.__version__): importing torch this early
+    would cost seconds and move its import-time warnings out of pytest's capture."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"nvidia-resiliency-ext {installed('nvidia-resiliency-ext')}, torch {installed('torch')}, "
+            f"Python {platform.python_version()}")
+
+
+def pytest_report_header(config) -> str:
+    return lane_versions()
+
+
+def pytest_sessionstart(session) -> None:
+    """-q (as in make test) hides the report header: print the versions line anyway."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and session.config.get_verbosity() < 0:
+        reporter.write_line(lane_versions())
 
 
 def free_port() -> int:
