@@ -331,7 +331,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
                   f"trials. Page cache: {evaluation['page_cache']}. Raw read: {evaluation.get('raw_read', 'reads into a buffer')}.", ""]
         lines += _table(("", "seconds", "load ÷ this"), [
             ("load into the evaluation process (build the model, DCP load, set the weights)", _stat(s["load_model"]), "1×"),
-            ("  of which building the model (random init)", _stat(s["build_model_only"]), ""),
+            (f"  of which building the model ({evaluation.get('build', 'random init')})", _stat(s["build_model_only"]), ""),
             ("raw read of the model tensors' bytes (what the load reads)", _stat(s["raw_read_model_bytes"]),
              f"{evaluation['ratios']['load_over_raw_read_model_bytes']}×"),
             ("raw read of all the checkpoint's files", _stat(s["raw_read_files"]),

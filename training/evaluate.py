@@ -51,14 +51,18 @@ def pick_checkpoint(cfg: RunConfig, checkpoint_id: str | None) -> CheckpointInfo
                       f"committed: {[c.checkpoint_id for c in catalog.committed()]}")
 
 
-def load_model(cfg: RunConfig, info: CheckpointInfo, device: torch.device) -> torch.nn.Module:
-    """A plain (unsharded) model holding the checkpoint's weights; optimizer state is not read.
-
-    Built on the meta device and materialised uninitialised: the checkpoint fills every
-    parameter, so a random init would be wasted work (most of the load time of a large model)."""
+def empty_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
+    """The run's model with uninitialised parameters on ``device`` (built on the meta device): what
+    a checkpoint load fills. A random init would be wasted work, most of a large model's load time."""
     model = build_model(cfg.model, device="meta", max_seq_len=cfg.seq_len)
     model.to_empty(device=device)
     model.init_buffers()
+    return model
+
+
+def load_model(cfg: RunConfig, info: CheckpointInfo, device: torch.device) -> torch.nn.Module:
+    """A plain (unsharded) model holding the checkpoint's weights; optimizer state is not read."""
+    model = empty_model(cfg, device)
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(info.path))
     set_model_state_dict(model, state["model"])
