@@ -118,7 +118,7 @@ def _alive(pid: int) -> bool:
 def test_the_calls_queue_never_runs_nvrx_finalize_when_collected():
     """NVRx 0.7's AsyncCallsQueue.__del__ calls close(), whose finalize runs a CUDA collective
     (and waits on a worker): ours forgets its calls instead, whenever it is collected."""
-    queue = _WriterQueue(_PersistentWriter(rank=0, stall_timeout_s=1.0))  # never started
+    queue = _WriterQueue(_PersistentWriter(rank=0))  # never started
     queue.async_calls.append(object())
     queue.close()
     assert not queue.async_calls and queue.persistent_caller is None

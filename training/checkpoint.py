@@ -373,19 +373,19 @@ class _SnapshotWriter(FileSystemWriterAsync):
 class _PersistentWriter(PersistentAsyncCaller):
     """NVRx's persistent checkpoint worker (one spawned process per rank) with bounded waits.
 
-    Adds to the stock caller: an eager ``start``; a staging handshake that gives up when the process
-    dies or stalls (the stock ``preload_q.join()`` waits forever); completion tracking by call
-    index; a ``close`` that never blocks on a dead worker's queues.
+    Adds to the stock caller: an eager ``start`` with a parent-death signal; no wait on the staging
+    handshake (the stock ``preload_q.join()`` waits forever on a dead worker, and our snapshot needs
+    no staging); completion tracking by call index; a ``close`` that never blocks on a dead
+    worker's queues.
     """
 
-    def __init__(self, rank: int, stall_timeout_s: float):
+    def __init__(self, rank: int):
         params = inspect.signature(PersistentAsyncCaller.__init__).parameters
         # 0.7 opens a CUDA context in the worker unless told host memory is all it will see. It
         # is: the snapshot is in host buffers on every device, so the writer never needs a GPU
         # (and never holds GPU memory a training rank could use).
         super().__init__(**({"cpu_shm_mode": True} if "cpu_shm_mode" in params else {}))
         self.rank = rank
-        self.stall_timeout_s = stall_timeout_s
         self.completed_idx = -1
 
     @property
@@ -1005,7 +1005,7 @@ class AsyncCheckpointer:
         old = self._helpers.writer
         if old is not None:
             old.close(abort=True)
-        writer = _PersistentWriter(self._rank, stall_timeout_s=self.write_timeout_s)
+        writer = _PersistentWriter(self._rank)
         writer.start()
         self._handed_over.clear()  # a new process holds no buffers yet
         self._helpers.writer = writer
