@@ -37,6 +37,26 @@ class InjectedUserBug(ValueError):
 LAUNCH_PID_ENV = "TRAINING_LAUNCH_PID"
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
 def inject(drill: FaultDrill, step: int, events: EventLog, *,
            writer_pids: Callable[[], list[int]] = lambda: []) -> None:
     """Make ``drill`` happen now. Returns only for drills that let training go on (checkpoint_crash
@@ -61,11 +81,14 @@ def inject(drill: FaultDrill, step: int, events: EventLog, *,
         os._exit(137)
     if kind == "node_loss":
         # The whole node goes at once, as when an instance dies: training.launch first (so it
-        # reports nothing), then ft_launcher/torchrun and every process of the node (one session).
+        # reports nothing), then every process it started. Found by parentage, not by process
+        # group: torchelastic starts each worker in a session of its own, so a group kill would
+        # leave the node's ft_launcher running as a ghost agent that rejoins the rendezvous.
         launch_pid = int(os.environ.get(LAUNCH_PID_ENV, "0"))
-        if launch_pid > 1:
+        node = [launch_pid, *descendants(launch_pid)] if launch_pid > 1 else []
+        for pid in [p for p in node if p != os.getpid()]:
             try:
-                os.kill(launch_pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         os.killpg(os.getpgrp(), signal.SIGKILL)

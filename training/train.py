@@ -35,11 +35,11 @@ class WorkerEnv:
     local_rank: int
     world_size: int
     node_rank: int
-    #: The launcher's restart round (TORCHELASTIC_RESTART_COUNT): 0 on the first launch. NVRx 0.7
-    #: counts rendezvous rounds of the whole job (the same on every node, and kept by a node that
-    #: joins late); 0.4.1 counts this node agent's restarts. Every node restarts in every round
-    #: of a fixed-size job, so both give the same number here; fault drills and the events log
-    #: use it as "the launcher round". It restarts from 0 on a relaunch by the control plane.
+    #: This node agent's TORCHELASTIC_RESTART_COUNT: 0 on the first launch. NVRx 0.7 sets it to the
+    #: job's rendezvous round (the same on every node, kept by a node that joins late); 0.4.1 to the
+    #: restarts of this node's agent, so a replacement node that joins a running job starts at 0
+    #: while the others count on. The trainer agrees on the job's round (the largest count of any
+    #: rank: ``Trainer.attempt``), which both versions then give alike.
     attempt: int
 
     @classmethod
@@ -71,6 +71,7 @@ class Trainer:
         self.store = restart.app_store()  # outlives in-process restarts; process groups do not
         self.fired: set[tuple[int, int | None, str]] = set()  # drills fire once per process
         self.iteration = 0
+        self.attempt = env.attempt  # the job's restart round, agreed by every rank in run()
         self.shards = TokenShards(cfg.dataset_dir, "train")
         # Start the checkpoint writer now: its first start costs seconds we'd rather not stall on.
         self.checkpointer = AsyncCheckpointer(cfg.run_dir, rank=env.rank, world_size=env.world_size,
@@ -89,6 +90,8 @@ class Trainer:
                                        cfg.initial_heartbeat_timeout_s, self.store, self.device)
             mesh = device_mesh(self.device, cfg.nodes, cfg.procs_per_node)
             self.checkpointer.rebind(dist.group.WORLD)
+            self.attempt = job_restart_round(env.attempt, self.device)
+            events = self.events = events.bind(attempt=self.attempt)
 
             # Which checkpoint to resume from is agreed before the model exists, so weights a
             # checkpoint is about to overwrite are never randomly initialised.
@@ -175,7 +178,7 @@ class Trainer:
 
     # -- faults -------------------------------------------------------------------------------
     def _maybe_inject(self, step: int, *, before_save: bool) -> None:
-        drill = self.cfg.fault_at(step, self.env.rank, self.env.attempt, self.env.node_rank, node_id())
+        drill = self.cfg.fault_at(step, self.env.rank, self.attempt, self.env.node_rank, node_id())
         if drill is None or (drill.kind == "checkpoint_crash") == before_save:
             return
         key = (step, drill.attempt, drill.kind)
@@ -244,6 +247,17 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close(wait=False)  # a clean run has nothing pending; a failed one has no group
+
+
+def job_restart_round(local_count: int, device: torch.device) -> int:
+    """The job's restart round: the largest TORCHELASTIC_RESTART_COUNT of any rank (a collective).
+
+    A node that joined after a restart (a replacement pod) counts from 0 on NVRx 0.4.1, while
+    the nodes that were there count every round; on 0.7 every node already has the job's round.
+    Fault drills select their ``attempt`` by it, so a drill fires once per round on both."""
+    count = torch.tensor([local_count], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def setup_device(cfg: RunConfig, env: WorkerEnv) -> torch.device:
