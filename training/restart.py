@@ -14,8 +14,8 @@ handle (a rank gone, the in-process budget spent) leaves the process with a non-
 ft_launcher turns into an in-job restart. Worker-side pieces live here; the launcher command is
 built in ``training.launch``.
 
-Works with nvidia-resiliency-ext 0.4.1 (tested on CPU) and 0.7.x (the GPU image); differences are
-feature-detected where noted.
+Tested with nvidia-resiliency-ext 0.4.1 and 0.7.0 (the GPU image's; ``make test-nvrx07``) on CPU;
+differences are feature-detected where noted.
 """
 
 from __future__ import annotations
