@@ -45,6 +45,7 @@ TRAINER = textwrap.dedent("""
     def main():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%(port)d", rank=0, world_size=1)
         state = {"model": {f"w{i}": torch.randn(1024, 1024) for i in range(16)}, "trainer": {"step": 0}}
+        state["model"]["empty"] = torch.empty(0)  # an empty shard (uneven sharding) has no memory to share
         ckpt = AsyncCheckpointer(sys.argv[1], keep=2)
         peak, stop = [0], threading.Event()
         def sample():
