@@ -16,9 +16,15 @@ from training.contract import (
     FailureClass,
     RunConfig,
     RunDir,
+    declare_stop,
     failure_class_for_exit,
     final_status,
+    probe_writable,
     read_events,
+    read_stop,
+    storage_errno,
+    verify_checkpoint,
+    write_rank_sums,
 )
 
 
@@ -139,7 +145,9 @@ def test_exit_codes_map_to_failure_classes_both_ways():
 def _fake_checkpoint(layout, step, committed):
     d = layout.checkpoint_dir(step)
     d.mkdir(parents=True)
-    (d / "__0_0.distcp").write_bytes(b"x")
+    for rank in (0, 1):
+        (d / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 4096)
+        write_rank_sums(d, rank, [f"__{rank}_0.distcp"])
     (d / ".metadata").write_bytes(b"m")
     if committed:
         CheckpointCatalog(layout).commit(step, world_size=2)
@@ -196,3 +204,144 @@ def test_the_contract_and_launcher_never_import_torch():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_commit_records_every_file_and_refuses_without_checksums(tmp_path):
+    layout = RunDir(tmp_path)
+    d = _fake_checkpoint(layout, 10, committed=True)
+    marker = json.loads((d / COMMIT_MARKER).read_text())
+    assert marker["checksum"] == "crc32c"
+    assert sorted(marker["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert marker["files"]["__1_0.distcp"]["size"] == 4096
+    assert verify_checkpoint(d) is None
+    # a rank's checksums missing: not committed
+    d2 = _fake_checkpoint(layout, 20, committed=False)
+    (d2 / ".sums" / "rank_00001.json").unlink()
+    with pytest.raises(RuntimeError, match=r"no checksums from rank\(s\) \[1\]"):
+        CheckpointCatalog(layout).commit(20, world_size=2)
+    # a file nobody checksummed: not committed
+    d3 = _fake_checkpoint(layout, 30, committed=False)
+    (d3 / "__2_0.distcp").write_bytes(b"stray")
+    with pytest.raises(RuntimeError, match="no checksum for"):
+        CheckpointCatalog(layout).commit(30, world_size=2)
+    assert [c.step for c in CheckpointCatalog(layout).committed()] == [10]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: (d / "__1_0.distcp").unlink(), "__1_0.distcp is missing"),
+    (lambda d: (d / "__0_0.distcp").write_bytes(b"\0" * 100), "is 100 bytes"),
+    (lambda d: _flip(d / "__0_0.distcp", 17), "fails its crc32c check"),
+    (lambda d: _flip(d / ".metadata", 0), ".metadata fails its crc32c check"),
+])
+def test_verify_names_what_is_wrong(tmp_path, damage, reason):
+    d = _fake_checkpoint(RunDir(tmp_path), 10, committed=True)
+    damage(d)
+    assert reason in verify_checkpoint(d)
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_marker_without_checksums_does_not_verify(tmp_path):
+    d = _fake_checkpoint(RunDir(tmp_path), 10, committed=True)
+    (d / COMMIT_MARKER).write_text(json.dumps({"step": 10, "world_size": 2}))
+    assert "lists no checksummed files" in verify_checkpoint(d)
+
+
+def test_quarantine_moves_aside_with_the_reason_and_fixes_latest(tmp_path):
+    layout = RunDir(tmp_path)
+    for step in (10, 20):
+        _fake_checkpoint(layout, step, committed=True)
+    cat = CheckpointCatalog(layout)
+    moved = cat.quarantine(cat.latest(), "__0_0.distcp fails its crc32c check", rank=1)
+    assert not layout.checkpoint_dir(20).exists() and moved.parent == layout.quarantine
+    assert [c.step for c in cat.committed()] == [10]
+    assert cat.latest_hint() == "step_00000010" and layout.latest_step.read_text().strip() == "10"
+    (rec,) = cat.quarantined()
+    assert rec["checkpoint_id"] == "step_00000020" and "crc32c" in rec["reason"] and rec["rank"] == 1
+    # retention never looks inside the quarantine
+    assert cat.apply_retention(keep=1) == [] and moved.exists()
+
+
+def test_latest_pointer_is_only_a_hint(tmp_path):
+    layout = RunDir(tmp_path)
+    _fake_checkpoint(layout, 10, committed=True)
+    layout.latest_pointer.write_text("../../etc/passwd\n")
+    cat = CheckpointCatalog(layout)
+    assert cat.latest_hint() is None and cat.latest().step == 10
+    layout.latest_pointer.write_text("step_00000099\n")  # dangling
+    assert cat.latest().step == 10
+
+
+def test_retention_never_deletes_the_newest_checkpoint_that_verifies(tmp_path):
+    layout = RunDir(tmp_path)
+    for step in (10, 20, 30, 40):
+        _fake_checkpoint(layout, step, committed=True)
+    # the two newest are damaged (a shard gone, a shard truncated): 20 is the newest good one
+    (layout.checkpoint_dir(40) / "__0_0.distcp").unlink()
+    (layout.checkpoint_dir(30) / "__1_0.distcp").write_bytes(b"short")
+    deleted = CheckpointCatalog(layout).apply_retention(keep=2)
+    assert [p.name for p in deleted] == ["step_00000010"]
+    assert verify_checkpoint(layout.checkpoint_dir(20)) is None
+    # and a protected step survives however old it is
+    for step in (50, 60):
+        _fake_checkpoint(layout, step, committed=True)
+    deleted = CheckpointCatalog(layout).apply_retention(keep=2, protect={30})
+    assert sorted(p.name for p in deleted) == ["step_00000020", "step_00000040"]
+
+
+def test_stop_marker_first_writer_wins(tmp_path):
+    layout = RunDir(tmp_path)
+    assert read_stop(layout) is None
+    assert declare_stop(layout, FailureClass.NON_FINITE, rank=1, step=7, error="loss is nan")
+    assert not declare_stop(layout, FailureClass.USER_ERROR, rank=0, step=7, error="x")
+    assert read_stop(layout)["failure_class"] == "non_finite" and read_stop(layout)["rank"] == 1
+    layout.stop_marker.write_text("{torn")
+    assert read_stop(layout)["failure_class"] == "user_error"
+    with pytest.raises(ValueError):
+        declare_stop(layout, FailureClass.RESTARTS_EXHAUSTED)
+
+
+def test_new_failure_classes_have_documented_exit_codes():
+    assert failure_class_for_exit(65) is FailureClass.NON_FINITE
+    assert failure_class_for_exit(73) is FailureClass.ALREADY_RUNNING
+    assert failure_class_for_exit(74) is FailureClass.STORAGE_ERROR
+    for cls in (FailureClass.NON_FINITE, FailureClass.ALREADY_RUNNING, FailureClass.STORAGE_ERROR):
+        assert not cls.retryable  # none of them is the machine's fault
+
+
+def test_storage_errors_are_recognised_through_causes_and_text(tmp_path):
+    import errno
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("save failed") from e
+    except RuntimeError as e:
+        assert storage_errno(e) == errno.ENOSPC
+    assert storage_errno(RuntimeError("rank 1: [Errno 30] Read-only file system: '/fsx/x'")) == errno.EROFS
+    assert storage_errno(RuntimeError("[Errno 2] No such file")) is None
+    assert probe_writable(tmp_path) is None
+    (tmp_path / "f").write_text("x")
+    assert "not writable" in probe_writable(tmp_path / "f" / "sub")
+
+
+def test_events_log_never_raises_when_the_run_dir_is_gone(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    log = EventLog(tmp_path / "file" / "events.jsonl", run_id="r")
+    rec = log.emit(Event.FINAL, failure_class="storage_error", exit_code=74)
+    assert rec["event"] == "final"
+    assert "cannot append" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["run_dir", "dataset_dir"])
+def test_a_folder_path_that_is_or_sits_under_a_file_is_a_config_error(tmp_path, field):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match=f"{field}=.* sits under .*afile, which is a file"):
+        make(**{field: str(tmp_path / "afile" / "run")})
+    with pytest.raises(ConfigError, match=f"{field}=.*afile is a file, not a folder"):
+        make(**{field: str(tmp_path / "afile")})
+    make(**{field: str(tmp_path / "not" / "yet")})  # created later: fine

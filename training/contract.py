@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 import os
 import re
 import socket
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,14 @@ class FailureClass(str, enum.Enum):
     RESTARTS_EXHAUSTED = "restarts_exhausted"
     #: Training ran but made no progress (no new committed checkpoint / steps) in time.
     NO_PROGRESS = "no_progress"
+    #: The run dir is full or read-only: not a node fault. Free space or fix the mount, relaunch.
+    STORAGE_ERROR = "storage_error"
+    #: The loss or gradient norm became NaN/inf again after ``max_nonfinite_rollbacks`` rollbacks to
+    #: the newest verified checkpoint: the run diverges. Lower lr or fix the data; never retried.
+    NON_FINITE = "non_finite"
+    #: Another ``training.launch`` of this run already holds this node's launch lock. The refused
+    #: launcher did nothing, and its exit never changes the run's status.
+    ALREADY_RUNNING = "already_running"
     #: The launcher itself failed in a way not covered above (e.g. killed from outside).
     UNKNOWN = "unknown"
 
@@ -66,6 +76,12 @@ class ExitCode(enum.IntEnum):
     USER_ERROR = 78
     #: The same code NVRx 0.7's ft_launcher uses for "no progress".
     NO_PROGRESS = 93
+    #: sysexits EX_DATAERR: training state became non-finite and rollbacks did not help.
+    NON_FINITE = 65
+    #: sysexits EX_CANTCREAT: another launcher of this run holds the node's launch lock.
+    ALREADY_RUNNING = 73
+    #: sysexits EX_IOERR: the run dir is full or read-only.
+    STORAGE_ERROR = 74
 
 
 _EXIT_TO_CLASS = {
@@ -74,6 +90,9 @@ _EXIT_TO_CLASS = {
     ExitCode.USER_ERROR: FailureClass.USER_ERROR,
     ExitCode.RESTARTS_EXHAUSTED: FailureClass.RESTARTS_EXHAUSTED,
     ExitCode.NO_PROGRESS: FailureClass.NO_PROGRESS,
+    ExitCode.NON_FINITE: FailureClass.NON_FINITE,
+    ExitCode.ALREADY_RUNNING: FailureClass.ALREADY_RUNNING,
+    ExitCode.STORAGE_ERROR: FailureClass.STORAGE_ERROR,
 }
 
 _CLASS_TO_EXIT = {
@@ -81,8 +100,53 @@ _CLASS_TO_EXIT = {
     FailureClass.USER_ERROR: ExitCode.USER_ERROR,
     FailureClass.RESTARTS_EXHAUSTED: ExitCode.RESTARTS_EXHAUSTED,
     FailureClass.NO_PROGRESS: ExitCode.NO_PROGRESS,
+    FailureClass.STORAGE_ERROR: ExitCode.STORAGE_ERROR,
+    FailureClass.NON_FINITE: ExitCode.NON_FINITE,
+    FailureClass.ALREADY_RUNNING: ExitCode.ALREADY_RUNNING,
     FailureClass.UNKNOWN: ExitCode.UNKNOWN,
 }
+
+#: Failure classes a rank declares in the stop marker (``declare_stop``): every restart layer stops.
+STOP_CLASSES = (FailureClass.USER_ERROR, FailureClass.NON_FINITE, FailureClass.STORAGE_ERROR)
+
+#: errnos that mean "the run dir cannot take writes": storage, not the node or the code.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG})
+
+
+def storage_errno(exc: BaseException | None) -> int | None:
+    """The storage errno (``STORAGE_ERRNOS``) behind ``exc`` or anything in its cause chain, else
+    None. Writers in other processes report errors as text: ``[Errno 28] ...`` counts too."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            return exc.errno
+        match = re.search(r"\[Errno (\d+)\]", str(exc))
+        if match and int(match.group(1)) in STORAGE_ERRNOS:
+            return int(match.group(1))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def probe_writable(folder: str | os.PathLike) -> str | None:
+    """Why ``folder`` cannot take a small durable write (full, read-only, no permission), or None.
+    A real write and fsync, not ``os.access``: a full disk or a read-only mount passes that."""
+    folder = Path(folder)
+    probe = folder / f".write-probe.{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return f"{folder} is not writable: {e.strerror or e} (errno {e.errno})"
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return None
 
 
 def failure_class_for_exit(code: int) -> FailureClass:
@@ -109,7 +173,7 @@ class ConfigError(ValueError):
 RESTART_MODES = ("layered", "injob", "inprocess", "none")
 DEVICES = ("auto", "cpu", "cuda")
 #: Model presets; the shapes live in training/model.py (which needs torch).
-MODEL_PRESETS = ("tiny", "small", "1b", "8b")
+MODEL_PRESETS = ("tiny", "tiny-dropout", "small", "1b", "8b")
 FAULT_KINDS = (
     "exception",  # a Python exception in one rank (recovered in-process)
     "hang",  # a Python-level busy hang in one rank (soft timeout)
@@ -118,6 +182,8 @@ FAULT_KINDS = (
     "oom",  # exit 137, as the kernel's OOM killer would
     "node_loss",  # every rank of one node dies at once
     "checkpoint_crash",  # the async checkpoint writer dies mid-save
+    "writer_hang",  # the async checkpoint writer is SIGSTOPped mid-save (frozen, not dead)
+    "nan",  # the loss of one rank becomes NaN (a diverging run, bad data)
     "user_bug",  # raises on every attempt: must end as USER_ERROR, never retried
 )
 _RUN_ID_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -226,6 +292,22 @@ def _check_float(name: str, value: Any, lo: float, hi: float) -> None:
         raise ConfigError(f"{name}={value} is out of range: it must be between {lo} and {hi}")
 
 
+def _check_folder_path(name: str, value: str) -> None:
+    """A folder path must not be, or sit under, something that is not a folder (a regular file):
+    nothing could ever be written there. Parts that do not exist yet are fine (created later; on
+    the control plane an FSx path is usually not mounted at all)."""
+    path = Path(value)
+    for candidate in (path, *path.parents):
+        try:
+            if candidate.exists():
+                if not candidate.is_dir():
+                    what = "is" if candidate == path else f"sits under {candidate}, which is"
+                    raise ConfigError(f"{name}={value} {what} a file, not a folder; choose a folder path")
+                return
+        except OSError:  # unreadable or too long: let the first real access report it
+            return
+
+
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not valid; use one of {', '.join(choices)}")
@@ -267,6 +349,9 @@ class RunConfig:
     #: NVRx's NVML GPU / NVLink / NIC checks before an in-process restart (CUDA only; a rank that
     #: fails them leaves the job, so ft_launcher restarts it or the ladder replaces the node).
     gpu_health_checks: bool = True
+    #: Times a NaN/inf loss or grad norm rolls the run back to the newest verified checkpoint
+    #: before it ends as ``non_finite``.
+    max_nonfinite_rollbacks: int = 2
     faults: tuple[FaultDrill, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -352,10 +437,13 @@ class RunConfig:
         _check_int("rdzv_port", self.rdzv_port, 1024, 65_000)
         _check_int("log_interval", self.log_interval, 1, 1_000_000)
         _check_int("eval_batches", self.eval_batches, 1, 100_000)
+        _check_int("max_nonfinite_rollbacks", self.max_nonfinite_rollbacks, 0, 100)
         if not isinstance(self.gpu_health_checks, bool):
             raise ConfigError(f"gpu_health_checks must be true or false, got {self.gpu_health_checks!r}")
         for backend in self.collective_backends:
             self.timeouts(backend).check(self.restart_mode)
+        for name in ("run_dir", "dataset_dir"):
+            _check_folder_path(name, getattr(self, name))
         for i, f in enumerate(self.faults):
             f.validate(self, f"faults[{i}]")
 
@@ -425,6 +513,13 @@ class RunConfig:
 
 CHECKPOINT_PREFIX = "step_"
 COMMIT_MARKER = "COMMITTED.json"
+QUARANTINE_DIR = "quarantine"
+QUARANTINE_RECORD = "QUARANTINED.json"
+#: Per-rank checksum records inside a checkpoint folder, written by each rank's writer.
+SUMS_DIR = ".sums"
+#: The checksum of every checkpoint file: CRC32C (hardware-accelerated, the one S3 also offers).
+CHECKSUM_ALGORITHM = "crc32c"
+_CHUNK = 8 << 20
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -453,14 +548,20 @@ class RunDir:
           run.json                 the config as launched
           events.jsonl             append-only events log (schema: Event)
           eval.json                written by training.evaluate
-          control/USER_ERROR.json  written by the first rank that hits a user error
+          control/STOP.json        written by the first rank that hits a fault no restart can fix
+                                   (user error, non-finite state, storage): every layer stops
+          control/launch-node<N>.lock  held (flock) by the one training.launch of node N
           logs/                    launcher logs, one per node
           launches/<launch_id>.json the config of each (re)launch, written by the backend
           checkpoints/
             latest                 name of the newest committed checkpoint (atomic rename)
             latest_step            its step as a bare integer (NVRx 0.7's progress tracking reads it)
             step_00000010/         one DCP checkpoint: a shard file per rank + .metadata
-              COMMITTED.json       the commit marker, written last, by rank 0
+              .sums/rank_00000.json each rank's shard files, sizes and CRC32C (its writer wrote them)
+              COMMITTED.json       the commit marker, written last, by rank 0: every file's size
+                                   and CRC32C
+            quarantine/step_00000020.<ts>/  a checkpoint that failed verification, moved aside with
+              QUARANTINED.json     why (never loaded, never deleted by retention)
     """
 
     def __init__(self, root: str | os.PathLike):
@@ -470,12 +571,16 @@ class RunDir:
     events = property(lambda self: self.root / "events.jsonl")
     eval_result = property(lambda self: self.root / "eval.json")
     control = property(lambda self: self.root / "control")
-    user_error_marker = property(lambda self: self.root / "control" / "USER_ERROR.json")
+    stop_marker = property(lambda self: self.root / "control" / "STOP.json")
     logs = property(lambda self: self.root / "logs")
     launches = property(lambda self: self.root / "launches")
     checkpoints = property(lambda self: self.root / "checkpoints")
     latest_pointer = property(lambda self: self.root / "checkpoints" / "latest")
     latest_step = property(lambda self: self.root / "checkpoints" / "latest_step")
+    quarantine = property(lambda self: self.root / "checkpoints" / QUARANTINE_DIR)
+
+    def launch_lock(self, node_rank: int) -> Path:
+        return self.control / f"launch-node{node_rank}.lock"
 
     def create(self) -> None:
         for d in (self.root, self.control, self.logs, self.checkpoints):
@@ -486,6 +591,130 @@ class RunDir:
 
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def file_checksum(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"size": bytes, "crc32c": hex}`` of a file's bytes on disk (CRC32C releases the GIL and
+    runs at several GiB/s here, so a writer or a background thread can afford it)."""
+    import crc32c  # a small C extension, installed on both planes; imported late to keep this module's import stdlib-only
+
+    value, size = 0, 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            value = crc32c.crc32c(view[:n], value)
+            size += n
+    return {"size": size, CHECKSUM_ALGORITHM: f"{value:08x}"}
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The data files of a checkpoint folder (shards and ``.metadata``), relative names, sorted:
+    everything but the protocol's own records."""
+    root = Path(path)
+    out = []
+    for p in root.rglob("*"):
+        rel = p.relative_to(root)
+        if p.is_file() and rel.parts[0] not in (SUMS_DIR, COMMIT_MARKER, QUARANTINE_RECORD):
+            out.append(rel.as_posix())
+    return sorted(out)
+
+
+def write_rank_sums(path: str | os.PathLike, rank: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Checksum ``names`` (the files rank ``rank`` wrote into checkpoint ``path``) and record them
+    in ``.sums/rank_NNNNN.json`` for the commit. Run by the rank's writer, after its write."""
+    root = Path(path)
+    sums = {name: file_checksum(root / name) for name in names}
+    (root / SUMS_DIR).mkdir(exist_ok=True)
+    atomic_write_text(root / SUMS_DIR / f"rank_{rank:05d}.json", json.dumps(sums, sort_keys=True))
+    return sums
+
+
+def read_rank_sums(path: str | os.PathLike, world_size: int) -> dict[str, dict[str, Any]]:
+    """Every rank's checksum record merged; raises if a rank's is missing or unreadable."""
+    files: dict[str, dict[str, Any]] = {}
+    missing = []
+    for rank in range(world_size):
+        record = Path(path) / SUMS_DIR / f"rank_{rank:05d}.json"
+        try:
+            data = json.loads(record.read_text())
+        except (OSError, ValueError):
+            missing.append(rank)
+            continue
+        files.update(data)
+    if missing:
+        raise RuntimeError(f"cannot commit {Path(path).name}: no checksums from rank(s) {missing[:8]}")
+    return files
+
+
+def verify_checkpoint(path: str | os.PathLike, marker: dict[str, Any] | None = None,
+                      checksum: list[str] | None = None) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted, or None when it verifies.
+
+    Always checks that the marker lists every file with a checksum, and that each file exists
+    with its recorded size (a ``stat`` each). Reads and checksums the files named in ``checksum``
+    (None: all of them), so ranks can split the reading between them."""
+    path = Path(path)
+    if marker is None:
+        marker = read_commit_marker(path)
+    if marker is None:
+        return "no readable commit marker"
+    files = marker.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return "the commit marker lists no checksummed files (written before checksums, or damaged)"
+    if marker.get("checksum") != CHECKSUM_ALGORITHM:
+        return f"the commit marker's checksum is {marker.get('checksum')!r}, not {CHECKSUM_ALGORITHM}"
+    for name, want in files.items():
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int):
+            return f"the commit marker's entry for {name} is damaged"
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as e:
+            return f"{name} is unreadable: {e.strerror or e}"
+        if size != want["size"]:
+            return f"{name} is {size} bytes, the commit recorded {want['size']}"
+    for name in (sorted(files) if checksum is None else checksum):
+        if name not in files:
+            continue
+        try:
+            got = file_checksum(path / name)
+        except OSError as e:
+            return f"{name} is unreadable: {e.strerror or e}"
+        if got != files[name]:
+            return (f"{name} fails its {CHECKSUM_ALGORITHM} check (recorded {files[name].get(CHECKSUM_ALGORITHM)}, "
+                    f"read {got[CHECKSUM_ALGORITHM]}, {got['size']} bytes)")
+    return None
+
+
+def checksum_share(files: list[str], rank: int, world_size: int) -> list[str]:
+    """The files rank ``rank`` checksums when ``world_size`` ranks verify one checkpoint together:
+    its own shards (``__<rank>_*``: in the page cache, and read by its load anyway), ``.metadata``
+    on rank 0, and shards of ranks that no longer exist, round-robin."""
+    mine = []
+    orphans = []
+    for name in files:
+        owner = _shard_owner(name)
+        if owner is None:
+            if rank == 0:
+                mine.append(name)
+        elif owner < world_size:
+            if owner == rank:
+                mine.append(name)
+        else:
+            orphans.append(name)
+    mine += [n for i, n in enumerate(orphans) if i % world_size == rank]
+    return mine
+
+
+def _shard_owner(name: str) -> int | None:
+    """DCP names shard files ``__<rank>_<n>.distcp``."""
+    match = re.match(r"__(\d+)_\d+\.distcp$", Path(name).name)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -504,11 +733,16 @@ class CheckpointInfo:
 class CheckpointCatalog:
     """The checkpoints of one run and the commit protocol, readable without torch.
 
-    Protocol: every rank writes its shard into ``step_N/``; when all ranks have finished (the
-    writer's finalize synchronises them) rank 0 writes DCP's ``.metadata`` and then the commit
-    marker atomically, then moves ``latest``. A folder without the marker is torn: it is never
-    loaded and never counted. The marker, not ``latest``, is the source of truth — ``latest`` is a
-    convenience for humans and tools that cannot list a folder.
+    Protocol: every rank's writer writes its shard files into ``step_N/`` and then their sizes and
+    CRC32C into ``step_N/.sums/``; when all ranks have finished (the save's finalize synchronises
+    them) rank 0 writes DCP's ``.metadata``, then the commit marker atomically, listing every file
+    with its size and checksum, then moves ``latest``. A folder without the marker is torn: never
+    loaded, never counted. A marker without checksums is not a commit.
+
+    Trust: the marker, not ``latest``, is the source of truth (``latest`` is a hint for humans
+    and tools that cannot list a folder), and a committed checkpoint is loaded only after
+    ``verify_checkpoint``. One that fails is moved to ``quarantine/`` with the reason, so no
+    restart layer tries it again, and the newest earlier one that verifies is used instead.
     """
 
     def __init__(self, run_dir: str | os.PathLike | RunDir):
@@ -538,32 +772,100 @@ class CheckpointCatalog:
         return [c for c in self.all() if not c.committed]
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint, or None."""
+        """The newest committed checkpoint, or None. Not yet verified: see ``verify_checkpoint``."""
         committed = self.committed()
         return committed[-1] if committed else None
 
+    def latest_hint(self) -> str | None:
+        """What the ``latest`` pointer names, if it names a checkpoint folder; None if the pointer
+        is missing or garbage. A hint only: ``latest()`` never reads it."""
+        try:
+            name = self.layout.latest_pointer.read_text(errors="replace").strip()
+        except OSError:
+            return None
+        return name if checkpoint_step(name) is not None else None
+
     def commit(self, step: int, world_size: int, extra: dict[str, Any] | None = None) -> CheckpointInfo:
-        """Mark ``step`` committed and move ``latest`` (rank 0 only, after every rank finished)."""
+        """Mark ``step`` committed and move ``latest`` (rank 0 only, after every rank finished).
+
+        The marker lists every data file with the size and checksum its writer recorded, plus
+        ``.metadata``'s, checksummed here. Refuses (raises) when a rank's checksums are missing or
+        a file in the folder has none: a checkpoint without its checksums is not committed."""
         path = self.layout.checkpoint_dir(step)
         if not (path / ".metadata").is_file():
             raise RuntimeError(f"cannot commit {path}: DCP .metadata is missing (the save did not finish)")
+        files = read_rank_sums(path, world_size)
+        files[".metadata"] = file_checksum(path / ".metadata")
+        unlisted = sorted(set(checkpoint_files(path)) - set(files))
+        if unlisted:
+            raise RuntimeError(f"cannot commit {path.name}: no checksum for {unlisted[:5]}")
+        reason = verify_checkpoint(path, {"files": files, "checksum": CHECKSUM_ALGORITHM}, checksum=[])
+        if reason:
+            raise RuntimeError(f"cannot commit {path.name}: {reason}")
         now = time.time()
         marker = {"step": step, "world_size": world_size, "committed_at": now,
-                  "contract_version": CONTRACT_VERSION, **(extra or {})}
+                  "contract_version": CONTRACT_VERSION, "checksum": CHECKSUM_ALGORITHM, "files": files,
+                  **(extra or {})}
         atomic_write_text(path / COMMIT_MARKER, json.dumps(marker, sort_keys=True))
         atomic_write_text(self.layout.latest_pointer, path.name + "\n")
         atomic_write_text(self.layout.latest_step, f"{step}\n")
         return CheckpointInfo(step, path, True, world_size, now)
 
-    def apply_retention(self, keep: int) -> list[Path]:
+    def quarantine(self, info: CheckpointInfo, reason: str, **record: Any) -> Path:
+        """Move a checkpoint that failed verification out of the catalog, with why, and return
+        where it went. Never deletes: a user may still want to inspect or salvage it."""
+        dest_root = self.layout.quarantine
+        dest_root.mkdir(parents=True, exist_ok=True)
+        dest = dest_root / f"{info.path.name}.{int(time.time() * 1000)}"
+        os.rename(info.path, dest)
+        atomic_write_text(dest / QUARANTINE_RECORD, json.dumps(
+            {"checkpoint_id": info.checkpoint_id, "step": info.step, "reason": reason,
+             "quarantined_at": time.time(), **record}, sort_keys=True, default=str))
+        if self.latest_hint() == info.path.name:
+            newest = self.latest()
+            if newest is not None:
+                atomic_write_text(self.layout.latest_pointer, newest.path.name + "\n")
+                atomic_write_text(self.layout.latest_step, f"{newest.step}\n")
+            else:
+                for pointer in (self.layout.latest_pointer, self.layout.latest_step):
+                    try:
+                        pointer.unlink()
+                    except FileNotFoundError:
+                        pass
+        return dest
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """The quarantine's records (``path`` added), oldest first."""
+        out = []
+        root = self.layout.quarantine
+        if root.is_dir():
+            for p in sorted(root.iterdir()):
+                try:
+                    rec = json.loads((p / QUARANTINE_RECORD).read_text())
+                except (OSError, ValueError):
+                    rec = {"checkpoint_id": p.name.split(".")[0], "reason": "unknown (no readable record)"}
+                out.append({**rec, "path": str(p)})
+        return sorted(out, key=lambda r: r.get("quarantined_at", 0))
+
+    def apply_retention(self, keep: int, protect: tuple[int, ...] | set[int] = ()) -> list[Path]:
         """Delete all but the newest ``keep`` committed checkpoints, and torn folders older than the
         newest committed one (they can never be loaded). Newer torn folders are left alone: a save
-        may still be writing them. Returns what was deleted."""
+        may still be writing them. Returns what was deleted.
+
+        Never deleted: the steps in ``protect`` (the caller's newest verified checkpoint), and,
+        when none of the kept ones passes the size check of ``verify_checkpoint``, the newest
+        older one that does, so damaged newer checkpoints never take the last good one with them."""
         committed = self.committed()
         if not committed:
             return []
         newest = committed[-1].step
-        doomed = [c.path for c in committed[:-keep]] if len(committed) > keep else []
+        kept, older = committed[-keep:], committed[:-keep] if len(committed) > keep else []
+        spared = {c.step for c in older if c.step in set(protect)}
+        if older and not any(verify_checkpoint(c.path, checksum=[]) is None for c in kept):
+            fallback = next((c for c in reversed(older) if verify_checkpoint(c.path, checksum=[]) is None), None)
+            if fallback is not None:
+                spared.add(fallback.step)
+        doomed = [c.path for c in older if c.step not in spared]
         doomed += [c.path for c in self.torn() if c.step < newest]
         for p in doomed:
             # Remove the marker first so a crash mid-delete leaves a torn (ignored) folder.
@@ -654,10 +956,17 @@ class Event(str, enum.Enum):
       checkpoint_begin   step, blocking_s (time the training loop was stopped for the save), mode,
                          snapshot_s
       checkpoint_commit  step, checkpoint_id, save_s (begin -> commit, wall seconds)
-      checkpoint_skip    checkpoint_id, reason (a torn checkpoint passed over at resume)
+      checkpoint_skip    checkpoint_id, step, reason (passed over at resume or evaluation: torn,
+                         or no checkpoint verifies)
+      checkpoint_quarantined  checkpoint_id, step, reason, moved_to (failed verification or its load;
+                         moved to checkpoints/quarantine/, never tried again)
+      checkpoint_stale   step, checkpoint_id, same_as (its model bytes equal an earlier checkpoint's
+                         although steps advanced: the save wrote stale state)
       fault_injected     kind, step (a drill fired; written before the fault happens)
       fault_detected     layer, kind, step, error, signature, repeated (same error, same step,
-                         seen before: a user error)
+                         seen before: a user error), failure_class (what the fault points at:
+                         restarts_exhausted for the machine; user_error, non_finite,
+                         storage_error, or "checkpoint" for a restore that failed on a file)
       restart_begin      layer ("inprocess" | "injob" | "relaunch"), reason, fault_ts
       restart_end        layer, step, latency_s (the fault, or the last step before it, -> the
                          first step completed after it)
@@ -674,6 +983,8 @@ class Event(str, enum.Enum):
     CHECKPOINT_BEGIN = "checkpoint_begin"
     CHECKPOINT_COMMIT = "checkpoint_commit"
     CHECKPOINT_SKIP = "checkpoint_skip"
+    CHECKPOINT_QUARANTINED = "checkpoint_quarantined"
+    CHECKPOINT_STALE = "checkpoint_stale"
     FAULT_INJECTED = "fault_injected"
     FAULT_DETECTED = "fault_detected"
     RESTART_BEGIN = "restart_begin"
@@ -696,7 +1007,11 @@ def node_id() -> str:
 
 class EventLog:
     """Append-only JSON-lines log. Each record is written with one ``write`` on an ``O_APPEND``
-    descriptor, so lines from concurrent processes never interleave."""
+    descriptor, so lines from concurrent processes never interleave.
+
+    It never raises into training: when the run dir cannot take the line (full, read-only, gone)
+    the record goes to stderr instead, and a partial write is completed or never started (a line
+    is written whole or, on a full disk, not at all), so the log stays parseable."""
 
     def __init__(self, path: str | os.PathLike, **context: Any):
         self.path = Path(path)
@@ -711,12 +1026,19 @@ class EventLog:
         name = event.value if isinstance(event, Event) else Event(event).value
         record = {"ts": round(time.time(), 6), "event": name, **self.context, **fields}
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                written = os.write(fd, line)
+                if written != len(line):  # a full disk took part of it: end the torn line
+                    os.write(fd, b"\n")
+                    raise OSError(errno.ENOSPC, "short write")
+            finally:
+                os.close(fd)
+        except OSError as e:
+            print(f"[events] cannot append to {self.path} ({e.strerror or e}): {line.decode().strip()}",
+                  file=sys.stderr, flush=True)
         return record
 
 
@@ -756,6 +1078,46 @@ def _parse_event_line(line: str) -> dict[str, Any] | None:
             pass
         start = line.find("{", start + 1)
     return None
+
+
+def declare_stop(layout: RunDir, failure: FailureClass, **record: Any) -> bool:
+    """Record that the run must stop on every node and every restart layer (``STOP_CLASSES``).
+    The first rank wins (``O_EXCL`` keeps the first diagnosis); returns whether this call wrote it.
+    Best effort: on a full or read-only run dir nothing can be written, and the launcher finds the
+    storage fault by probing instead."""
+    if failure not in STOP_CLASSES:
+        raise ValueError(f"{failure} is not a stop class; use one of {[c.value for c in STOP_CLASSES]}")
+    try:
+        layout.control.mkdir(parents=True, exist_ok=True)
+        fd = os.open(layout.stop_marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        try:
+            json.dump({"failure_class": failure.value, "ts": time.time(), **record}, f, default=str)
+        except OSError:
+            pass
+    return True
+
+
+def read_stop(layout: RunDir) -> dict[str, Any] | None:
+    """The stop marker, if a rank wrote one: ``failure_class`` plus what the rank recorded. An
+    unreadable marker (a rank died writing it) reads as a user error, the conservative stop."""
+    try:
+        text = layout.stop_marker.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        text = ""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or data.get("failure_class") not in {c.value for c in STOP_CLASSES}:
+        return {"failure_class": FailureClass.USER_ERROR.value, "error": f"unreadable {layout.stop_marker.name}"}
+    return data
 
 
 def final_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:

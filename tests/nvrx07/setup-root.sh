@@ -12,7 +12,7 @@ SUITE=forky
 NVRX_VERSION=0.7.0
 # What the tests need besides NVRx (pytest, and imports of their own). The torch and numpy come
 # from Debian.
-EXTRA=(pytest numpy pyyaml psutil)
+EXTRA=(pytest numpy pyyaml psutil crc32c)
 
 case "${1:-}" in
 host)
