@@ -6,6 +6,7 @@ run dir and events.jsonl, as the control plane does. No mocks.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, launch, run_training, write_config
-from training.contract import CheckpointCatalog, ExitCode, final_status, read_events
+from training.contract import CheckpointCatalog, ExitCode, final_status, read_events, read_stop
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +79,20 @@ def test_faults_in_every_layer_recover_with_bitwise_identical_losses(clean_run, 
     assert [c.step for c in CheckpointCatalog(run.cfg.run_dir).committed()] == [6, 9, 12]
 
 
+def wait_for_lock_free(path, timeout):
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{path} is still locked after {timeout}s: {path.read_text()!r}")
+        time.sleep(0.2)
+
+
 def test_node_loss_recovered_when_the_node_comes_back(tmp_path, dataset):
     """Two 'nodes' (one rank each) on this machine; node 1 vanishes at step 5 — its launcher and
     workers are SIGKILLed — and this test, playing the Kubernetes Job controller, starts a
@@ -88,6 +103,9 @@ def test_node_loss_recovered_when_the_node_comes_back(tmp_path, dataset):
     node0 = launch(cfg, cfg_path, node_rank=0)
     node1 = launch(cfg, cfg_path, node_rank=1)
     assert node1.wait(timeout=240) == -9  # killed with its node
+    # The Job controller replaces a pod once all its processes are gone (podReplacementPolicy
+    # Failed); here: once the dead node's launch lock is free (its guard is still ending the tree).
+    wait_for_lock_free(cfg.layout.launch_lock(1), timeout=60)
     replacement = launch(cfg, cfg_path, node_rank=1)
     try:
         rc0, rc1 = node0.wait(timeout=300), replacement.wait(timeout=300)
@@ -124,7 +142,9 @@ def test_user_bug_is_never_retried(tmp_path, dataset):
     assert [r["repeated"] for r in detected] == [False, True]
     known = detected[-1]["ts"]
     assert not [r for r in run.of("train_begin") if r["ts"] > known]
-    assert run.cfg.layout.user_error_marker.exists()
+    stop = read_stop(run.cfg.layout)
+    assert stop["failure_class"] == "user_error" and stop["rank"] == 1 and "InjectedUserBug" in stop["error"]
+    assert [r["failure_class"] for r in detected] == ["restarts_exhausted", "user_error"]
 
 
 def test_evaluate_a_two_rank_checkpoint_in_one_process(clean_run):

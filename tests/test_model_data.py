@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
@@ -212,7 +213,9 @@ def test_ranks_disjoint_and_state_global(dataset):
 
 
 def test_preset_param_counts():
-    assert set(PRESETS) == {"tiny", "small", "1b", "8b"}
+    from training.contract import MODEL_PRESETS
+
+    assert set(PRESETS) == set(MODEL_PRESETS) == {"tiny", "tiny-dropout", "small", "1b", "8b"}
     for name, cfg in PRESETS.items():
         model = build_model(name, device="meta")  # nothing allocated, even for 8b
         assert param_count(cfg) == sum(p.numel() for p in model.parameters()), name
@@ -222,6 +225,8 @@ def test_preset_param_counts():
     assert 0.8e9 < param_count(PRESETS["1b"]) < 1.5e9
     assert 25e6 <= param_count(PRESETS["small"]) <= 50e6
     assert 0.5e6 < param_count(PRESETS["tiny"]) < 5e6
+    # tiny-dropout is tiny plus dropout: the same parameters, so the same checkpoints' shapes.
+    assert PRESETS["tiny-dropout"] == dataclasses.replace(PRESETS["tiny"], dropout=0.1)
 
 
 def test_forward_shapes_init_and_activation_checkpointing():
@@ -254,6 +259,38 @@ def test_forward_shapes_init_and_activation_checkpointing():
     assert choose_device("cpu") == torch.device("cpu") and backend_for(torch.device("cpu")) == "gloo"
     assert Precision.for_device(torch.device("cpu")) == Precision(False, False)
     assert Precision.for_device(torch.device("cuda")) == Precision(True, True)
+
+
+def test_dropout_draws_from_the_global_rng_in_train_mode_only():
+    """tiny-dropout's randomness is the global torch RNG's: the same state gives the same masks
+    (what a checkpointed per-rank RNG state makes a resume replay), eval() turns it off, and
+    activation checkpointing's recomputation reuses the forward's masks. tiny draws nothing."""
+    model = build_model("tiny-dropout", device="cpu").train()
+    tokens = torch.randint(0, 256, (2, 32))
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    first = model(tokens)
+    torch.set_rng_state(state)
+    assert torch.equal(model(tokens), first)
+    assert not torch.equal(model(tokens), first)  # the stream moved on: other masks
+    model.eval()
+    assert torch.equal(model(tokens), model(tokens))
+
+    model.train()
+    grads = []
+    for flag in (False, True):
+        for block in model.blocks:
+            block.activation_checkpointing = flag
+        model.zero_grad()
+        torch.set_rng_state(state)
+        cross_entropy_loss(model(tokens), tokens).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(g0, g1, atol=1e-6) for g0, g1 in zip(*grads))
+
+    plain = build_model("tiny", device="cpu").train()
+    torch.set_rng_state(state)
+    plain(tokens)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 # ------------------------------------------------------------------------------ FSDP2, 2 ranks

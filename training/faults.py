@@ -9,6 +9,11 @@ Each drill reproduces one way a real run dies, so every restart layer can be pro
   oom               exit 137, as the kernel OOM killer       -> in-job restart
   node_loss         every rank of a node and its launcher die-> in-job restart once the node returns
   checkpoint_crash  the async checkpoint writer dies mid-save-> in-process restart; the save stays torn
+  writer_hang       the writer is SIGSTOPped mid-save        -> the checkpointer's stall bound kills and
+                                                                replaces it; the save stays torn
+  nan               one rank's loss becomes NaN at the step  -> rollback to the newest verified checkpoint
+                                                                (attempt null: on every pass, until the
+                                                                rollbacks run out -> NON_FINITE)
   user_bug          raises at the same step on every attempt -> USER_ERROR, never retried
 
 The drill writes a ``fault_injected`` event first, so tests and reports can line faults up with
@@ -20,9 +25,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from training.contract import Event, EventLog, FaultDrill
+
+if TYPE_CHECKING:  # training.launch imports this module and must not pay for torch
+    import torch
 
 
 class InjectedFault(RuntimeError):
@@ -35,6 +43,10 @@ class InjectedUserBug(ValueError):
 
 #: Set by training.launch for its workers: the node's launcher, which node_loss takes down too.
 LAUNCH_PID_ENV = "TRAINING_LAUNCH_PID"
+#: Set by training.launch for its workers: the node's index as launched (the pod's Job index, the
+#: local slot's node rank). Rendezvous may number nodes in another order (GROUP_RANK is the order
+#: they joined in), and drills and events name the node that was launched.
+NODE_RANK_ENV = "TRAINING_NODE_RANK"
 
 
 def descendants(pid: int) -> list[int]:
@@ -57,10 +69,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def poison_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The ``nan`` drill's effect: the loss (and so every gradient of this rank) becomes NaN, as a
+    bad batch or an overflow would make it."""
+    return loss * float("nan")
+
+
 def inject(drill: FaultDrill, step: int, events: EventLog, *,
            writer_pids: Callable[[], list[int]] = lambda: []) -> None:
-    """Make ``drill`` happen now. Returns only for drills that let training go on (checkpoint_crash
-    arms itself against the next save; see ``checkpoint_crash``)."""
+    """Make ``drill`` happen now. Returns only for drills that let training go on: the writer
+    drills (they act on the save that just started) and ``nan``, which the trainer applies to its
+    loss with ``poison_loss``."""
     events.emit(Event.FAULT_INJECTED, kind=drill.kind, step=step)
     kind = drill.kind
     if kind == "exception":
@@ -92,11 +111,17 @@ def inject(drill: FaultDrill, step: int, events: EventLog, *,
             except ProcessLookupError:
                 pass
         os.killpg(os.getpgrp(), signal.SIGKILL)
-    if kind == "checkpoint_crash":
+    if kind in ("checkpoint_crash", "writer_hang"):
+        # A writer may fork file writers of its own: freeze or kill all of them, as a stuck
+        # filesystem or the OOM killer would.
+        sig = signal.SIGKILL if kind == "checkpoint_crash" else signal.SIGSTOP
         for pid in writer_pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for target in (pid, *descendants(pid)):
+                try:
+                    os.kill(target, sig)
+                except ProcessLookupError:
+                    pass
+        return
+    if kind == "nan":
         return
     raise ValueError(f"unknown fault kind {kind!r}")

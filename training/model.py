@@ -1,6 +1,8 @@
 """A GPT-style decoder (Llama-shaped): pre-norm RMSNorm, RoPE, causal SDPA attention, SwiGLU MLP.
 
-Byte-level vocabulary (256); untied input embedding and output head (as Llama). Parameter names
+Byte-level vocabulary (256); untied input embedding and output head (as Llama). Optional dropout
+(nanoGPT's places: after the embedding, on attention weights, on each residual branch) is drawn
+from the global torch RNG in train mode only; ``eval()`` turns it off. Parameter names
 follow torchtitan's Llama (``tok_embeddings``, ``blocks.N.attention.wq``, ``feed_forward.w1``...),
 and are never renamed by parallelisation (activation checkpointing is a flag on each block, not a
 wrapper module), so checkpoints load the same with or without it.
@@ -38,10 +40,14 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    #: Dropout probability (0: none, and no RNG draws at all).
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} heads of even size")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
 
     @property
     def head_dim(self) -> int:
@@ -51,6 +57,9 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # ~0.9 M params: sized for 2 CPU cores (seq 128, batch 8, 2 gloo ranks: ~0.4 s a step).
     "tiny": ModelConfig(dim=128, n_layers=4, n_heads=4, ffn_hidden=384, max_seq_len=1024),
+    # tiny with dropout: training draws random numbers every step, so resuming bitwise needs each
+    # rank's RNG state in the checkpoint (the tests' proof of it).
+    "tiny-dropout": ModelConfig(dim=128, n_layers=4, n_heads=4, ffn_hidden=384, max_seq_len=1024, dropout=0.1),
     # ~38 M params: a real (single-GPU-sized) run.
     "small": ModelConfig(dim=512, n_layers=12, n_heads=8, ffn_hidden=1408, max_seq_len=2048),
     # ~1.1 B params: Llama-3.2-1B widths (without GQA).
@@ -151,6 +160,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.dropout = cfg.dropout
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -162,7 +172,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -186,15 +197,18 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.residual_dropout = nn.Dropout(cfg.dropout)
         # Set by training.parallelize: recompute this block's activations in backward.
         self.activation_checkpointing = False
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.residual_dropout(self.attention(self.attention_norm(x), cos, sin))
+        return h + self.residual_dropout(self.feed_forward(self.ffn_norm(h)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
+            # The recomputation replays the forward's RNG state (preserve_rng_state), so dropout
+            # masks match.
             return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
         return self._forward(x, cos, sin)
 
@@ -204,6 +218,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embedding_dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -219,7 +234,7 @@ class GPT(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len={self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        h = self.tok_embeddings(tokens)
+        h = self.embedding_dropout(self.tok_embeddings(tokens))
         for block in self.blocks:
             h = block(h, cos, sin)
         return self.output(self.norm(h))

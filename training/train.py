@@ -3,28 +3,80 @@
     python -m training.train --config RUN.json      (normally via ``python -m training.launch``)
 
 One attempt of ``Trainer.run`` = build a process group, shard the model, restore the newest
-committed checkpoint, train to ``cfg.steps`` with asynchronous checkpoints. The in-process restart
-layer calls ``run`` again in the same process after a fault; the in-job layer starts a new process.
+committed checkpoint that verifies, train to ``cfg.steps`` with asynchronous checkpoints. The
+in-process restart layer calls ``run`` again in the same process after a fault; the in-job layer
+starts a new process.
+
+Faults no restart can fix stop every layer: the first rank to see one writes the run's stop marker
+(``contract.declare_stop``), asks ft_launcher to shut the workload down, and leaves with a
+BaseException the in-process Wrapper does not retry:
+
+- a user error: the same exception at the same step on two attempts (``restart.UserErrorAbort``);
+- a storage error: the run dir is full or read-only (``StopTraining``, exit 74);
+- non-finite state: the loss or gradient norm became NaN/inf again after
+  ``cfg.max_nonfinite_rollbacks`` rollbacks (``StopTraining``, exit 65).
+
+Non-finite state is found without a host sync per step: each rank keeps a flag on its device and
+the ranks compare flags on logging steps and always before a checkpoint save, so a non-finite
+step's state is never saved. Each detection rolls the run back, in place, to the newest verified
+checkpoint (the process group stays; no restart budget is spent).
+
+RNG: each rank's torch generator (dropout) starts from ``rank_seed(cfg.seed, rank)`` and its state is
+saved per rank in every checkpoint, so a resume replays bitwise; see ``rank_seed``.
 """
 
 import argparse
-import json
+import contextlib
+import datetime
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from nvidia_resiliency_ext.inprocess import CallWrapper
+from torch.distributed.tensor import DTensor
 
 from training import faults, restart
-from training.checkpoint import AsyncCheckpointer, app_state, choose_checkpoint, load_checkpoint, restore_app_state
-from training.contract import ConfigError, Event, EventLog, ExitCode, RunConfig, node_id, read_events
+from training.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointMismatchError,
+    app_state,
+    choose_checkpoint,
+    restore_app_state,
+    restore_checkpoint,
+    writer_stall_bound,
+)
+from training.contract import (
+    CheckpointInfo,
+    ConfigError,
+    Event,
+    EventLog,
+    ExitCode,
+    FailureClass,
+    RunConfig,
+    declare_stop,
+    exit_code_for,
+    node_id,
+    read_events,
+    read_stop,
+    storage_errno,
+)
 from training.data import BatchSampler, TokenShards
-from training.model import cross_entropy_loss
+from training.model import cross_entropy_loss, name_seed
 from training.parallelize import backend_for, build_optimizer, build_sharded_model, choose_device, device_mesh
+
+#: What a stop marker tells a user to do, per failure class.
+WHAT_TO_DO = {
+    FailureClass.USER_ERROR: "fix the code or config and start a new run",
+    FailureClass.NON_FINITE: "lower the learning rate or fix the data, and start a new run",
+    FailureClass.STORAGE_ERROR: "free space or fix the run dir's mount, then relaunch",
+}
+#: ``fault_detected``'s failure_class for a restore that failed on a checkpoint's files.
+CHECKPOINT_FAULT = "checkpoint"
 
 
 @dataclass(frozen=True)
@@ -34,6 +86,7 @@ class WorkerEnv:
     rank: int
     local_rank: int
     world_size: int
+    #: The node as launched (training.launch's node rank), not rendezvous's join order.
     node_rank: int
     #: This node agent's TORCHELASTIC_RESTART_COUNT: 0 on the first launch. NVRx 0.7 sets it to the
     #: job's rendezvous round (the same on every node, kept by a node that joins late); 0.4.1 to the
@@ -46,12 +99,86 @@ class WorkerEnv:
     def from_environ(cls) -> "WorkerEnv":
         env = os.environ
         return cls(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
-                   world_size=int(env.get("WORLD_SIZE", 1)), node_rank=int(env.get("GROUP_RANK", 0)),
+                   world_size=int(env.get("WORLD_SIZE", 1)),
+                   node_rank=int(env.get(faults.NODE_RANK_ENV, env.get("GROUP_RANK", 0))),
                    attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
 def fault_signature(exc: BaseException) -> str:
     return f"{type(exc).__module__}.{type(exc).__qualname__}: {str(exc)[:300]}"
+
+
+class StopTraining(BaseException):
+    """A fault no restart can fix (storage, non-finite state) was declared in the stop marker:
+    every layer stops. A BaseException, so the in-process Wrapper does not retry it (as
+    ``restart.UserErrorAbort``)."""
+
+    def __init__(self, failure: FailureClass, message: str):
+        super().__init__(failure, message)
+        self.failure = failure
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.failure.value}: {self.message}"
+
+
+class NonFiniteState(Exception):
+    """Internal: the ranks agreed that training state became NaN/inf; ``run`` rolls back."""
+
+    def __init__(self, step: int, message: str, ts: float):
+        super().__init__(step, message, ts)
+        self.step, self.message, self.ts = step, message, ts
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of ``rank``'s torch RNG (dropout) when no saved state applies: derived from the run's
+    ``seed``, the global rank and the step training starts at (0 for a fresh run), through
+    SHA-256 (``model.name_seed``), so every rank draws its own stream and runs replay exactly.
+
+    A checkpoint holds each rank's RNG state, restored on resume. When the world size changed
+    since the save, no saved state belongs to a rank any more, and every rank re-seeds with the
+    step it resumes at: deterministic, and not a replay of the streams of step 0."""
+    return name_seed(seed, f"torch-rng/rank{rank}/step{step}")
+
+
+def rank_rng_key(rank: int) -> str:
+    """A rank's RNG entry under ``trainer.rng``. DCP stores one copy of a key that every rank
+    saves (it treats it as replicated), so each rank's state lives under its own key."""
+    return f"rank_{rank:05d}"
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def saved_rng_ranks(checkpoint: CheckpointInfo) -> set[int]:
+    """The ranks whose RNG state checkpoint ``checkpoint`` holds (read from its DCP metadata)."""
+    metadata = dcp.FileSystemReader(str(checkpoint.path)).read_metadata()
+    ranks = set()
+    for key in metadata.state_dict_metadata:
+        parts = key.split(".")
+        if parts[:2] == ["trainer", "rng"] and len(parts) > 2 and parts[2].startswith("rank_"):
+            ranks.add(int(parts[2][len("rank_"):]))
+    return ranks
+
+
+def nonfinite_flags(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """[loss is NaN/inf, gradient norm is NaN/inf]: a device tensor, no host sync. (Under FSDP
+    the norm is a replicated DTensor holding the global norm.)"""
+    norm = grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm
+    return torch.stack([~torch.isfinite(loss.detach()), ~torch.isfinite(norm.detach())])
 
 
 class Trainer:
@@ -75,14 +202,15 @@ class Trainer:
         self.shards = TokenShards(cfg.dataset_dir, "train")
         # Start the checkpoint writer now: its first start costs seconds we'd rather not stall on.
         self.checkpointer = AsyncCheckpointer(cfg.run_dir, rank=env.rank, world_size=env.world_size,
-                                              events=self.events, keep=cfg.keep_checkpoints)
+                                              events=self.events, keep=cfg.keep_checkpoints,
+                                              writer_stall_s=writer_stall_bound(cfg.hang_timeout_s))
 
     # -- one attempt --------------------------------------------------------------------------
     def run(self, call_wrapper: Optional[CallWrapper] = None) -> None:
         # The annotation is how the in-process Wrapper finds where to pass its CallWrapper.
         cfg, env = self.cfg, self.env
         self.iteration = call_wrapper.iteration if call_wrapper is not None else 0
-        events = self.events = self.events.bind(iteration=self.iteration)
+        self.events = self.events.bind(iteration=self.iteration)
         self.monitor.start()
         self.monitor.enter("setup")
         try:
@@ -91,28 +219,19 @@ class Trainer:
             mesh = device_mesh(self.device, cfg.nodes, cfg.procs_per_node)
             self.checkpointer.rebind(dist.group.WORLD)
             self.attempt = job_restart_round(env.attempt, self.device)
-            events = self.events = events.bind(attempt=self.attempt)
-
-            # Which checkpoint to resume from is agreed before the model exists, so weights a
-            # checkpoint is about to overwrite are never randomly initialised.
-            resumed = choose_checkpoint(cfg.run_dir, events=events if env.rank == 0 else None)
-            model = build_sharded_model(cfg.model, mesh, self.device, seed=cfg.seed,
-                                        init_weights=resumed is None, max_seq_len=cfg.seq_len)
-            optimizer = build_optimizer(model, self.device, lr=cfg.lr, weight_decay=cfg.weight_decay)
-            sampler = BatchSampler(self.shards, cfg.seq_len, cfg.batch_size, env.rank, env.world_size, cfg.seed)
-            trainer_state = {"step": 0, "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
-            state = app_state(model, optimizer, trainer_state)
-            if resumed is not None:
-                load_checkpoint(resumed, state)
-                restore_app_state(model, optimizer, state)
-                sampler.load_state_dict(state["trainer"]["sampler"])
-                torch.set_rng_state(state["trainer"]["rng"])
-            start = int(state["trainer"]["step"]) if resumed else 0
-            events.emit(Event.TRAIN_BEGIN, start_step=start, world_size=env.world_size,
-                        device=str(self.device), model=cfg.model,
-                        resumed_from=resumed.checkpoint_id if resumed else None)
-            self._train(model, optimizer, sampler, start, call_wrapper)
-        except Exception:  # not a BaseException such as UserErrorAbort or the Wrapper's interrupt
+            self.events = self.events.bind(attempt=self.attempt)
+            rollback: NonFiniteState | None = None
+            while True:  # one pass per rollback from non-finite state
+                with restore_timeout(self.timeouts.collective_s, max(self.timeouts.collective_s,
+                                                                     cfg.initial_heartbeat_timeout_s)):
+                    model, optimizer, sampler, start = self._restore(mesh)
+                try:
+                    self._train(model, optimizer, sampler, start, call_wrapper, rollback)
+                    return
+                except NonFiniteState as e:
+                    rollback = e
+                    del model, optimizer  # before the next pass builds their replacements
+        except Exception:  # not a BaseException such as StopTraining or the Wrapper's interrupt
             self.checkpointer.abandon_pending()
             raise
         finally:
@@ -120,27 +239,94 @@ class Trainer:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-    def _train(self, model, optimizer, sampler, start: int, call_wrapper) -> None:
+    def _restore(self, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSampler, int]:
+        """Model, optimizer and sampler at the newest committed checkpoint that verifies (every
+        rank agrees on it), or fresh when there is none; returns them and the step to start after.
+        A fault here is a restore fault (``fault_detected`` class "checkpoint")."""
+        cfg, env = self.cfg, self.env
+        chosen: CheckpointInfo | None = None
+        try:
+            # Which checkpoint to resume from is agreed before the model exists, so weights a
+            # checkpoint is about to overwrite are never randomly initialised.
+            chosen = choose_checkpoint(cfg.run_dir, events=self.events)
+            model, optimizer = self._build(mesh, init_weights=chosen is None)
+            sampler = BatchSampler(self.shards, cfg.seq_len, cfg.batch_size, env.rank, env.world_size, cfg.seed)
+            resumed = None
+            if chosen is not None:
+                state = app_state(model, optimizer, {"step": 0, "sampler": sampler.state_dict()})
+                # Falls back to earlier verified checkpoints (quarantining what fails to load).
+                resumed = restore_checkpoint(cfg.run_dir, state, chosen, events=self.events)
+                if resumed is None:  # nothing loaded: start afresh, exactly as a first run does
+                    del model, optimizer, state
+                    model, optimizer = self._build(mesh, init_weights=True)
+                else:
+                    restore_app_state(model, optimizer, state)
+                    sampler.load_state_dict(state["trainer"]["sampler"])
+            start = int(state["trainer"]["step"]) if resumed is not None else 0
+            rng = self._restore_rng(resumed, start)
+            if resumed is not None:
+                self.checkpointer.trust(resumed.step)  # retention keeps it until a newer commit
+        except Exception as exc:
+            self._on_fault(exc, chosen.step if chosen is not None else 0, restoring=True)
+            raise
+        self.events.emit(Event.TRAIN_BEGIN, start_step=start, world_size=env.world_size,
+                         device=str(self.device), model=cfg.model,
+                         resumed_from=resumed.checkpoint_id if resumed else None, rng=rng)
+        return model, optimizer, sampler, start
+
+    def _build(self, mesh, *, init_weights: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        cfg = self.cfg
+        model = build_sharded_model(cfg.model, mesh, self.device, seed=cfg.seed,
+                                    init_weights=init_weights, max_seq_len=cfg.seq_len)
+        optimizer = build_optimizer(model, self.device, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return model, optimizer
+
+    def _restore_rng(self, resumed: CheckpointInfo | None, start: int) -> str:
+        """Set this rank's torch RNG: its saved state when ``resumed`` holds one for every rank of
+        this world size ("restored"), else ``rank_seed`` ("seeded"). Every rank decides alike
+        (from the same metadata), so the load below is entered by all of them or none."""
+        cfg, env = self.cfg, self.env
+        if resumed is not None and saved_rng_ranks(resumed) == set(range(env.world_size)):
+            key = rank_rng_key(env.rank)
+            state = {"trainer": {"rng": {key: rng_state(self.device)}}}
+            dcp.load(state, checkpoint_id=str(resumed.path))
+            set_rng_state(state["trainer"]["rng"][key], self.device)
+            return "restored"
+        torch.manual_seed(rank_seed(cfg.seed, env.rank, start))  # seeds CUDA's generators too
+        return "seeded" if resumed is None else "reseeded"
+
+    def _train(self, model, optimizer, sampler, start: int, call_wrapper,
+               rollback: NonFiniteState | None) -> None:
         cfg, env, events = self.cfg, self.env, self.events
         tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
         step = start
-        recovering = self._restart_pending()
+        recovering = self._restart_pending(rollback)
+        # The first step since the ranks last compared at which this rank's loss / gradient norm
+        # was NaN or inf (0: none): a device tensor, so keeping it costs no host sync.
+        nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
         for step in range(start + 1, cfg.steps + 1):
             self.monitor.enter("step")
             t0 = time.perf_counter()
+            log_step = step % cfg.log_interval == 0 or step == cfg.steps
+            save_step = step % cfg.checkpoint_interval == 0 or step == cfg.steps
             try:
-                self._maybe_inject(step, before_save=True)
+                drill = self._maybe_inject(step, before_save=True)
                 inputs, targets = (t.to(self.device, non_blocking=True) for t in sampler.next_batch())
                 loss = cross_entropy_loss(model(inputs), targets)
+                if drill is not None and drill.kind == "nan":
+                    loss = faults.poison_loss(loss)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                nonfinite = torch.where((nonfinite == 0) & nonfinite_flags(loss, grad_norm), step, nonfinite)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                log_step = step % cfg.log_interval == 0 or step == cfg.steps
-                if log_step:  # the only host sync of a step: on the logging interval
-                    loss = loss.detach()
-                    dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-                    loss_value = loss.item()
+                if log_step or save_step:  # the only host sync of a step; always before a save
+                    loss_value, first_bad = self._compare_ranks(loss, nonfinite)
+                    nonfinite.zero_()
+                    if any(any(bad) for bad in first_bad):
+                        self._on_nonfinite(step, first_bad)  # raises
+            except NonFiniteState:
+                raise
             except Exception as exc:
                 self._on_fault(exc, step)
                 raise
@@ -155,9 +341,10 @@ class Trainer:
             if env.rank == 0 and log_step:
                 events.emit(Event.STEP, step=step, loss=loss_value, step_s=round(step_s, 4),
                             tokens_per_s=round(tokens_per_step / step_s, 1))
-            if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
+            if save_step:
                 self.monitor.enter("checkpoint")
-                trainer_state = {"step": step, "sampler": sampler.state_dict(), "rng": torch.get_rng_state()}
+                trainer_state = {"step": step, "sampler": sampler.state_dict(),
+                                 "rng": {rank_rng_key(env.rank): rng_state(self.device)}}
                 try:
                     self.checkpointer.save(step, app_state(model, optimizer, trainer_state))
                     self._maybe_inject(step, before_save=False)
@@ -171,62 +358,153 @@ class Trainer:
                     self._on_fault(exc, step)
                     raise
         self.monitor.enter("checkpoint")
-        self.checkpointer.wait()  # the final checkpoint is committed before we report success
+        try:
+            self.checkpointer.wait()  # the final checkpoint is committed before we report success
+        except Exception as exc:
+            self._on_fault(exc, step)
+            raise
         self.monitor.leave()
         if env.rank == 0:
             events.emit(Event.TRAIN_END, step=step, status="completed")
 
+    def _compare_ranks(self, loss: torch.Tensor, nonfinite: torch.Tensor) -> tuple[float, list[list[int]]]:
+        """The mean loss over ranks, and for each rank the first step its loss and its gradient
+        norm went NaN/inf since the last comparison (0: never): one all-reduce."""
+        world, rank = self.env.world_size, self.env.rank
+        stats = torch.zeros(1 + 2 * world, dtype=torch.float64, device=self.device)
+        stats[0] = loss.detach()
+        stats[1 + 2 * rank: 3 + 2 * rank] = nonfinite
+        dist.all_reduce(stats)
+        values = stats.tolist()
+        return values[0] / world, [[int(values[1 + 2 * r]), int(values[2 + 2 * r])] for r in range(world)]
+
     # -- faults -------------------------------------------------------------------------------
-    def _maybe_inject(self, step: int, *, before_save: bool) -> None:
+    def _maybe_inject(self, step: int, *, before_save: bool):
+        """Fire the drill configured for this step and rank, if any; returns it when training
+        goes on (the writer drills, ``nan``), else None. The writer drills act on the save that
+        just started (``before_save=False``), every other drill before the step."""
         drill = self.cfg.fault_at(step, self.env.rank, self.attempt, self.env.node_rank, node_id())
-        if drill is None or (drill.kind == "checkpoint_crash") == before_save:
-            return
+        if drill is None or (drill.kind in ("checkpoint_crash", "writer_hang")) == before_save:
+            return None
         key = (step, drill.attempt, drill.kind)
-        if drill.kind != "user_bug":
-            if key in self.fired:
-                return
+        # A user bug fires on every attempt by definition; a nan drill with attempt null on every
+        # pass (after each rollback too), so the rollback bound can be reached.
+        every_pass = drill.kind == "user_bug" or (drill.kind == "nan" and drill.attempt is None)
+        if not every_pass:
+            if key in self.fired or (drill.attempt is not None and self._fired_before(drill, step)):
+                return None
             self.fired.add(key)
         faults.inject(drill, step, self.events, writer_pids=self.checkpointer.writer_pids)
+        return drill
 
-    def _on_fault(self, exc: Exception, step: int) -> None:
-        """Log the fault; if this rank already failed the same way at the same step, and the error
-        does not come from the platform (I/O, collectives, the checkpoint writer), it is the user's
-        bug, not the machine's: stop every restart layer."""
+    def _fired_before(self, drill, step: int) -> bool:
+        """Whether an earlier process already fired this drill in this round. A node that leaves
+        and rejoins is a membership change, which ft_launcher restarts without counting a restart
+        round on NVRx 0.4.1, so the round alone cannot keep a drill to once per round."""
+        return any(r.get("kind") == drill.kind and r.get("step") == step and r.get("attempt") == self.attempt
+                   for r in read_events(self.layout.events, Event.FAULT_INJECTED))
+
+    def _on_fault(self, exc: Exception, step: int, *, restoring: bool = False) -> None:
+        """Log the fault with its class (``fault_detected``'s ``failure_class``), and stop every
+        restart layer when no restart can help:
+
+        - a storage error (the run dir is full or read-only): at once, as ``storage_error``;
+        - a checkpoint that holds another model than the config's (``CheckpointMismatchError``):
+          at once, as a user error;
+        - the same error at the same step in this rank as on an earlier attempt: a user error,
+          unless the platform (I/O, collectives, the checkpoint writer) raised it;
+        - a restore that failed the same way twice: the resume code already quarantined and fell
+          back past every checkpoint that failed to load, so what is left is not the node's
+          fault: a user error, whatever raised it (``restoring``).
+
+        Anything else is the platform's, as far as a rank can tell (``restarts_exhausted``),
+        except restore faults (``checkpoint``): those never point at the node.
+        """
         signature = fault_signature(exc)
         layer = "inprocess" if self.cfg.restart_mode in ("layered", "inprocess") else "injob"
-        repeated = (not restart.is_platform_fault(exc)) and any(
+        storage = storage_errno(exc) is not None
+        mismatch = isinstance(exc, CheckpointMismatchError)
+        repeated = (not storage) and (restoring or not restart.is_platform_fault(exc)) and any(
             r.get("signature") == signature and r.get("step") == step and r.get("rank") == self.env.rank
             for r in read_events(self.layout.events, Event.FAULT_DETECTED))
+        if storage:
+            failure = FailureClass.STORAGE_ERROR.value
+        elif repeated or mismatch:
+            failure = FailureClass.USER_ERROR.value
+        elif restoring:
+            failure = CHECKPOINT_FAULT
+        else:
+            failure = FailureClass.RESTARTS_EXHAUSTED.value
         self.events.emit(Event.FAULT_DETECTED, layer=layer, kind=type(exc).__name__, step=step,
-                         error=str(exc)[:500], signature=signature, repeated=repeated)
-        if repeated:
+                         error=str(exc)[:500], signature=signature, repeated=repeated, failure_class=failure,
+                         restoring=restoring)
+        if storage:
+            self._stop(FailureClass.STORAGE_ERROR, step, f"the run dir cannot take writes: {exc}")
+        if repeated or mismatch:
             self._declare_user_error(signature, step)
 
-    def _declare_user_error(self, signature: str, step: int) -> None:
-        marker = self.layout.user_error_marker
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        try:  # first rank wins; O_EXCL keeps the first diagnosis
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"rank": self.env.rank, "step": step, "error": signature, "ts": time.time()}, f)
-        except FileExistsError:
-            pass
+    def _on_nonfinite(self, step: int, first_bad: list[list[int]]) -> NoReturn:
+        """Every rank, after the ranks agreed that state went NaN/inf (``first_bad``: per rank, the
+        first step its loss / gradient norm did): roll back to the newest verified checkpoint
+        (``NonFiniteState``), or stop once ``cfg.max_nonfinite_rollbacks`` rollbacks of this run
+        did not help (``StopTraining``). Rank 0 counts the run's earlier rollbacks in the events
+        log and decides for everyone."""
+        cfg, env = self.cfg, self.env
+        first = min(s for bad in first_bad for s in bad if s)
+        ranks = [r for r, (loss_step, _) in enumerate(first_bad) if loss_step == first]
+        what = (f"NaN/inf loss at step {first} on rank(s) {ranks}" if ranks
+                else f"NaN/inf gradient norm at step {first} (every loss finite)")
+        message = f"non-finite training state found at step {step}: {what}"
+        decision = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if env.rank == 0:
+            before = sum(1 for r in read_events(self.layout.events, Event.FAULT_DETECTED)
+                         if r.get("failure_class") == FailureClass.NON_FINITE.value)
+            roll_back = before < cfg.max_nonfinite_rollbacks
+            self.events.emit(Event.FAULT_DETECTED, layer="rollback" if roll_back else "none",
+                             kind=NonFiniteState.__name__, step=step, error=message,
+                             signature=f"{__name__}.NonFiniteState: {what}", repeated=not roll_back,
+                             failure_class=FailureClass.NON_FINITE.value, first_step=first, ranks=ranks,
+                             rollbacks_before=before, max_rollbacks=cfg.max_nonfinite_rollbacks)
+            decision[0] = int(roll_back)
+        dist.broadcast(decision, src=0)
+        # The pending save holds the last state that passed this check: commit it, so the rollback
+        # (or a later relaunch) starts from the newest finite state.
+        self.checkpointer.wait()
+        if decision.item():
+            raise NonFiniteState(step, message, time.time())
+        self._stop(FailureClass.NON_FINITE, step,
+                   f"{message}, after {cfg.max_nonfinite_rollbacks} rollback(s) to a verified checkpoint")
+
+    def _stop(self, failure: FailureClass, step: int, message: str) -> NoReturn:
+        """Stop every restart layer on every node: the stop marker (first rank wins; best effort,
+        as the run dir may be what failed), then ft_launcher, then this process's Wrapper."""
+        declare_stop(self.layout, failure, rank=self.env.rank, step=step, error=message[:1000])
+        self.monitor.shutdown_workload(f"{failure.value} at step {step}: {message}"[:500])
+        raise StopTraining(failure, f"at step {step}: {message}")
+
+    def _declare_user_error(self, signature: str, step: int) -> NoReturn:
+        declare_stop(self.layout, FailureClass.USER_ERROR, rank=self.env.rank, step=step, error=signature)
         self.monitor.shutdown_workload(f"user error at step {step}: {signature}")
         raise restart.UserErrorAbort(signature)
 
-    def _restart_pending(self) -> tuple[str, float] | None:
+    def _restart_pending(self, rollback: NonFiniteState | None = None) -> tuple[str, float] | None:
         """(layer, fault time) when this attempt recovers from a fault, so the first step can
         report the restart's latency; rank 0 only.
 
-        The layer: ``inprocess`` for a Wrapper iteration; ``injob`` when this launch already
-        trained (steps logged since node 0's launcher started: ft_launcher's restart counter is
-        per node, so it cannot tell); ``relaunch`` when only an earlier launch did (the control
-        plane started the job again). The fault time is the first fault logged after the last
-        completed step, else that step's end (a SIGKILL logs nothing: the latency is then over-
-        rather than under-stated).
+        The layer: ``rollback`` after non-finite state (in place: same processes, same group);
+        ``inprocess`` for a Wrapper iteration; ``injob`` when this launch already trained (steps
+        logged since node 0's launcher started: ft_launcher's restart counter is per node, so it
+        cannot tell); ``relaunch`` when only an earlier launch did (the control plane started the
+        job again). The fault time is the first fault logged after the last completed step, else
+        that step's end (a SIGKILL logs nothing: the latency is then over- rather than
+        under-stated).
         """
         if self.env.rank != 0:
             return None
+        if rollback is not None:
+            self.events.emit(Event.RESTART_BEGIN, layer="rollback", fault_ts=rollback.ts,
+                             reason=f"{rollback.message}: rolled back to the newest verified checkpoint")
+            return "rollback", rollback.ts
         records = read_events(self.layout.events)
         last_step = max((i for i, r in enumerate(records) if r.get("event") == Event.STEP.value), default=-1)
         if last_step < 0:
@@ -247,6 +525,30 @@ class Trainer:
 
     def close(self) -> None:
         self.checkpointer.close(wait=False)  # a clean run has nothing pending; a failed one has no group
+
+
+@contextlib.contextmanager
+def restore_timeout(collective_s: float, restore_s: float):
+    """Run a restore under the default group's longer ``restore_s`` timeout, then return to
+    ``collective_s``.
+
+    The short collective timeout detects a failed peer during training steps, where ranks move in
+    lockstep. In a restore they do not: each rank checksums its own share of the files, rank 0
+    alone quarantines a checkpoint that fails (moves it, writes and fsyncs records), and loads
+    read unequal amounts, so healthy ranks may reach the next collective seconds apart (minutes
+    for a large model). ``restore_s`` is the bound the run config gives a start and restore
+    (``initial_heartbeat_timeout_s``); a rank that dies meanwhile is still found by ft_launcher's
+    process monitoring."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None or restore_s <= collective_s:
+        yield
+        return
+    set_timeout(datetime.timedelta(seconds=restore_s))
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            set_timeout(datetime.timedelta(seconds=collective_s))
 
 
 def job_restart_round(local_count: int, device: torch.device) -> int:
@@ -280,10 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
     env = WorkerEnv.from_environ()
-    if cfg.layout.user_error_marker.exists():
-        print(f"error: {cfg.layout.user_error_marker} says this run has a user error; not training again. "
-              "Fix the code or config and start a new run.", file=sys.stderr)
-        return ExitCode.USER_ERROR
+    stop = read_stop(cfg.layout)
+    if stop is not None:  # a rank found a fault no restart can fix: never train past it
+        failure = FailureClass(stop["failure_class"])
+        print(f"error: {cfg.layout.stop_marker} says this run stopped with {failure.value} "
+              f"(step {stop.get('step')}: {stop.get('error')}); not training again: {WHAT_TO_DO[failure]}.",
+              file=sys.stderr)
+        return exit_code_for(failure)
     trainer = Trainer(cfg, env)
     try:
         if cfg.restart_mode in ("layered", "inprocess"):
@@ -294,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     except restart.UserErrorAbort as e:
         print(f"error: user error, not retrying: {e}", file=sys.stderr)
         return ExitCode.USER_ERROR
+    except StopTraining as e:
+        print(f"error: {e}; not retrying: {WHAT_TO_DO[e.failure]}", file=sys.stderr)
+        return exit_code_for(e.failure)
     finally:
         trainer.close()
     return ExitCode.SUCCESS
