@@ -2,8 +2,9 @@
 
     python -m training.launch --config RUN.json [--node-rank N] [--rdzv-host HOST] [--dry-run]
 
-It validates the run, builds the NVRx launcher command for this node, runs it in its own process
-session, watches it, and exits with the run contract's exit code after writing a ``final`` event:
+It validates the run, takes this node's launch lock, checks that the run dir takes writes, builds
+the NVRx launcher command for this node, runs it, watches it, and exits with the run contract's
+exit code after writing a ``final`` event:
 
   restart_mode  launcher                                   what restarts what
   layered       ft_launcher + inprocess.Wrapper in workers exceptions/hangs in-process; dead,
@@ -11,6 +12,30 @@ session, watches it, and exits with the run contract's exit code after writing a
   injob         ft_launcher                                any rank failure -> worker group respawn
   inprocess     torchrun --max-restarts 0 + Wrapper        exceptions/hangs in-process only
   none          torchrun --max-restarts 0                  nothing
+
+Exit codes (training/contract.py: ExitCode, FailureClass):
+
+  0   success             trained every step; the final checkpoint is committed
+  2   (config error)      bad config, arguments, dataset, or a run/dataset dir that is a file or
+                          sits under one: one line on stderr, nothing started, no event
+  65  non_finite          a rank declared non-finite training state (control/STOP.json)
+  73  already_running     another training.launch of this run holds this node's launch lock
+                          (control/launch-node<N>.lock): one line, no event, nothing changed
+  74  storage_error       the run dir is full or read-only: at start (one line, no event), or as
+                          the reason a launch failed (a rank's STOP.json, or a probe after it)
+  75  restarts_exhausted  ft_launcher gave up after max_restarts (or a rank failed without
+                          in-job restarts): suspect the machine
+  78  user_error          a rank declared a user error (the same error at the same step twice)
+  93  no_progress         no new committed checkpoint within stall_timeout_s, or NVRx 0.7's
+                          progress tracking stopped ft_launcher
+  1   unknown             anything else: killed from outside, or the workers never started
+                          (ft_launcher failed before any rank began training: read its log)
+
+Processes: one launch per run per node (an exclusive ``flock`` on the node's lock file, held until
+every process of the launch is gone). Between this process and ft_launcher sits a small guard
+(``supervise``): a child subreaper that outlives every rank, NVRx helper and daemon of the launch
+(they are reparented to it, whatever sessions they start), kills them all when ft_launcher exits,
+and kills them at once when this process dies, even by SIGKILL (its parent-death signal).
 
 The run config comes from --config (a JSON file), else from TRAINING_RUN_CONFIG (the JSON
 itself: how an EKS pod gets it, with no file to ship).
@@ -27,7 +52,10 @@ expensive work starts.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import errno
+import fcntl
 import importlib.util
 import json
 import os
@@ -38,6 +66,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from training.contract import (
     CheckpointCatalog,
@@ -47,16 +76,24 @@ from training.contract import (
     ExitCode,
     FailureClass,
     RunConfig,
+    RunDir,
     atomic_write_text,
     exit_code_for,
+    probe_writable,
     read_dataset_index,
+    read_events,
+    read_stop,
 )
-from training.faults import LAUNCH_PID_ENV
+from training.faults import LAUNCH_PID_ENV, NODE_RANK_ENV, descendants
 
-#: A node's launcher waits this long after the user-error marker appears for ft_launcher to stop
-#: by itself (the failing rank asked it to) before stopping it.
-USER_ERROR_GRACE_S = 20.0
+#: A node's launcher waits this long after a rank declared a stop (control/STOP.json) for
+#: ft_launcher to stop by itself (the failing rank asked it to) before stopping it.
+STOP_GRACE_S = 20.0
 POLL_S = 1.0
+#: How long ft_launcher gets to stop its workers after SIGTERM, and the guard to end its process
+#: tree after being told to, before the next, harder step.
+TERMINATE_GRACE_S = 15.0
+KILL_GRACE_S = 10.0
 
 
 #: The run config's JSON, when no --config file is given (a Kubernetes pod's env).
@@ -191,28 +228,281 @@ def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: P
     return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", *rdzv, *worker]
 
 
-def classify(cfg: RunConfig, rc: int, stalled: bool) -> tuple[FailureClass, str]:
-    """What the launcher's exit means, in the run contract's terms."""
+# --------------------------------------------------------------------------------------------
+# Process lifetime: nothing of a launch outlives it (Linux prctl)
+# --------------------------------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+#: The guard's parent-death signal, and training.launch's "end everything now" to the guard.
+END_NOW_SIGNAL = signal.SIGUSR1
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def _prctl(option: int, value: int) -> None:
+    if _libc().prctl(option, value, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl({option}, {value}): {os.strerror(err)}")
+
+
+def become_subreaper() -> None:
+    """Orphans below this process (a rank whose ft_launcher died, a daemon that double-forked into
+    a session of its own) are reparented to it, not to init, so it can find and end them."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def parent_death_signal(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when this process dies (even by SIGKILL). If this
+    process is already gone by the time the child sets it, the child exits at once."""
+    parent = os.getpid()
+    _libc()  # loaded here, not in the forked child
+
+    def preexec() -> None:
+        _prctl(PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:
+            os._exit(128 + int(sig))
+
+    return preexec
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
+
+
+def _reap_exited() -> None:
+    """Collect every exited child (adopted orphans included), so none stays a zombie. Only call
+    it where no child's exit status still matters to anyone (``subprocess`` would lose it)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def end_process_tree(timeout_s: float = KILL_GRACE_S) -> list[int]:
+    """SIGKILL every process below this one until none is left (ranks and NVRx daemons may have
+    started sessions of their own: found by parentage, not by process group), reaping them.
+    Returns those still there after ``timeout_s`` (stuck in the kernel, e.g. on a hung mount)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = descendants(os.getpid())
+        for pid in left:
+            if not _is_zombie(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        _reap_exited()
+        if not left:
+            return []
+        if time.monotonic() > deadline:
+            return [p for p in left if not _is_zombie(p)]
+        time.sleep(0.05)
+
+
+def supervise(lock_fd: int, command: list[str]) -> int:
+    """The guard: training.launch's child, the parent of ft_launcher (or torchrun).
+
+    It is a subreaper, so every process of the launch stays below it whatever sessions they
+    start. It ignores the SIGTERM that training.launch sends to the process group to stop
+    ft_launcher gracefully, and outlives ft_launcher: then it ends what is left and exits with
+    ft_launcher's status. On ``END_NOW_SIGNAL`` (its parent-death signal: training.launch died;
+    or training.launch's hard stop) it kills the whole tree at once. It holds the launch lock
+    (inherited from training.launch), so the lock is free only when the launch's processes are
+    gone; ft_launcher does not inherit it."""
+    if lock_fd >= 0:
+        os.set_inheritable(lock_fd, False)
+    become_subreaper()
+
+    def end_now(signum, _frame) -> None:
+        end_process_tree()
+        os._exit(128 + signum)
+
+    signal.signal(END_NOW_SIGNAL, end_now)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # A handler, not SIG_IGN: an ignored signal would stay ignored in ft_launcher after exec.
+        signal.signal(sig, lambda *_: None)
+    try:
+        child = subprocess.Popen(command, preexec_fn=parent_death_signal(signal.SIGKILL))
+    except OSError as e:
+        print(f"error: cannot start {command[0]}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return 127
+    while True:  # wait for ft_launcher, reaping adopted orphans meanwhile
+        pid, status = os.waitpid(-1, 0)
+        if pid == child.pid:
+            break
+    child.returncode = os.waitstatus_to_exitcode(status)  # so Popen.__del__ does not wait on it
+    left = end_process_tree()
+    if left:
+        print(f"[launch] processes that would not die: {left}", file=sys.stderr, flush=True)
+    if child.returncode < 0:  # pass a death by signal on as one
+        sig = -child.returncode
+        if sig != signal.SIGKILL:
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        return 128 + sig  # a signal whose default is to be ignored
+    return child.returncode
+
+
+def guard_command(lock_fd: int, command: list[str]) -> list[str]:
+    return [sys.executable, "-c", "import sys; from training.launch import supervise; "
+            "sys.exit(supervise(int(sys.argv[1]), sys.argv[2:]))", str(lock_fd), *command]
+
+
+# --------------------------------------------------------------------------------------------
+# One launch per run per node
+# --------------------------------------------------------------------------------------------
+
+
+class AlreadyRunning(Exception):
+    """Another training.launch of this run and node holds the launch lock."""
+
+
+class StorageError(Exception):
+    """The run dir cannot take writes."""
+
+
+def take_launch_lock(layout: RunDir, node_rank: int) -> int | None:
+    """Hold this node's launch lock (an exclusive ``flock``) for the life of the launch; returns
+    its descriptor (close-on-exec: no rank or NVRx helper ever holds it), or None where the file
+    system has no ``flock`` (a warning says a second launcher then goes undetected). Records who
+    holds it in the file. Raises ``AlreadyRunning`` at once if another launcher holds it."""
+    path = layout.launch_lock(node_rank)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise StorageError(f"the run dir cannot take writes: cannot open the launch lock {path}: "
+                           f"{e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except (OSError, ValueError):
+            holder = {}
+        os.close(fd)
+        who = (f"training.launch pid {holder.get('pid')} on {holder.get('host')}" if holder.get("pid")
+               else "another training.launch (pid not recorded yet)")
+        raise AlreadyRunning(f"node {node_rank} of this run is already being launched: {path} is held by {who}. "
+                             "Not starting a second launcher; stop that one, or let it finish") from None
+    except OSError as e:  # e.g. a Lustre client mounted with noflock
+        print(f"warning: cannot lock {path} ({e.strerror or e}): a second launcher of this node would go "
+              "undetected", file=sys.stderr, flush=True)
+        os.close(fd)
+        return None
+    try:  # who holds it, for the refusal message; best effort (a full disk may refuse even this)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(), 0)
+    except OSError:
+        pass
+    return fd
+
+
+def create_run_dir(layout: RunDir) -> None:
+    """The run dir's folders. A path that cannot be a folder (a part of it is a file or a broken
+    link) is a config error; anything else that refuses the writes is storage."""
+    try:
+        layout.create()
+    except OSError as e:
+        where = Path(e.filename or layout.root)
+        if e.errno in (errno.ENOTDIR, errno.EEXIST):
+            what = "is a link to nothing" if where.is_symlink() and not where.exists() else "is not a folder"
+            raise ConfigError(f"run_dir={layout.root} cannot be created: {where} {what}; choose a folder path") from None
+        if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
+            raise ConfigError(f"run_dir={layout.root} cannot be created: {e.strerror}; choose a folder path") from None
+        raise StorageError(f"the run dir {layout.root} cannot be created: {e.strerror or e} (errno {e.errno})") from None
+
+
+def storage_problem(layout: RunDir) -> str | None:
+    """Why the run dir cannot take a write now (full, read-only, no permission), or None."""
+    return probe_writable(layout.checkpoints)
+
+
+STORAGE_ADVICE = "free space or fix the mount, then launch again"
+
+
+# --------------------------------------------------------------------------------------------
+# What a launch's end means
+# --------------------------------------------------------------------------------------------
+
+
+def stop_record(layout: RunDir) -> dict | None:
+    """The stop a rank declared (control/STOP.json), or None. A marker left empty or torn on a full
+    disk (its file created, its content refused) is the storage fault it stands for."""
+    stop = read_stop(layout)
+    if stop is not None and "ts" not in stop:  # unreadable: declare_stop always records ts
+        problem = storage_problem(layout)
+        if problem:
+            return {"failure_class": FailureClass.STORAGE_ERROR.value, "error": problem}
+    return stop
+
+
+def describe_stop(stop: dict) -> tuple[FailureClass, str]:
+    failure = FailureClass(stop["failure_class"])
+    what = failure.value.replace("_", " ")
+    where = f" at step {stop['step']}" if stop.get("step") is not None else ""
+    why = next((str(stop[k]) for k in ("error", "reason", "message") if stop.get(k)), "no details recorded")
+    advice = f"; {STORAGE_ADVICE}" if failure is FailureClass.STORAGE_ERROR else ""
+    return failure, f"{what}{where}: {why}{advice}"
+
+
+def classify(cfg: RunConfig, rc: int, stalled: bool, workers_started: bool = True,
+             log_hint: str = "this node's launcher log") -> tuple[FailureClass, str]:
+    """What the launcher's exit means, in the run contract's terms. ``workers_started``: whether
+    any rank of this launch began training (a ``train_begin`` after its ``launch_begin``)."""
     layout = cfg.layout
-    if layout.user_error_marker.exists():
-        info = json.loads(layout.user_error_marker.read_text() or "{}")
-        return FailureClass.USER_ERROR, f"user error at step {info.get('step')}: {info.get('error')}"
+    stop = stop_record(layout)
+    if stop is not None:
+        return describe_stop(stop)
+    latest = CheckpointCatalog(layout).latest()
+    if rc == 0 and not stalled and latest is not None and latest.step >= cfg.steps:
+        return FailureClass.SUCCESS, f"trained {cfg.steps} steps; final checkpoint {latest.checkpoint_id}"
+    problem = storage_problem(layout)
+    if problem:
+        return FailureClass.STORAGE_ERROR, f"{problem}; {STORAGE_ADVICE}"
     if stalled:
         return FailureClass.NO_PROGRESS, f"no new committed checkpoint for {cfg.stall_timeout_s:.0f}s"
     if rc == ExitCode.NO_PROGRESS:
-        latest = CheckpointCatalog(layout).latest()
         return FailureClass.NO_PROGRESS, ("ft_launcher stopped restarting: its last restart cycles committed no "
                                           f"checkpoint past step {latest.step if latest else 0}")
-    latest = CheckpointCatalog(layout).latest()
     if rc == 0:
-        if latest is not None and latest.step >= cfg.steps:
-            return FailureClass.SUCCESS, f"trained {cfg.steps} steps; final checkpoint {latest.checkpoint_id}"
         return FailureClass.UNKNOWN, "the launcher exited 0 before the final checkpoint was committed"
     if rc < 0:
         return FailureClass.UNKNOWN, f"the launcher was killed by signal {-rc}"
+    launcher = "ft_launcher" if cfg.restart_mode in ("layered", "injob") else "torchrun"
+    if not workers_started:
+        return FailureClass.UNKNOWN, (f"the workers never started: {launcher} exited {rc} before any rank began "
+                                      f"training (nothing was restarted); read {log_hint}")
     if cfg.restart_mode in ("layered", "injob"):
         return FailureClass.RESTARTS_EXHAUSTED, f"ft_launcher gave up after max_restarts={cfg.max_restarts} (exit {rc})"
     return FailureClass.RESTARTS_EXHAUSTED, f"a rank failed and restart_mode={cfg.restart_mode} has no in-job restarts (exit {rc})"
+
+
+def launcher_log_hint() -> str:
+    """Where this process's output goes, for messages that send the reader there: the file our
+    stdout is (the local backend's logs/<job>-node<N>.log), else the pod's log."""
+    try:
+        target = os.readlink("/proc/self/fd/1")
+        if target.startswith("/") and Path(target).is_file():
+            return target
+    except OSError:
+        pass
+    return "this node's launcher output (on EKS: kubectl logs of the node's pod)"
 
 
 class NodeLauncher:
@@ -228,6 +518,8 @@ class NodeLauncher:
                                launch_id=self.launch_id, role="launcher")
         self.proc: subprocess.Popen | None = None
         self.terminated_by: int | None = None
+        self.began: dict | None = None  # this launch's launch_begin record
+        self.lock_fd: int | None = None
 
     def prepare(self) -> list[str]:
         self.layout.create()
@@ -249,33 +541,39 @@ class NodeLauncher:
         return build_command(self.cfg, self.node_rank, self.rdzv_host, ft_cfg, self.layout.logs)
 
     def _forward_signal(self, signum, _frame) -> None:
-        # Kubernetes deletes a pod with SIGTERM: pass it on to the whole session, then exit.
+        # Kubernetes deletes a pod with SIGTERM: pass it on to ft_launcher's process group, then exit.
         self.terminated_by = signum
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
     def run(self, command: list[str]) -> int:
         cfg = self.cfg
-        self.events.emit(Event.LAUNCH_BEGIN, nodes=cfg.nodes, procs_per_node=cfg.procs_per_node,
-                         restart_mode=cfg.restart_mode, rdzv_host=self.rdzv_host,
-                         command=shlex.join(command))
+        self.began = self.events.emit(Event.LAUNCH_BEGIN, nodes=cfg.nodes, procs_per_node=cfg.procs_per_node,
+                                      restart_mode=cfg.restart_mode, rdzv_host=self.rdzv_host,
+                                      command=shlex.join(command))
         env = dict(os.environ)
         env[LAUNCH_PID_ENV] = str(os.getpid())
+        env[NODE_RANK_ENV] = str(self.node_rank)
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.cfg.nodes > 1 and self.rdzv_host in ("127.0.0.1", "localhost", "::1"):
             # Several "nodes" on one host (the local backend): NVRx 0.7's rendezvous otherwise
             # refuses the second launcher as a duplicate participant.
             env.setdefault("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1")
-        # The worker imports the ``training`` package from wherever this one came from.
+        # The worker (and the guard) import the ``training`` package from wherever this one came from.
         pkg_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
         signal.signal(signal.SIGTERM, self._forward_signal)
         signal.signal(signal.SIGINT, self._forward_signal)
-        # Own session: ft_launcher, its workers and NVRx's checkpoint/monitor helpers share one
-        # process group, so nothing is orphaned when we clean up.
-        self.proc = subprocess.Popen(command, env=env, start_new_session=True)
+        # If the guard is killed, what it leaves comes back here to be ended (_reap).
+        become_subreaper()
+        # The guard gets its own session (ft_launcher shares it, so a group SIGTERM stops it
+        # gracefully) and the parent-death signal: if this process dies, the launch dies with it.
+        lock = () if self.lock_fd is None else (self.lock_fd,)
+        self.proc = subprocess.Popen(guard_command(lock[0] if lock else -1, command), env=env,
+                                     start_new_session=True, pass_fds=lock,
+                                     preexec_fn=parent_death_signal(END_NOW_SIGNAL))
         stalled = False
-        user_error_seen: float | None = None
+        stop_seen: float | None = None
         catalog = CheckpointCatalog(self.layout)
         last_progress = time.time()
         last_step = -1
@@ -287,36 +585,59 @@ class NodeLauncher:
             if time.time() - last_progress > cfg.stall_timeout_s:
                 stalled = True
                 self._stop("no progress")
-            if self.layout.user_error_marker.exists():
-                user_error_seen = user_error_seen or time.time()
-                if time.time() - user_error_seen > USER_ERROR_GRACE_S:
-                    self._stop("user error")
+            if self.layout.stop_marker.exists():
+                stop_seen = stop_seen or time.time()
+                if time.time() - stop_seen > STOP_GRACE_S:
+                    self._stop(f"a rank declared {(stop_record(self.layout) or {}).get('failure_class')}")
         rc = self.proc.returncode
         self._reap()
         return self.finish(rc, stalled)
 
     def _stop(self, why: str) -> None:
+        """SIGTERM to ft_launcher's group (it stops its workers), then the guard ends the tree,
+        then SIGKILL to the group; each step only if the one before did not end it in time."""
         print(f"[launch] stopping the launcher: {why}", flush=True)
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for send, grace in ((lambda: os.killpg(self.proc.pid, signal.SIGTERM), TERMINATE_GRACE_S),
+                            (lambda: os.kill(self.proc.pid, END_NOW_SIGNAL), KILL_GRACE_S),
+                            (lambda: os.killpg(self.proc.pid, signal.SIGKILL), KILL_GRACE_S)):
+            try:
+                send()
+                self.proc.wait(timeout=grace)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                return
 
     def _reap(self) -> None:
-        """Kill whatever the launcher left behind in its session (NVRx helpers can outlive it)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """End whatever the launch left behind: nothing, unless the guard itself was killed (its
+        orphans then came here). Only once the guard is reaped: this reaps every child."""
+        left = end_process_tree()
+        if left:
+            print(f"[launch] processes of this launch that would not die: {left}", file=sys.stderr, flush=True)
+
+    def workers_started(self) -> bool:
+        """Whether any rank of this launch began training: a ``train_begin`` of this launch id
+        after this launcher's ``launch_begin`` (one launcher per node: the lock)."""
+        if self.began is None:
+            return False
+        return any(r.get("ts", 0) >= self.began["ts"] and r.get("launch_id", "") == self.launch_id
+                   for r in read_events(self.layout.events, Event.TRAIN_BEGIN))
 
     def finish(self, rc: int, stalled: bool) -> int:
         if self.terminated_by is not None:
             failure, message = FailureClass.UNKNOWN, f"terminated by signal {self.terminated_by} (pod deleted?)"
         else:
-            failure, message = classify(self.cfg, rc, stalled)
+            failure, message = classify(self.cfg, rc, stalled, self.workers_started(), launcher_log_hint())
+        return self._final(failure, message, rc)
+
+    def finish_stopped(self, stop: dict) -> int:
+        """The run already has a stop (a user error, non-finite state) that no relaunch fixes."""
+        failure, message = describe_stop(stop)
+        return self._final(failure, f"not launching again: {message} (control/STOP.json); fix it and start "
+                                     "a new run", None)
+
+    def _final(self, failure: FailureClass, message: str, rc: int | None) -> int:
         code = exit_code_for(failure)
         latest = CheckpointCatalog(self.layout).latest()
         self.events.emit(Event.FINAL, failure_class=failure.value, exit_code=int(code),
@@ -325,6 +646,21 @@ class NodeLauncher:
                          host=socket.gethostname())
         print(f"[launch] node {self.node_rank}: {failure.value} (exit {int(code)}): {message}", flush=True)
         return int(code)
+
+
+def clear_storage_stop(layout: RunDir) -> bool:
+    """A storage stop from an earlier launch no longer holds once the run dir takes writes again
+    (space was freed, the mount fixed): move the marker aside (kept for the record) and go on."""
+    stop = read_stop(layout)
+    if stop is None or stop.get("failure_class") != FailureClass.STORAGE_ERROR.value:
+        return False
+    try:
+        os.rename(layout.stop_marker, layout.control / f"STOP.cleared.{int(time.time() * 1000)}.json")
+    except FileNotFoundError:
+        pass  # another node's launcher cleared it
+    print(f"[launch] {layout.stop_marker} recorded a storage error; the run dir takes writes again: cleared",
+          flush=True)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,16 +683,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
     launcher = NodeLauncher(cfg, node_rank, rdzv_host)
+    layout = cfg.layout
     try:
+        create_run_dir(layout)
+        if not args.dry_run:
+            # Before anything else touches the run: a second launcher of this node stops here,
+            # having written nothing (no event: the run's status is the first one's).
+            launcher.lock_fd = take_launch_lock(layout, node_rank)
+            problem = storage_problem(layout)
+            if problem:
+                raise StorageError(f"the run dir cannot take writes: {problem}")
+            stop = None if clear_storage_stop(layout) else stop_record(layout)
+            if stop is not None:
+                return launcher.finish_stopped(stop)
         command = launcher.prepare()
+    except AlreadyRunning as e:
+        print(f"error: {e}", file=sys.stderr)
+        return int(ExitCode.ALREADY_RUNNING)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return int(ExitCode.CONFIG_ERROR)
+    except StorageError as e:
+        print(f"error: {e}; {STORAGE_ADVICE}", file=sys.stderr)
+        return int(ExitCode.STORAGE_ERROR)
+    except OSError as e:  # a write of prepare() refused after the probe passed
+        print(f"error: the run dir cannot take writes: {e.filename or layout.root}: {e.strerror or e}; "
+              f"{STORAGE_ADVICE}", file=sys.stderr)
+        return int(ExitCode.STORAGE_ERROR)
     if args.dry_run:
         print(shlex.join(command))
         return 0
-    if cfg.layout.user_error_marker.exists():
-        return launcher.finish(rc=1, stalled=False)
     return launcher.run(command)
 
 
