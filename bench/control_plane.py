@@ -138,7 +138,7 @@ def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, 
     succeeded) and time until the trigger fires: how long a commit waits to be seen."""
     from fsdp_resilience.backends import JobHandle, register_backend
     from fsdp_resilience.triggers import TrainingProgressTrigger
-    from training.contract import CheckpointCatalog, RunDir
+    from training.contract import CheckpointCatalog, RunDir, write_rank_sums
 
     register_backend(RunDirJob.name, RunDirJob)
     rng = random.Random(seed)
@@ -164,9 +164,14 @@ def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, 
             await asyncio.sleep(poll_s * rng.uniform(0.02, 1.0))  # at a random phase of the poll loop
 
             def commit() -> float:
+                # What the ranks leave before rank 0 commits: their shards with checksum records
+                # (commit() refuses a checkpoint without them) and DCP's .metadata.
                 path = layout.checkpoint_dir(final)
                 path.mkdir(parents=True)
-                (path / ".metadata").write_bytes(b"bench")  # commit() checks that DCP wrote it
+                for rank in range(2):
+                    (path / f"__{rank}_0.distcp").write_bytes(b"bench")
+                    write_rank_sums(path, rank, [f"__{rank}_0.distcp"])
+                (path / ".metadata").write_bytes(b"bench")
                 committed_at = CheckpointCatalog(layout).commit(final, world_size=2).committed_at
                 (root / "state").write_text("succeeded")  # the job ends after its last commit
                 return committed_at

@@ -4,12 +4,19 @@ validate_config -> stage_data -> launch_training -> watch_checkpoints
     -> escalation_1 (decide -> diagnose_and_replace -> wait_for_capacity -> relaunch -> watch) -> ... x3
     -> resolve_outcome -> evaluate -> build_report -> plan_export -> export_to_s3 -> publish
 
-On EKS, export_to_s3 copies the run dir (checkpoints, evaluation, report) from FSx for Lustre to its
-S3 data repository with an export task (deferrable); elsewhere plan_export says why it is skipped.
+evaluate, export_to_s3 and publish trust only a checkpoint that verifies: the newest committed one
+whose files match the sizes and checksums of its commit marker. Newer ones that fail are skipped
+(quarantined on the local backend), and the tasks' results say which and why.
+
+On EKS, export_to_s3 copies the run's records (config, events, evaluation, report, logs) and the
+verified checkpoint from FSx for Lustre to its S3 data repository with an export task (deferrable);
+elsewhere plan_export says why it is skipped.
 
 Each escalation rung runs only when the launch before it failed with a retryable class and the
 run's max_node_replacements allows it; otherwise its tasks show as skipped, with the reason in the
-log. The heavy lifting lives in plugins/fsdp_resilience (no torch is imported here).
+log. user_error, storage_error, non_finite and already_running never climb: resolve_outcome fails
+the run with what to do. The heavy lifting lives in plugins/fsdp_resilience (no torch is imported
+here).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from fsdp_resilience.backends import BackendError
 from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
 from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
 from fsdp_resilience.sensors import CheckpointProgressSensor, NodeCapacitySensor
+from fsdp_resilience.trusted_checkpoint import NoTrustedCheckpoint
 from training.contract import MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
 
 
@@ -134,18 +142,16 @@ def fsdp_training():
         outcome = ladder.latest_outcome(outcomes)
         if outcome["outcome"] != "success":
             ladder.stop_launch(run, outcome)  # a stalled launch is still running: free its nodes
-            launches = ladder.next_launch_no(outcome)
-            raise AirflowFailException(
-                f"training failed: {outcome['failure_class']}: {outcome['message']} "
-                f"(after {launches} launch(es), max_node_replacements={run['max_node_replacements']})")
+            raise AirflowFailException(ladder.failure_message(run, outcome))
         return outcome
 
     @task
     def evaluate(run: dict, outcome: dict) -> dict:
-        # In the training environment (torch), where the run trained: this process never imports it.
+        # The newest checkpoint that verifies, evaluated in the training environment (torch), where
+        # the run trained: this process never imports it.
         try:
             return ladder.evaluate(run)
-        except BackendError as e:
+        except (BackendError, NoTrustedCheckpoint, ladder.EscalationError) as e:
             raise AirflowFailException(str(e)) from None
 
     @task
@@ -157,34 +163,48 @@ def fsdp_training():
         return paths.to_dict()
 
     @task.branch
-    def plan_export(run: dict, report: dict) -> str:
-        plan, why = ladder.export_plan(run)
+    def plan_export(run: dict, evaluation: dict, report: dict) -> str:
+        try:
+            plan, why = ladder.export_plan(run, evaluation)
+        except ladder.EscalationError as e:
+            raise AirflowFailException(str(e)) from None
         print(why)
-        get_current_context()["ti"].xcom_push(key="plan", value=plan)
+        ti = get_current_context()["ti"]
+        ti.xcom_push(key="plan", value=plan)
+        ti.xcom_push(key="paths", value=plan["paths"] if plan else [])
         return "export_to_s3" if plan else "publish"
 
-    _plan = "ti.xcom_pull(task_ids='plan_export', key='plan')"
-    export_to_s3 = FsxDataRepositoryTaskOperator(
-        task_id="export_to_s3", kind="export", file_system_id=f"{{{{ {_plan}['file_system_id'] }}}}",
-        paths=[f"{{{{ {_plan}['path'] }}}}"], aws_conn_id=f"{{{{ {_plan}['aws_conn_id'] }}}}")
-
     @task(outlets=[MODEL_CHECKPOINT, MODEL_EVALUATION], trigger_rule="none_failed_min_one_success")
-    def publish(run: dict, outcome: dict, evaluation: dict, report: dict) -> dict:
+    def publish(run: dict, evaluation: dict, report: dict) -> dict:
+        # The newest checkpoint that verifies now, whatever was true when the run ended.
+        try:
+            published = ladder.publish(run, evaluation)
+        except (NoTrustedCheckpoint, ladder.EscalationError) as e:
+            raise AirflowFailException(str(e)) from None
+        for skip in published["skipped"]:
+            print(f"not published: {skip['checkpoint_id']}: {skip['reason']}")
+        print(f"publishing {published['checkpoint']} ({published['verified']} verified)"
+              + (f"; {published['note']}" if published.get("note") else ""))
         outlet_events = get_current_context()["outlet_events"]
-        checkpoint = f"{run['config']['run_dir']}/checkpoints/{outcome['checkpoint_id']}"
-        outlet_events[MODEL_CHECKPOINT].extra = {"run_id": run["config"]["run_id"], "path": checkpoint,
-                                                 "step": outcome["step"]}
-        outlet_events[MODEL_EVALUATION].extra = {"run_id": run["config"]["run_id"], **evaluation,
+        outlet_events[MODEL_CHECKPOINT].extra = {
+            "run_id": published["run_id"], "path": published["checkpoint"], "step": published["step"],
+            "checkpoint_id": published["checkpoint_id"], "verified": published["verified"],
+            "skipped": [{k: s[k] for k in ("checkpoint_id", "reason")} for s in published["skipped"]]}
+        outlet_events[MODEL_EVALUATION].extra = {"run_id": published["run_id"], **evaluation,
                                                  "report": report.get("markdown")}
-        return {"checkpoint": checkpoint, "evaluation": evaluation, "report": report}
+        return {**published, "evaluation": evaluation, "report": report}
 
     outcome = resolve_outcome(run)
     previous >> outcome
     evaluation = evaluate(run, outcome)
     report = build_report(run, evaluation)
-    exported = plan_export(run, report)
+    exported = plan_export(run, evaluation, report)
+    _plan = "ti.xcom_pull(task_ids='plan_export', key='plan')"
+    export_to_s3 = FsxDataRepositoryTaskOperator(
+        task_id="export_to_s3", kind="export", file_system_id=f"{{{{ {_plan}['file_system_id'] }}}}",
+        paths=exported["paths"], aws_conn_id=f"{{{{ {_plan}['aws_conn_id'] }}}}")
     exported >> export_to_s3
-    [exported, export_to_s3] >> publish(run, outcome, evaluation, report)
+    [exported, export_to_s3] >> publish(run, evaluation, report)
 
 
 fsdp_training()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
@@ -213,8 +213,9 @@ class S3CheckpointProgress:
                                f"connection {self.aws_conn_id!r}: {e}; check the bucket, the export of the run dir "
                                "and s3:ListBucket / s3:GetObject permissions", retryable=True)
 
-    def latest(self) -> S3CheckpointInfo | None:
-        """The newest committed checkpoint in S3, or None."""
+    def committed(self) -> Iterator[tuple[S3CheckpointInfo, dict[str, Any]]]:
+        """The committed checkpoints in S3 with their commit markers, newest first (lazily: each
+        next one costs a GET of its marker)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         hook = self._s3()
@@ -231,9 +232,28 @@ class S3CheckpointProgress:
         for step, prefix in sorted(candidates, reverse=True):
             marker = self._read_marker(client, prefix + COMMIT_MARKER)
             if marker is not None:
-                return S3CheckpointInfo(step, f"s3://{self.bucket}/{prefix.rstrip('/')}", True,
-                                        marker.get("world_size"), marker.get("committed_at"))
-        return None
+                yield S3CheckpointInfo(step, f"s3://{self.bucket}/{prefix.rstrip('/')}", True,
+                                       marker.get("world_size"), marker.get("committed_at")), marker
+
+    def latest(self) -> S3CheckpointInfo | None:
+        """The newest committed checkpoint in S3, or None."""
+        return next((info for info, _ in self.committed()), None)
+
+    def object_sizes(self, checkpoint: S3CheckpointInfo) -> dict[str, int]:
+        """Every object under a checkpoint's prefix: its name relative to the checkpoint (as the
+        commit marker lists files) -> its size in bytes."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        prefix = checkpoint.uri[len(f"s3://{self.bucket}/"):] + "/"
+        sizes: dict[str, int] = {}
+        try:
+            for page in self._s3().get_conn().get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                                         Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    sizes[obj["Key"][len(prefix):]] = int(obj["Size"])
+        except (ClientError, BotoCoreError) as e:
+            raise self._error(e) from None
+        return sizes
 
 
 def latest_committed_in_s3(s3_uri: str, aws_conn_id: str | None = "aws_default",

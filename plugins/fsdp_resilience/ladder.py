@@ -5,8 +5,12 @@ need no Airflow and are tested on their own.
 The ladder: in-process and in-job restarts happen inside the job. When a launch ends with a
 retryable failure (restarts exhausted, a lost node, no progress), the control plane diagnoses
 which node(s) failed, has the backend replace them, waits for capacity, and relaunches from the
-newest committed checkpoint — at most ``max_node_replacements`` times. A user error never
-replaces a node.
+newest committed checkpoint — at most ``max_node_replacements`` times. A user error, a full or
+read-only run dir, training state that keeps turning NaN/inf, or a run another launcher is
+already training never replaces a node and is never relaunched: the failure message says what to do.
+
+After a successful run the control plane evaluates, exports and publishes only a checkpoint that
+verifies (``trusted_checkpoint``): the newest committed one whose files match their checksums.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any
 from training.contract import Event, EventLog, FailureClass, RunConfig
 
 from fsdp_resilience import settings
-from fsdp_resilience.backends import JobHandle, get_backend
+from fsdp_resilience.backends import JobHandle, get_backend, what_to_do
+from fsdp_resilience.trusted_checkpoint import CheckpointChoice, choose_checkpoint
 
 #: The graph holds this many escalation rungs; the max_node_replacements param picks how many run.
 MAX_RUNGS = 3
@@ -100,14 +105,26 @@ def should_escalate(outcome: dict[str, Any], rung: int, max_replacements: int) -
     if outcome["outcome"] == "success":
         return False, "the launch succeeded"
     if failure not in (FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value):
-        return False, f"failure class {failure} is not retried: a user error never replaces a node"
+        return False, f"failure class {failure} is never retried and replaces no node: {what_to_do(failure)}"
     if rung > max_replacements:
         return False, f"max_node_replacements={max_replacements} spent"
     return True, f"{failure}: {outcome['message']}"
 
 
+def failure_message(run: dict[str, Any], outcome: dict[str, Any]) -> str:
+    """Why the run failed, for the DAG's error: the class and message of the last launch, and
+    what to do about a class the ladder never retries."""
+    failure = outcome.get("failure_class")
+    text = (f"training failed: {failure}: {outcome['message']} (after {next_launch_no(outcome)} launch(es), "
+            f"max_node_replacements={run['max_node_replacements']})")
+    if failure not in (FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value):
+        text += f". What to do: {what_to_do(failure)}"
+    return text
+
+
 def stop_launch(run: dict[str, Any], outcome: dict[str, Any]) -> None:
-    """Stop whatever is left of the launch ``outcome`` watched (a no-op for a finished one)."""
+    """Stop whatever is left of the launch ``outcome`` watched (a no-op for a finished one). Only
+    that launch's own processes or pods: never another launcher of the run (``already_running``)."""
     get_backend(**run["backend"]).cancel(JobHandle.from_dict(outcome["handle"]))
 
 
@@ -132,24 +149,73 @@ def diagnose_and_replace(run: dict[str, Any], outcome: dict[str, Any], rung: int
             "replaced": replacement.replaced, "evidence": diagnosis.evidence}
 
 
+def trusted_checkpoint(run: dict[str, Any], task: str) -> CheckpointChoice:
+    """The newest committed checkpoint of the run that verifies (raises
+    ``trusted_checkpoint.NoTrustedCheckpoint``), checked where its bytes are: the run dir when it
+    is readable here (full checksums), else its S3 export (marker and sizes). Checkpoints that fail
+    are quarantined only on the local backend, whose run dir is the trainers' own disk."""
+    cfg = RunConfig.from_dict(run["config"])
+    readable = Path(cfg.run_dir).is_dir()
+    try:
+        s3_uri = None if readable else settings.checkpoints_s3_uri(cfg.run_dir)
+    except ValueError as e:
+        raise EscalationError(str(e)) from None
+    return choose_checkpoint(cfg.run_dir, run_id=cfg.run_id, task=task,
+                             quarantine=readable and run["backend"]["name"] == "local",
+                             s3_uri=s3_uri, aws_conn_id=settings.aws_conn_id())
+
+
 def evaluate(run: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate the newest committed checkpoint where the run trained (a local process, a pod)."""
-    return get_backend(**run["backend"]).run_evaluation(RunConfig.from_dict(run["config"]))
+    """Evaluate the newest committed checkpoint that verifies, where the run trained (a local
+    process, a pod). The result says which checkpoint, and which newer ones were skipped and why
+    (``checkpoint_check``)."""
+    choice = trusted_checkpoint(run, task="evaluate")
+    print(f"evaluating {choice.summary()}")
+    result = get_backend(**run["backend"]).run_evaluation(RunConfig.from_dict(run["config"]),
+                                                          checkpoint_id=choice.checkpoint_id)
+    return {**result, "checkpoint_check": choice.to_dict()}
 
 
-def export_plan(run: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """What to export to S3 after a run (its run dir: checkpoints, evaluation, report) and why
-    (not): an FSx export task on EKS when FSDP_FSX_FILE_SYSTEM_ID is set; nothing otherwise."""
+def export_plan(run: dict[str, Any], evaluation: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """What to export to S3 after a run, and why (not): on EKS with FSDP_FSX_FILE_SYSTEM_ID set,
+    an FSx export task of the run's records (config, events, evaluation, report, logs) and of the
+    one checkpoint evaluate verified and evaluated — never the others, which may be damaged (a
+    copy in S3 with its commit marker would look committed there). Nothing on other backends."""
     if run["backend"]["name"] != "eks":
         return None, f"the {run['backend']['name']} backend's run dir is a local folder: nothing to export"
     file_system = os.environ.get("FSDP_FSX_FILE_SYSTEM_ID", "").strip()
     if not file_system:
         return None, "FSDP_FSX_FILE_SYSTEM_ID is not set: the run dir stays on FSx only (set it to export to S3)"
+    checkpoint_id = evaluation.get("checkpoint_id")
+    if not checkpoint_id:
+        raise EscalationError(f"the evaluation names no checkpoint ({evaluation}): nothing verified to export")
     run_dir = Path(run["config"]["run_dir"])
     try:
-        fs_path = "/" + run_dir.relative_to(settings.fsx_mount_path()).as_posix() + "/"
+        fs_path = "/" + run_dir.relative_to(settings.fsx_mount_path()).as_posix()
     except ValueError:
         raise EscalationError(f"run dir {run_dir} is not under the FSx mount {settings.fsx_mount_path()} "
                               "(FSDP_FSX_MOUNT_PATH): cannot export it") from None
-    return {"file_system_id": file_system, "path": fs_path, "aws_conn_id": settings.aws_conn_id()}, \
-        f"export {fs_path} of {file_system} to its S3 data repository"
+    # The records there now (a path that does not exist would fail the task); without the mount
+    # they cannot be listed, and only the checkpoint goes.
+    records = sorted(p.name for p in run_dir.iterdir() if p.name != "checkpoints" and not p.name.startswith(".")) \
+        if run_dir.is_dir() else []
+    paths = [f"{fs_path}/{name}" for name in records] + [f"{fs_path}/checkpoints/{checkpoint_id}"]
+    what = ", ".join(records) or "no records (the run dir is not mounted here)"
+    return {"file_system_id": file_system, "paths": paths, "aws_conn_id": settings.aws_conn_id()}, \
+        (f"export {fs_path} of {file_system} to its S3 data repository: {what} and checkpoints/{checkpoint_id} "
+         "(verified and evaluated; no other checkpoint)")
+
+
+def publish(run: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
+    """What to publish: the newest committed checkpoint that verifies now (raises
+    ``NoTrustedCheckpoint`` when none does), which ones were skipped and why, and whether it is
+    the one that was evaluated."""
+    choice = trusted_checkpoint(run, task="publish")
+    evaluated = evaluation.get("checkpoint_id")
+    published = {"run_id": run["config"]["run_id"], "checkpoint": choice.location, **choice.to_dict(),
+                 "evaluated_checkpoint_id": evaluated}
+    if evaluated != choice.checkpoint_id:
+        # The evaluated one failed its checks since, or a newer one verifies now that did not then.
+        published["note"] = (f"the evaluation is of {evaluated}, not of the published {choice.checkpoint_id}; "
+                             "re-run evaluate and publish to evaluate it")
+    return published

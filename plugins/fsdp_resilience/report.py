@@ -24,7 +24,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from training.contract import CheckpointCatalog, Event, RunDir, final_status, read_events
+from training.contract import CheckpointCatalog, Event, RunDir, final_status, read_events, verify_checkpoint
+
+from fsdp_resilience.backends.base import WHAT_TO_DO
 
 #: Restart layers, innermost first (the order of ``Event.RESTART_BEGIN``'s ``layer`` values).
 RESTART_LAYERS = ("inprocess", "injob", "relaunch")
@@ -370,6 +372,8 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
         message = " ".join(str(final.get("message") or "").split())
         lines += [f"**Status:** `{failure_class}` (exit code {final.get('exit_code', '?')})"
                   + (f" — {message}" if message else ""), ""]
+        if failure_class in WHAT_TO_DO and failure_class != "unknown":
+            lines += [f"**What to do:** {WHAT_TO_DO[failure_class]}.", ""]
 
     by_kind: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in events:
@@ -383,6 +387,7 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
     for restart in accounting["restarts"]:
         layer_latencies[restart["layer"]].append(restart["latency_s"])
     escalations = by_kind.get(ESCALATION, [])
+    checkpoint_rows = _checkpoint_trouble(layout, events, start)
     launches = _launches(events, start)  # one per launch id, however many nodes it had
     ettr = accounting["ettr"]
     configured = config.get("steps")
@@ -392,13 +397,14 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
                           + (f" / {configured}" if configured else "")),
         ("final loss", last_logged and f"{last_logged.loss:.4f} (step {last_logged.step})"),
         ("eval val_loss", _eval_summary(evaluation)),
-        ("newest committed checkpoint", None if newest is None else f"{newest.checkpoint_id} (step {newest.step})"),
+        ("newest committed checkpoint", _newest_committed(newest)),
         ("model / world size", _world(config)),
         ("restart mode", config.get("restart_mode")),
         ("launches", len(launches) or None),
         ("restarts", ", ".join(f"{layer}: {len(latencies)}"
                                for layer, latencies in _by_layer_order(layer_latencies)) or "none"),
         ("escalations", len(escalations) or "none"),
+        ("checkpoints quarantined / skipped / stale saves", _checkpoint_counts(checkpoint_rows)),
         ("faults injected / detected", f"{len(by_kind.get(Event.FAULT_INJECTED.value, []))} / "
                                        f"{len(by_kind.get(Event.FAULT_DETECTED.value, []))}"),
         ("wall time", f"{accounting['wall_s']:.1f} s ({_utc(start)} → {_utc(accounting['end_ts'])})"
@@ -423,9 +429,25 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
               if r.get("event") in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value)]
     if faults:
         lines += ["## Faults", ""] + _table(
-            ("t (s)", "event", "step", "rank", "kind", "layer", "error"),
+            ("t (s)", "event", "step", "rank", "kind", "layer", "class", "error"),
             ((f"{r['ts'] - start:.1f}", r.get("event"), r.get("step"), r.get("rank"), r.get("kind"),
-              r.get("layer"), str(r.get("error") or "")[:120]) for r in faults))
+              r.get("layer"), r.get("failure_class"), str(r.get("error") or "")[:120]) for r in faults))
+
+    quarantined, skipped, stale = checkpoint_rows
+    if quarantined or skipped or stale:
+        lines += ["## Checkpoints that failed", ""]
+    if quarantined:
+        lines += ["Quarantined: moved to `checkpoints/quarantine/`, never loaded again, never deleted "
+                  "(inspect them there; move one back to `checkpoints/` to have it verified again).", ""]
+        lines += _table(("t (s)", "checkpoint", "step", "by", "reason", "now at"), quarantined)
+    if skipped:
+        lines += ["Skipped: passed over, left where it is (torn, or failed a check where it could not be "
+                  "moved aside).", ""]
+        lines += _table(("t (s)", "checkpoint", "step", "by", "reason"), skipped)
+    if stale:
+        lines += ["Stale saves: the model bytes equal an earlier checkpoint's although steps advanced (the save "
+                  "wrote old state).", ""]
+        lines += _table(("t (s)", "checkpoint", "step", "same as"), stale)
 
     if escalations:
         lines += ["## Escalations", ""] + _table(
@@ -461,6 +483,60 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
     for title, png in (("Loss", paths.loss_png), ("Timeline", paths.timeline_png), ("Goodput", paths.goodput_png)):
         lines += [f"![{title}]({png.relative_to(paths.markdown.parent).as_posix()})", ""]
     return "\n".join(lines)
+
+
+def _newest_committed(newest: Any) -> str | None:
+    """The newest committed checkpoint, and whether it passes the cheap half of verification
+    (every file listed with a checksum, present, of its size): the report reads no shard bytes."""
+    if newest is None:
+        return None
+    text = f"{newest.checkpoint_id} (step {newest.step})"
+    reason = verify_checkpoint(newest.path, checksum=[])
+    return text + (f" — fails verification: {reason}" if reason else "")
+
+
+def _by(record: dict[str, Any]) -> str:
+    """Who found a checkpoint bad: a rank, or the control plane's task."""
+    if record.get("role") == "control-plane" or str(record.get("by") or "").startswith("control plane"):
+        return f"control plane ({record.get('task')})" if record.get("task") else str(record.get("by") or "control plane")
+    if record.get("rank") is not None:
+        return f"rank {record['rank']}"
+    return str(record.get("by") or record.get("role") or "—")
+
+
+def _checkpoint_trouble(layout: RunDir, events: list[dict[str, Any]], start: float
+                        ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Rows for the quarantined checkpoints (the quarantine's records, and quarantine events whose
+    folder is no longer there), the skipped ones (each checkpoint and reason once) and stale saves."""
+    at = lambda r: f"{r['ts'] - start:.1f}" if _num(r, "ts") is not None else None  # noqa: E731
+    quarantined, seen = [], set()
+    for record in CheckpointCatalog(layout).quarantined():
+        seen.add(Path(record["path"]).name)
+        moved_at = _num(record, "quarantined_at")
+        quarantined.append((None if moved_at is None else f"{moved_at - start:.1f}", record.get("checkpoint_id"),
+                            record.get("step"), _by(record), record.get("reason"),
+                            f"checkpoints/quarantine/{Path(record['path']).name}"))
+    for r in _timed(events):
+        if r.get("event") == Event.CHECKPOINT_QUARANTINED.value and Path(str(r.get("moved_to"))).name not in seen:
+            seen.add(Path(str(r.get("moved_to"))).name)
+            quarantined.append((at(r), r.get("checkpoint_id"), r.get("step"), _by(r), r.get("reason"),
+                                "gone (moved back or deleted)"))
+    skipped, reasons = [], set()
+    for r in _timed(events):
+        key = (r.get("checkpoint_id"), r.get("reason"))
+        if r.get("event") == Event.CHECKPOINT_SKIP.value and key not in reasons:
+            reasons.add(key)
+            skipped.append((at(r), r.get("checkpoint_id"), r.get("step"), _by(r), r.get("reason")))
+    stale = [(at(r), r.get("checkpoint_id"), r.get("step"), r.get("same_as"))
+             for r in _timed(events) if r.get("event") == Event.CHECKPOINT_STALE.value]
+    return quarantined, skipped, stale
+
+
+def _checkpoint_counts(rows: tuple[list[Any], list[Any], list[Any]]) -> str:
+    quarantined, skipped, stale = rows
+    if not (quarantined or skipped or stale):
+        return "none"
+    return f"{len(quarantined)} / {len(skipped)} / {len(stale)}"
 
 
 def _launches(events: list[dict[str, Any]], start: float) -> list[tuple[Any, ...]]:
@@ -643,6 +719,10 @@ def _plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[St
             ax.axvline(x, color=color, linewidth=1.2, label=label(f"restart end ({layer})"))
         elif kind == ESCALATION:
             ax.axvline(x, color="darkviolet", linewidth=2.4, label=label("escalation"))
+        elif kind in (Event.CHECKPOINT_QUARANTINED.value, Event.CHECKPOINT_STALE.value):
+            text = "checkpoint quarantined" if kind == Event.CHECKPOINT_QUARANTINED.value else "stale save"
+            ax.axvline(x, color="crimson" if kind == Event.CHECKPOINT_QUARANTINED.value else "darkorange",
+                       linestyle=":", linewidth=1.6, label=label(text))
         elif kind == Event.FINAL.value:
             ok = record.get("failure_class") == "success"
             ax.axvline(x, color="black" if ok else "crimson", linewidth=2.0,
@@ -653,7 +733,8 @@ def _plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[St
     ax.set_xlabel(f"time since first launch ({unit})")
     ax.set_ylabel("step")
     ax.grid(alpha=0.25)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    if labelled:  # a log of only other records (e.g. checkpoint checks) has nothing to name
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     ax.set_title("Timeline: steps, checkpoints, faults and restarts")
     _save(figure, path)
 

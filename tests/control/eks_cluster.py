@@ -20,7 +20,8 @@ from typing import Callable
 import pytest
 
 from fake_kube import FakeKube
-from training.contract import CheckpointCatalog, Event, EventLog, RunConfig
+from saved_checkpoints import save_checkpoint
+from training.contract import CheckpointCatalog, Event, EventLog, FailureClass, RunConfig, failure_class_for_exit
 
 NS = "fsdp-training"
 POOL = {"fsdp-resilience/pool": "gpu"}
@@ -94,12 +95,19 @@ def add_gpu_node(kube: FakeKube, name: str, instance: str | None = None, **kw) -
                          provider_id=f"aws:///{REGION}a/{instance}" if instance else None, **kw)
 
 
+#: The error a pod's rank reports before its launcher ends with each failure class.
+FAULT_ERRORS = {
+    FailureClass.RESTARTS_EXHAUSTED: "CUDA error: uncorrectable ECC error encountered",
+    FailureClass.STORAGE_ERROR: "OSError: [Errno 28] No space left on device: '/fsx/runs'",
+    FailureClass.NON_FINITE: "the loss is nan at step 10 after 2 rollbacks to the newest verified checkpoint",
+    FailureClass.USER_ERROR: "ValueError: the same error at the same step twice",
+}
+
+
 def commit_checkpoint(run_dir: str | Path, step: int, world_size: int) -> None:
-    """A checkpoint as the ranks leave it (DCP's .metadata) and rank 0's commit."""
-    catalog = CheckpointCatalog(run_dir)
-    catalog.layout.checkpoint_dir(step).mkdir(parents=True, exist_ok=True)
-    (catalog.layout.checkpoint_dir(step) / ".metadata").write_bytes(b"")
-    catalog.commit(step, world_size=world_size)
+    """A checkpoint as the ranks leave it (a shard each with its checksum record, DCP's
+    .metadata) and rank 0's commit."""
+    save_checkpoint(run_dir, step, world_size)
 
 
 def wait_for(predicate: Callable, timeout: float = 30.0, what: str = "condition"):
@@ -126,17 +134,23 @@ class FakeKubelet:
 
     ``scenario(launch_id, index, node_name) -> exit code`` decides; a training pod first writes
     ``launch_begin``, commits checkpoints (node 0, as rank 0 does) up to the run's last step when it
-    exits 0, or up to ``fail_at_step`` otherwise, and logs a fault on its node before a non-zero
-    exit. ``None``: commit up to ``fail_at_step`` and keep running (until the job controller, a
-    cancel or an eviction stops the pod). Evaluation pods write ``eval.json``. With ``asg``, a new Ready node joins for every new
-    instance of that Auto Scaling group (the node group's replacement registering with the cluster).
+    exits 0, or up to ``fail_at_step`` otherwise, and logs a fault on its node (with the error of the
+    exit code's failure class) before a non-zero exit and its ``final`` event. Exit 73
+    (``already_running``) is the launch lock refusing the pod: it writes nothing and exits at once.
+    ``None``: commit up to ``fail_at_step`` and keep running (until the job controller, a cancel or
+    an eviction stops the pod). Evaluation pods write ``eval.json`` for the checkpoint they were
+    given (``--checkpoint``), recorded in ``evaluated``. With ``asg``, a new Ready node joins for
+    every new instance of that Auto Scaling group (the node group's replacement registering with
+    the cluster).
     """
 
     def __init__(self, kube: FakeKube, scenario: Callable[[str, int, str], int], fail_at_step: int = 10,
-                 asg: str | None = None):
+                 asg: str | None = None, after_commits: Callable[[RunConfig], None] | None = None):
         self.kube, self.scenario, self.fail_at_step, self.asg = kube, scenario, fail_at_step, asg
+        self.after_commits = after_commits  # called by node 0 once its commits are done (to damage one)
         self.handled: set[str] = set()
         self.joined: list[str] = []
+        self.evaluated: list[str] = []  # the checkpoint of each evaluation pod
         self._known_instances = set(asg_instances(asg)) if asg else set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
@@ -171,10 +185,15 @@ class FakeKubelet:
         node = pod["spec"]["nodeName"]
         labels = pod["metadata"].get("labels") or {}
         if labels.get("app.kubernetes.io/component") == "evaluation":
-            run_dir = Path(pod["spec"]["containers"][0]["command"][-1]).parent
-            latest = CheckpointCatalog(run_dir).latest()
+            command = pod["spec"]["containers"][0]["command"]
+            run_dir = Path(command[command.index("--config") + 1]).parent
+            # The checkpoint the control plane named (it verified it), else the newest committed.
+            named = command[command.index("--checkpoint") + 1] if "--checkpoint" in command else None
+            info = next(c for c in reversed(CheckpointCatalog(run_dir).committed())
+                        if named in (None, c.checkpoint_id))
+            self.evaluated.append(info.checkpoint_id)
             (run_dir / "eval.json").write_text(json.dumps({
-                "checkpoint_id": latest.checkpoint_id, "step": latest.step, "val_loss": 2.5,
+                "checkpoint_id": info.checkpoint_id, "step": info.step, "val_loss": 2.5,
                 "perplexity": 12.18, "saved_world_size": 4}))
             self.kube.terminate_pod(NS, pod["metadata"]["name"], 0)
             return
@@ -182,6 +201,10 @@ class FakeKubelet:
         launch_id = _env(pod, "TRAINING_LAUNCH_ID")
         index = int(labels["batch.kubernetes.io/job-completion-index"])
         code = self.scenario(launch_id, index, node)
+        if code is not None and failure_class_for_exit(code) is FailureClass.ALREADY_RUNNING:
+            # Refused at once by the launch lock another launcher holds: no event, nothing written.
+            self.kube.terminate_pod(NS, pod["metadata"]["name"], code)
+            return
         events = EventLog(cfg.layout.events, run_id=cfg.run_id, node_rank=index, launch_id=launch_id, node_id=node)
         events.emit(Event.LAUNCH_BEGIN, restart_mode=cfg.restart_mode)
         last = cfg.steps if code == 0 else self.fail_at_step
@@ -190,6 +213,8 @@ class FakeKubelet:
             for step in range(cfg.checkpoint_interval, last + 1, cfg.checkpoint_interval):
                 if not newest or step > newest.step:
                     commit_checkpoint(cfg.run_dir, step, cfg.nodes * cfg.procs_per_node)
+            if self.after_commits:
+                self.after_commits(cfg)
         else:
             # Wait for node 0's commits, as the ranks of one job do at each collective save.
             wait_for(lambda: (CheckpointCatalog(cfg.run_dir).latest() or None) and
@@ -197,8 +222,10 @@ class FakeKubelet:
                      what="node 0's commits")
         if code is None:
             return
+        failure = failure_class_for_exit(code)
         if code != 0:
             events.emit(Event.FAULT_DETECTED, kind="exception", step=last, rank=index * cfg.procs_per_node,
-                        error="CUDA error: uncorrectable ECC error encountered")
-        events.emit(Event.FINAL, exit_code=code, failure_class="success" if code == 0 else "restarts_exhausted")
+                        error=FAULT_ERRORS.get(failure, f"the launcher ended {failure.value}"),
+                        failure_class=failure.value)
+        events.emit(Event.FINAL, exit_code=code, failure_class=failure.value)
         self.kube.terminate_pod(NS, pod["metadata"]["name"], code)

@@ -358,8 +358,10 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def pyproject_requirements(extra: str) -> dict[str, Requirement]:
+    """What installing the package with ``extra`` brings: the extra's requirements and the
+    package's own (the seam's: crc32c)."""
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
-    reqs = [Requirement(r) for r in data["project"]["optional-dependencies"][extra]]
+    reqs = [Requirement(r) for r in data["project"]["dependencies"] + data["project"]["optional-dependencies"][extra]]
     return {r.name.lower(): r for r in reqs}
 
 
@@ -415,10 +417,12 @@ def test_training_image_pins_agree_with_pyproject_and_the_constraints():
     assert variables["TORCH_SERIES"] == series(torch_pin) == series(constraints["torch"])
     assert "TORCH_SERIES" in " ".join(a for op, a in instructions(TRAINING_DOCKERFILE) if op == "RUN")
     installed = pins(TRAINING_DOCKERFILE)
-    assert set(installed) == {"nvidia-resiliency-ext"}, f"only NVRx comes from pip, got {installed}"
+    # Only NVRx and the seam's crc32c come from pip: the rest is the base's (its CUDA builds).
+    assert set(installed) == {"nvidia-resiliency-ext", "crc32c"}, f"only NVRx and crc32c come from pip, got {installed}"
     nvrx = Version(installed["nvidia-resiliency-ext"])
     assert (nvrx.major, nvrx.minor) == (0, 7) and wanted["nvidia-resiliency-ext"].specifier.contains(str(nvrx))
     assert Version(constraints["nvidia-resiliency-ext"]) <= nvrx
+    assert installed["crc32c"] == constraints["crc32c"] and wanted["crc32c"].specifier.contains(installed["crc32c"])
 
 
 def test_airflow_image_copies_only_the_control_plane_and_installs_no_torch():

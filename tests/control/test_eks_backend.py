@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from eks_cluster import NS, add_gpu_node, asg_instances, commit_checkpoint, make_asg, wait_for
-from training.contract import Event, EventLog, ExitCode, RunConfig
+from training.contract import Event, EventLog, ExitCode, RunConfig, failure_class_for_exit
 
-from fsdp_resilience.backends import BackendError, InsufficientCapacityError, JobConflictError, get_backend
+from fsdp_resilience.backends import (BackendError, InsufficientCapacityError, JobConflictError, get_backend,
+                                      what_to_do)
 from fsdp_resilience.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, EksBackend
 
 def backend_for(tmp_path, **kw) -> EksBackend:
@@ -162,6 +163,28 @@ def test_a_lost_node_is_replaceable_and_a_user_error_never_is(cluster, tmp_path)
     diagnosis = backend.diagnose(bug)
     assert not diagnosis.replaceable and diagnosis.bad_node_ids == []
     assert any("user error" in e for e in diagnosis.evidence)
+
+
+@pytest.mark.parametrize("code", [ExitCode.STORAGE_ERROR, ExitCode.NON_FINITE, ExitCode.ALREADY_RUNNING])
+def test_storage_non_finite_and_already_running_fail_the_job_at_once_and_replace_no_node(cluster, tmp_path, code):
+    for i in range(3):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    failure = failure_class_for_exit(code).value
+    handle = backend.submit(run_config(tmp_path, run_id=failure.replace("_", "-")), "0")
+    pods = sorted(cluster.pods(NS, handle.job_name), key=lambda p: p["metadata"]["name"])
+    # Node 1 ends with the class; node 0 is still training (or, already running: waiting for it).
+    cluster.terminate_pod(NS, pods[1]["metadata"]["name"], int(code))
+    status = backend.status(handle)
+    assert status.state == "failed" and status.failure_class == failure, status.message
+    # The Job controller fails the Job at once (podFailurePolicy), with no pod retried.
+    conditions = cluster.job(NS, handle.job_name)["status"]["conditions"]
+    assert any(c["type"] == "Failed" and c["reason"] == "PodFailurePolicy" for c in conditions)
+    assert {p["metadata"]["name"] for p in cluster.pods(NS, handle.job_name)} <= {p["metadata"]["name"] for p in pods}
+    diagnosis = backend.diagnose(handle)
+    assert not diagnosis.replaceable and diagnosis.bad_node_ids == []
+    assert any(what_to_do(failure) in e for e in diagnosis.evidence)
+    assert not [r for r in cluster.requests if r.resource == "nodes" and r.verb == "patch"]
 
 
 def test_cancel_suspends_the_job_keeps_the_evidence_and_records_a_stall(cluster, tmp_path):

@@ -5,7 +5,9 @@ group in moto, FSx a temp folder, and the pods are played by eks_cluster.FakeKub
 The scenario of the issue: launch -> the pod on node X ends with restarts exhausted -> X is
 cordoned and tainted and its instance terminated in the ASG -> the replacement instance joins as a
 new Ready node -> relaunch from the newest checkpoint -> success -> evaluation Job -> report ->
-export of the run dir to S3 with an FSx data repository task (botocore Stubber: moto has none).
+export of the run's records and verified checkpoint to S3 with an FSx data repository task
+(botocore Stubber: moto has none). And what must never climb the ladder: a full run dir, a run
+another launcher holds; and a checkpoint whose bytes changed after its commit, which nothing trusts.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from botocore.stub import ANY
 
 from conftest import make_dataset
 from eks_cluster import NS, FakeKubelet, add_gpu_node, asg_instances, make_asg
+from saved_checkpoints import flip_bytes
 from test_fsx import (FS, a_task, expect_associations, expect_describe, expect_file_system,  # noqa: F401
                       expect_in_flight, stub)
 from test_training_dag import states, trigger, xcom
-from training.contract import CheckpointCatalog, Event, ExitCode, read_events
+from training.contract import (CheckpointCatalog, Event, EventLog, ExitCode, FailureClass, exit_code_for,
+                               final_status, read_events)
 
 from fsdp_resilience.backends.eks import QUARANTINE_TAINT
 
@@ -39,17 +43,30 @@ def eks_env(tmp_path, monkeypatch, cluster, aws):
     return fsx
 
 
-def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(eks_env, cluster, stub, monkeypatch):
-    monkeypatch.setenv("FSDP_FSX_FILE_SYSTEM_ID", FS)
-    expect_file_system(stub)  # export_to_s3: the file system, its associations, no task in flight
+def expect_export(stub, paths: list[str]) -> None:
+    """export_to_s3: the file system, its associations, no task in flight, the task for exactly
+    ``paths``, and its success."""
+    expect_file_system(stub)
     expect_associations(stub)
     expect_in_flight(stub)
     stub.add_response("create_data_repository_task", {"DataRepositoryTask": a_task(
-        "PENDING", "EXPORT_TO_REPOSITORY", ["runs/llm-eks"])}, {
-        "Type": "EXPORT_TO_REPOSITORY", "FileSystemId": FS, "Paths": ["runs/llm-eks"], "Report": {"Enabled": False},
+        "PENDING", "EXPORT_TO_REPOSITORY", paths)}, {
+        "Type": "EXPORT_TO_REPOSITORY", "FileSystemId": FS, "Paths": paths, "Report": {"Enabled": False},
         "ClientRequestToken": ANY})
-    expect_describe(stub, a_task("SUCCEEDED", "EXPORT_TO_REPOSITORY", ["runs/llm-eks"],
+    expect_describe(stub, a_task("SUCCEEDED", "EXPORT_TO_REPOSITORY", paths,
                                  Status={"TotalCount": 9, "SucceededCount": 9, "FailedCount": 0}))
+
+
+def run_records(run: str) -> list[str]:
+    """What the export takes of a run besides its checkpoint: what the pods, evaluate and
+    build_report wrote (the fake pods write no run.json or logs)."""
+    return [f"runs/{run}/{name}" for name in ("eval.json", "events.jsonl", "report")]
+
+
+def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(eks_env, cluster, stub, monkeypatch):
+    monkeypatch.setenv("FSDP_FSX_FILE_SYSTEM_ID", FS)
+    # Only the run's records and the verified, evaluated checkpoint go to S3.
+    expect_export(stub, sorted(["runs/llm-eks/checkpoints/step_00000020", *run_records("llm-eks")]))
     instances = make_asg("gpu-ng", 2)
     for i, instance in enumerate(instances):
         add_gpu_node(cluster, f"gpu-{i}", instance)
@@ -92,3 +109,73 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
     assert len(jobs) == 3  # launch 0, launch 1, the evaluation
     assert all(p["metadata"]["namespace"] == NS for p in cluster.pods(NS))
     assert st["export_to_s3"] == "success" and st["publish"] == "success"
+
+
+def test_a_checkpoint_that_fails_its_checksum_is_neither_evaluated_nor_exported_nor_published(
+        eks_env, cluster, stub, monkeypatch):
+    # The final checkpoint commits, then a few of its bytes flip on FSx (a bad disk, a stray write).
+    monkeypatch.setenv("FSDP_FSX_FILE_SYSTEM_ID", FS)
+    expect_export(stub, sorted(["runs/flipped/checkpoints/step_00000015", *run_records("flipped")]))
+    add_gpu_node(cluster, "gpu-0")
+
+    def damage(cfg):
+        flip_bytes(cfg.layout.checkpoint_dir(20) / "__1_0.distcp")
+
+    with FakeKubelet(cluster, lambda launch_id, index, node: 0, after_commits=damage) as kubelet:
+        dr = trigger({"run_name": "flipped", "backend": "eks", "dataset": "c4", "nodes": 1, "procs_per_node": 2,
+                      "steps": 20, "checkpoint_interval": 5, "max_node_replacements": 1})
+    st = states(dr)
+    assert str(dr.state) == "success", st
+    run_dir = eks_env / "runs" / "flipped"
+    # The launch succeeded with step 20 committed; nothing trusted it after that.
+    assert xcom(dr, "watch_checkpoints")["checkpoint_id"] == "step_00000020"
+    evaluation = xcom(dr, "evaluate")
+    assert kubelet.evaluated == ["step_00000015"] and evaluation["checkpoint_id"] == "step_00000015"
+    [skipped] = evaluation["checkpoint_check"]["skipped"]
+    assert skipped["checkpoint_id"] == "step_00000020" and "__1_0.distcp fails its crc32c check" in skipped["reason"]
+    published = xcom(dr, "publish")
+    assert published["checkpoint"] == str(run_dir / "checkpoints" / "step_00000015")
+    assert published["verified"] == "checksums" and "note" not in published
+    assert [s["checkpoint_id"] for s in published["skipped"]] == ["step_00000020"]
+    # On EKS the control plane never moves checkpoints on FSx: it skips, and says so.
+    assert (run_dir / "checkpoints" / "step_00000020").is_dir() and not (run_dir / "checkpoints" / "quarantine").exists()
+    skips = [r for r in read_events(run_dir / "events.jsonl") if r["event"] == Event.CHECKPOINT_SKIP.value]
+    assert {(r["checkpoint_id"], r["role"], r["task"]) for r in skips} == {
+        ("step_00000020", "control-plane", "evaluate"), ("step_00000020", "control-plane", "publish")}
+    report = Path(xcom(dr, "build_report")["markdown"]).read_text()
+    assert "## Checkpoints that failed" in report and report.count("| step_00000020 |") == 1
+
+
+@pytest.mark.parametrize("failure, nodes", [(FailureClass.STORAGE_ERROR, 2), (FailureClass.ALREADY_RUNNING, 1)])
+def test_storage_and_already_running_fail_the_run_without_touching_a_node(eks_env, cluster, failure, nodes):
+    group = f"gpu-ng-{failure.value.replace('_', '-')}"  # moto's account lives for the module
+    instances = make_asg(group, 2)
+    for i, instance in enumerate(instances):
+        add_gpu_node(cluster, f"gpu-{i}", instance)
+    run_dir = eks_env / "runs" / "no-replace"
+    # What the run's events said before this DAG run: another launcher finished it.
+    EventLog(run_dir / "events.jsonl", run_id="no-replace", launch_id="by-hand", node_rank=0).emit(
+        Event.FINAL, failure_class="success", exit_code=0, step=10, message="trained by hand")
+    status_before = final_status(run_dir)
+    code = int(exit_code_for(failure))
+
+    def scenario(launch_id: str, index: int, node: str):
+        return code if index == nodes - 1 else None  # the last node fails; the others keep training
+
+    with FakeKubelet(cluster, scenario, fail_at_step=10, asg=group):
+        dr = trigger({"run_name": "no-replace", "backend": "eks", "dataset": "c4", "nodes": nodes,
+                      "procs_per_node": 2, "steps": 20, "checkpoint_interval": 5, "max_node_replacements": 2})
+    st = states(dr)
+    assert str(dr.state) == "failed", st
+    assert xcom(dr, "watch_checkpoints")["failure_class"] == failure.value
+    assert all(st[f"escalation_{k}.decide"] == "skipped" for k in (1, 2, 3)), st
+    assert st["resolve_outcome"] == "failed" and st["evaluate"] == "upstream_failed"
+    # No node was cordoned, tainted or replaced; no relaunch; no escalation event.
+    assert not [r for r in cluster.requests if r.resource == "nodes" and r.verb == "patch"]
+    assert asg_instances(group) == sorted(instances)
+    assert len([r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]) == 1
+    events = read_events(run_dir / "events.jsonl")
+    assert not [r for r in events if r["event"] == Event.ESCALATION.value]
+    if failure is FailureClass.ALREADY_RUNNING:
+        # The refused pod wrote nothing: the run's status is what the other launcher left.
+        assert final_status(run_dir) == status_before

@@ -111,7 +111,8 @@ def all_objects(settings: PodTemplateSettings) -> list[dict]:
     owner = {"metadata": {"name": job["metadata"]["name"], "uid": "0b7c6a4e-4a43-4c6e-9a43-1c2f3e4d5a6b"}}
     return [job, rendezvous_service(cfg, "try-1", settings),
             rendezvous_service(cfg, "try-1", settings, owner=owner, airflow_run_id=AIRFLOW_RUN_ID),
-            evaluation_job(cfg, settings), evaluation_job(cfg, settings, airflow_run_id=AIRFLOW_RUN_ID)]
+            evaluation_job(cfg, settings), evaluation_job(cfg, settings, airflow_run_id=AIRFLOW_RUN_ID),
+            evaluation_job(cfg, settings, checkpoint_id="step_00000040", airflow_run_id=AIRFLOW_RUN_ID)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,7 +315,16 @@ def test_pod_failure_policy_fails_the_job_on_exactly_the_contracts_final_exit_co
     fail_rules = [r for r in policy["rules"] if r["action"] == "FailJob"]
     assert {v for r in fail_rules for v in r["onExitCodes"]["values"]} == final_codes
     assert {r["onExitCodes"]["containerName"] for r in fail_rules} == {CONTAINER}
-    assert final_codes == {2, 75, 78, 93}  # the contract as documented in training/contract.py
+    # The contract as documented in training/contract.py: config/user error, non-finite state, a
+    # run already being trained, storage, restarts exhausted, no progress.
+    assert final_codes == {2, 65, 73, 74, 75, 78, 93}
+    # Not a node fault, never retried by another pod: a failed pod fails the Job at once, whatever
+    # the backoffLimit left (and the DAG's ladder replaces no node for them).
+    for code in (ExitCode.NON_FINITE, ExitCode.ALREADY_RUNNING, ExitCode.STORAGE_ERROR):
+        assert job_controller_action(policy, int(code)) == "FailJob"
+        assert job_controller_action(policy, int(code), ("DisruptionTarget",)) == "Ignore"
+    # The API wants each rule's values unique and ascending.
+    assert all(r["onExitCodes"]["values"] == sorted(set(r["onExitCodes"]["values"])) for r in fail_rules)
 
 
 def test_a_disrupted_pod_does_not_count_whatever_its_exit_code():
@@ -489,6 +499,18 @@ def test_evaluation_job_is_one_pod_one_gpu_no_efa():
     # Preemption is retried even with backoffLimit 0.
     assert job_controller_action(spec["podFailurePolicy"], 1, ("DisruptionTarget",)) == "Ignore"
     assert job_controller_action(spec["podFailurePolicy"], 1) == "Count"
+
+
+def test_evaluation_job_of_a_named_checkpoint():
+    # The control plane names the checkpoint it verified: one Job per checkpoint, evaluating that one.
+    cfg = make_cfg()
+    job = evaluation_job(cfg, make_settings(), checkpoint_id="step_00000040")
+    assert job["metadata"]["name"] == job_name_for(cfg.run_id, "eval-step_00000040")
+    assert job["spec"]["template"]["metadata"]["labels"][LABEL_JOB] == job["metadata"]["name"]
+    assert container_of(job)["command"] == ["python", "-m", "training.evaluate", "--config",
+                                            f"{cfg.run_dir}/run.json", "--checkpoint", "step_00000040"]
+    with pytest.raises(ValueError, match="not a checkpoint folder name"):
+        evaluation_job(cfg, make_settings(), checkpoint_id="../../etc")
 
 
 def test_evaluation_job_without_gpus():

@@ -22,6 +22,7 @@ from botocore.stub import ANY, Stubber
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from conftest import REPO
+from saved_checkpoints import save_checkpoint
 from fsdp_resilience import fsx
 from fsdp_resilience.fsx import FsxHook, FsxStagingError
 from fsdp_resilience.fsx_staging import (
@@ -403,14 +404,9 @@ def s3(aws):
 
 
 def save(catalog: CheckpointCatalog, step: int, world_size: int = 2, commit: bool = True) -> None:
-    """A checkpoint as the trainer leaves it: a shard per rank and DCP's .metadata, then the commit."""
-    path = catalog.layout.checkpoint_dir(step)
-    path.mkdir(parents=True)
-    for rank in range(world_size):
-        (path / f"__{rank}_0.distcp").write_bytes(b"\0" * 64)
-    (path / ".metadata").write_bytes(b"meta")
-    if commit:
-        catalog.commit(step, world_size)
+    """A checkpoint as the trainer leaves it: a shard per rank with its checksums and DCP's
+    .metadata, then the commit."""
+    save_checkpoint(catalog.layout.root, step, world_size, commit=commit)
 
 
 def upload(client, run_dir: Path, prefix: str) -> None:

@@ -1,21 +1,25 @@
-"""Launch idempotence and a trigger that survives a triggerer restart, on real local jobs."""
+"""Launch idempotence, a trigger that survives a triggerer restart, and a run another launcher
+already trains, on real local jobs."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from shared import FAST_RUN
-from conftest import make_dataset
+from conftest import REPO, TRAINING_PYTHON, make_dataset
 from fsdp_resilience import ladder
 from fsdp_resilience.backends import JobHandle, get_backend
+from fsdp_resilience.progress import check_progress
 from fsdp_resilience.triggers import TrainingProgressTrigger
-from training.contract import CheckpointCatalog, read_events
+from training.contract import CheckpointCatalog, RunConfig, final_status, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -98,3 +102,47 @@ def test_a_restarted_trigger_picks_the_run_up_where_it_was(launched):
     # It counted from the last commit on disk, not from its own restart.
     assert fired_at - restarted_at < stall - 5, (fired_at - restarted_at, restarted_at - last_commit)
     assert fired_at - last_commit >= stall
+
+
+def test_a_run_another_launcher_already_trains_is_refused_and_left_alone(launched, tmp_path):
+    """Someone trains the run by hand; the DAG launches it too. The DAG's launcher is refused by
+    the launch lock (exit 73, no event), and nothing climbs the ladder: no slot is quarantined,
+    no relaunch, the other launcher keeps training and the run's status stays its own."""
+    run = run_config("held", run_config={**FAST, "steps": 400})
+    cfg = RunConfig.from_dict(run["config"])
+    config = tmp_path / "by-hand.json"
+    config.write_text(cfg.to_json())
+    by_hand = subprocess.Popen(
+        [TRAINING_PYTHON, "-m", "training.launch", "--config", str(config), "--node-rank", "0",
+         "--rdzv-host", "127.0.0.1"], cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, env={**os.environ, "TRAINING_NODE_ID": "by-hand", "TRAINING_LAUNCH_ID": "by-hand"})
+    try:
+        deadline = time.time() + 240
+        while not read_events(cfg.layout.events, "step") and time.time() < deadline:
+            assert by_hand.poll() is None, f"the launcher by hand ended early (exit {by_hand.returncode})"
+            time.sleep(1)
+        status_before = final_status(cfg.run_dir)
+
+        launch = ladder.launch(run, launch_no=0)
+        launched.append(launch)
+        backend = get_backend(**run["backend"])
+        handle = JobHandle.from_dict(launch["handle"])
+        deadline = time.time() + 120
+        while backend.status(handle).state not in ("failed", "succeeded") and time.time() < deadline:
+            time.sleep(0.5)
+        progress = check_progress(backend, handle, run_dir=launch["run_dir"], final_step=launch["final_step"],
+                                  stall_timeout_s=launch["stall_timeout_s"], launched_at=launch["launched_at"])
+        outcome = progress.to_dict()
+        assert outcome["failure_class"] == "already_running", outcome
+        assert backend.status(handle).exit_codes == {0: 73}
+        climb, why = ladder.should_escalate(outcome, rung=1, max_replacements=3)
+        assert not climb and "another training.launch of this run" in why
+        assert not backend.diagnose(handle).replaceable
+        ladder.stop_launch(run, outcome)  # what resolve_outcome does: only this launch's own processes
+        assert backend.capacity().quarantined == []
+        assert by_hand.poll() is None, "the launcher that holds the run was touched"
+        assert final_status(cfg.run_dir) == status_before
+        assert not read_events(cfg.layout.events, "escalation")
+    finally:
+        by_hand.send_signal(signal.SIGTERM)  # the launcher passes it on to ft_launcher and its ranks
+        by_hand.wait(timeout=180)

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from training.contract import COMMIT_MARKER, Event, EventLog, RunDir, read_events
+from training.contract import COMMIT_MARKER, CheckpointCatalog, Event, EventLog, RunDir, read_events
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO / "plugins") not in sys.path:
     sys.path.insert(0, str(REPO / "plugins"))
 
 from fsdp_resilience.report import ReportPaths, build_report, goodput, step_executions  # noqa: E402
+from saved_checkpoints import save_checkpoint  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_800_000_000.0
@@ -99,9 +100,7 @@ class SimulatedRun:
                 self.commit(step)
 
     def commit(self, step: int) -> None:
-        checkpoint = self.layout.checkpoint_dir(step)
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        (checkpoint / COMMIT_MARKER).write_text(json.dumps({"step": step, "world_size": 2}))
+        checkpoint = save_checkpoint(self.layout.root, step, world_size=2)
         self.rank0.emit(Event.CHECKPOINT_COMMIT, ts=round(self.now, 6), step=step,
                         checkpoint_id=checkpoint.name, save_s=0.4)
 
@@ -361,6 +360,48 @@ def test_report_of_a_failed_run_states_its_failure_class(tmp_path):
     run.final("restarts_exhausted", 75)
     text = assert_report_files(build_report(run.layout.root))
     assert "**Status:** `restarts_exhausted` (exit code 75)" in text
+
+
+def test_report_lists_quarantined_skipped_and_stale_checkpoints(tmp_path):
+    """A rank found step 20's shard damaged at resume and quarantined it; a torn save was skipped;
+    a save repeated the model bytes of the one before. Each shows once, with its reason."""
+    run = SimulatedRun(tmp_path / "checkpoints", "bad-checkpoints")
+    run.launch()
+    run.train(1, STEPS)
+    catalog = CheckpointCatalog(run.layout)
+    [info] = [c for c in catalog.committed() if c.step == STEPS]
+    moved = catalog.quarantine(info, "__1_0.distcp fails its crc32c check", rank=1)
+    rank1 = run.rank0.bind(rank=1)
+    run.emit(rank1, Event.CHECKPOINT_QUARANTINED, after=0.5, checkpoint_id=info.checkpoint_id, step=STEPS,
+             reason="__1_0.distcp fails its crc32c check", moved_to=str(moved))
+    for _ in range(2):  # every rank logs the same skip: one row
+        run.emit(run.rank0, Event.CHECKPOINT_SKIP, after=0.1, checkpoint_id="step_00000030", step=30,
+                 reason="torn: no commit marker")
+    run.emit(run.rank0, Event.CHECKPOINT_STALE, after=0.1, checkpoint_id="step_00000010", step=10,
+             same_as="step_00000000")
+    run.final()
+    text = assert_report_files(build_report(run.layout.root))
+    assert "## Checkpoints that failed" in text
+    assert "| step_00000020 | 20 | rank 1 | __1_0.distcp fails its crc32c check | checkpoints/quarantine/" in text
+    assert text.count("torn: no commit marker") == 1
+    assert "| step_00000010 | 10 | step_00000000 |" in text
+    assert "| checkpoints quarantined / skipped / stale saves | 1 / 1 / 1 |" in text
+    # The newest committed checkpoint is the one left, and it passes the size check.
+    assert "| newest committed checkpoint | step_00000010 (step 10) |" in text
+
+
+@pytest.mark.parametrize("failure_class, exit_code, advice", [
+    ("storage_error", 74, "free space on it or fix its mount"),
+    ("non_finite", 65, "Lower lr (or grad_clip), or check the data"),
+])
+def test_report_says_what_to_do_after_a_storage_or_non_finite_end(tmp_path, failure_class, exit_code, advice):
+    run = SimulatedRun(tmp_path / failure_class, failure_class.replace("_", "-"))
+    run.launch()
+    run.train(1, 12)
+    run.final(failure_class, exit_code)
+    text = assert_report_files(build_report(run.layout.root))
+    assert f"**Status:** `{failure_class}` (exit code {exit_code})" in text
+    assert "**What to do:** " in text and advice in text
 
 
 def test_report_of_a_run_still_going_or_not_started(tmp_path):

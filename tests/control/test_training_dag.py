@@ -11,6 +11,8 @@ import pytest
 
 from shared import FAST_RUN
 from conftest import REPO, make_dataset
+from fsdp_resilience import settings
+from fsdp_resilience.backends import get_backend
 from training.contract import CheckpointCatalog, read_events
 
 pytestmark = pytest.mark.slow
@@ -73,6 +75,11 @@ def test_faults_inside_the_job_are_recovered_and_the_run_is_evaluated_and_publis
     assert not [r for r in events if r["event"] == "escalation"]
     assert json.loads((run_dir / "eval.json").read_text())["step"] == 12
     assert (run_dir / "report" / "report.md").exists()
+    # Published: the final checkpoint, every byte checked against its commit's CRC32C.
+    published = xcom(dr, "publish")
+    assert (published["checkpoint_id"], published["verified"], published["skipped"]) == (
+        "step_00000012", "checksums", [])
+    assert published["checkpoint"] == str(run_dir / "checkpoints" / "step_00000012")
 
 
 def test_restarts_exhausted_replaces_the_slot_and_resumes(roots):
@@ -107,6 +114,24 @@ def test_a_user_bug_fails_the_run_without_replacing_a_node(roots):
     events = read_events(roots / "userbug" / "events.jsonl")
     assert not [r for r in events if r["event"] == "escalation"]
     assert any(r["event"] == "final" and r["failure_class"] == "user_error" for r in events)
+
+
+def test_a_diverging_run_ends_non_finite_and_never_replaces_a_node(roots):
+    # The loss of rank 1 turns NaN at step 5 on every pass: the run rolls back to its newest verified
+    # checkpoint max_nonfinite_rollbacks times, then ends non_finite. Not the machine's fault.
+    dr = trigger(base_conf("diverges", max_node_replacements=2, run_config={**FAST, "faults": [
+        {"kind": "nan", "step": 5, "rank": 1, "attempt": None}]}))
+    st = states(dr)
+    assert str(dr.state) == "failed", st
+    assert xcom(dr, "watch_checkpoints")["failure_class"] == "non_finite"
+    assert all(st[f"escalation_{k}.decide"] == "skipped" for k in (1, 2, 3)), st
+    assert st["resolve_outcome"] == "failed" and st["evaluate"] in ("upstream_failed", "skipped")
+    events = read_events(roots / "diverges" / "events.jsonl")
+    assert not [r for r in events if r["event"] == "escalation"]
+    assert any(r["event"] == "final" and r["failure_class"] == "non_finite" and r["exit_code"] == 65 for r in events)
+    assert get_backend(**settings.backend_config("local")).capacity().quarantined == []
+    # Every checkpoint it committed holds finite state: none was saved after the NaN.
+    assert all(c.step < 5 for c in CheckpointCatalog(roots / "diverges").committed())
 
 
 def test_a_stall_ends_as_no_progress(roots):

@@ -15,6 +15,7 @@ from typing import Any
 
 from fsdp_resilience.backends.base import (
     DEFAULT_MAX_UNHEALTHY_SHARE,
+    FINAL_FAILURES,
     LOST,
     REPLACEABLE_FAILURES,
     BackendError,
@@ -32,13 +33,14 @@ from fsdp_resilience.backends.base import (
     get_backend,
     job_name_for,
     register_backend,
+    what_to_do,
 )
 
 __all__ = [
-    "DEFAULT_MAX_UNHEALTHY_SHARE", "LOST", "REPLACEABLE_FAILURES",
+    "DEFAULT_MAX_UNHEALTHY_SHARE", "FINAL_FAILURES", "LOST", "REPLACEABLE_FAILURES",
     "BackendError", "Capacity", "Diagnosis", "InsufficientCapacityError", "JobConflictError", "JobHandle",
     "JobNotFoundError", "JobStatus", "LocalProcessBackend", "NodeStatus", "Replacement", "TrainingBackend",
-    "available_backends", "get_backend", "job_name_for", "register_backend",
+    "available_backends", "get_backend", "job_name_for", "register_backend", "what_to_do",
 ]
 
 

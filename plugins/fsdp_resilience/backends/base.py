@@ -41,11 +41,46 @@ NODE_STATES: tuple[str, ...] = (*JOB_STATES, LOST)
 #: (``FailureClass.retryable``). Never ``user_error``: a bug fails the same way on any machine.
 REPLACEABLE_FAILURES = frozenset(c.value for c in FailureClass if c.retryable)
 
-#: When the nodes of one job fail differently, the job is reported with the most telling class:
-#: a user error wins (it must never be retried), then the restart layers giving up (or a lost
-#: node), then no progress; ``unknown`` (e.g. a node stopped because a peer failed) tells least.
-FAILURE_PRIORITY = (FailureClass.USER_ERROR.value, FailureClass.RESTARTS_EXHAUSTED.value,
-                    FailureClass.NO_PROGRESS.value, FailureClass.UNKNOWN.value)
+#: Failure classes a launcher ends with by its own decision (not killed, not lost): its node's exit
+#: fails the whole job at once (the EKS Job's podFailurePolicy FailJob rules), since no other pod
+#: of the same job can do better.
+FINAL_FAILURES = frozenset(c.value for c in FailureClass if c not in (FailureClass.SUCCESS, FailureClass.UNKNOWN))
+
+#: When the nodes of one job fail differently, the job is reported with the most telling class.
+#: First the classes that must never be retried, most specific first: another launcher owns the
+#: run (whatever else our nodes report follows from that), the storage, the training state, the
+#: user's code; then the restart layers giving up (or a lost node), then no progress; ``unknown``
+#: (e.g. a node stopped because a peer failed) tells least.
+FAILURE_PRIORITY = (FailureClass.ALREADY_RUNNING.value, FailureClass.STORAGE_ERROR.value,
+                    FailureClass.NON_FINITE.value, FailureClass.USER_ERROR.value,
+                    FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value,
+                    FailureClass.UNKNOWN.value)
+
+#: What the user should do about a launch that ended with a class no node replacement can fix.
+#: Diagnosis, the ladder and the DAG's failure message all say it the same way.
+WHAT_TO_DO = {
+    FailureClass.USER_ERROR.value:
+        "a user error fails the same way on any node: fix the code or config, then trigger the run again; "
+        "no node was touched",
+    FailureClass.STORAGE_ERROR.value:
+        "the run dir is full or read-only (storage, not a node fault): free space on it or fix its mount, "
+        "then trigger the run again (it resumes from the newest verified checkpoint); no node was touched",
+    FailureClass.NON_FINITE.value:
+        "the loss or gradient norm became NaN/inf again after max_nonfinite_rollbacks rollbacks to the newest "
+        "verified checkpoint: the run diverges. Lower lr (or grad_clip), or check the data, then trigger the "
+        "run again; no node was touched",
+    FailureClass.ALREADY_RUNNING.value:
+        "another training.launch of this run holds its launch lock: the run is being trained by another "
+        "launcher. This launch did nothing; that launcher was left alone and the run's status is unchanged. "
+        "Watch it (events.jsonl), or stop it before triggering this run again, or pick another run_name",
+    FailureClass.UNKNOWN.value:
+        "not a failure that replacing a node fixes; read the launch's logs (backend.logs)",
+}
+
+
+def what_to_do(failure_class: str | None) -> str:
+    """The advice for a failure class that is never retried (see ``WHAT_TO_DO``)."""
+    return WHAT_TO_DO.get(failure_class or FailureClass.UNKNOWN.value, WHAT_TO_DO[FailureClass.UNKNOWN.value])
 
 
 def most_telling_failure(classes: list[str | None]) -> str | None:
@@ -318,10 +353,12 @@ class TrainingBackend(abc.ABC):
         """The node pool now. Cheap: the DAG polls it while waiting for capacity."""
 
     @abc.abstractmethod
-    def run_evaluation(self, cfg: RunConfig, timeout_s: float = 3600.0) -> dict[str, Any]:
-        """Evaluate the run's newest committed checkpoint where its training ran (the training
-        environment: a local process, a pod) and return the result (``<run_dir>/eval.json``).
-        Blocks until done; raises BackendError with the evaluation's output when it fails."""
+    def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
+                       timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Evaluate checkpoint ``checkpoint_id`` of the run (None: the newest committed one) where
+        its training ran (the training environment: a local process, a pod) and return the result
+        (``<run_dir>/eval.json``). Blocks until done; raises BackendError with the evaluation's
+        output when it fails."""
 
     @abc.abstractmethod
     def to_config(self) -> dict[str, Any]:

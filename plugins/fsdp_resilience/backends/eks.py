@@ -17,6 +17,10 @@ annotations.
 
 How each failure class plays out (see also the Job's ``podFailurePolicy`` in eks_manifests.py):
   user_error          exit 78/2 -> the Job fails at once; never a node replacement
+  storage_error       exit 74 (run dir full or read-only) -> as user_error: free space or fix the mount
+  non_finite          exit 65 (NaN/inf after the rollbacks) -> as user_error: lower lr or check the data
+  already_running     exit 73 (another launcher holds the node's launch lock) -> the Job fails at once,
+                      nothing retries it, nothing is replaced, the other launcher is left alone
   restarts_exhausted  exit 75 -> the Job fails at once; diagnose blames node(s), replace_nodes
                       cordons + taints them, evicts leftovers, and has the ASG (or Karpenter)
                       replace the instance; the DAG relaunches from the newest checkpoint
@@ -39,6 +43,7 @@ from training.contract import FailureClass, RunConfig, failure_class_for_exit
 
 from fsdp_resilience.backends.base import (
     DEFAULT_MAX_UNHEALTHY_SHARE,
+    FINAL_FAILURES,
     LOST,
     REPLACEABLE_FAILURES,
     BackendError,
@@ -52,9 +57,9 @@ from fsdp_resilience.backends.base import (
     NodeStatus,
     Replacement,
     TrainingBackend,
-    job_name_for,
     most_telling_failure,
     plan_replacement,
+    what_to_do,
 )
 from fsdp_resilience.backends.eks_manifests import (
     COMPONENT_TRAINING,
@@ -202,8 +207,7 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
     failed = [n for n in nodes if n.state in ("failed", LOST)]
     # A node that failed with a class the Job's podFailurePolicy fails the Job on: failed now,
     # even if the job controller has not written its condition yet.
-    fatal = [n for n in failed if n.failure_class in REPLACEABLE_FAILURES | {FailureClass.USER_ERROR.value}
-             and n.state == "failed"]
+    fatal = [n for n in failed if n.failure_class in FINAL_FAILURES and n.state == "failed"]
     if failed_cond or cancel or fatal:
         failure = most_telling_failure([n.failure_class for n in failed + replaced]
                                        + ([cancel["failure_class"]] if cancel else []))
@@ -493,12 +497,8 @@ class EksBackend(TrainingBackend):
             if status.state != "failed":
                 return Diagnosis(failure, [], False, [f"job {handle.job_name} is {status.state}: nothing to diagnose"])
             evidence = [f"status: {status.message}"]
-            if failure == FailureClass.USER_ERROR.value:
-                return Diagnosis(failure, [], False, evidence + [
-                    "a user error fails the same way on any node: fix the code or config, do not replace nodes"])
-            if failure not in REPLACEABLE_FAILURES:
-                return Diagnosis(failure, [], False, evidence + [
-                    f"{failure}: not a failure that replacing a node fixes; read the pods' logs (backend.logs)"])
+            if failure not in REPLACEABLE_FAILURES:  # a user, storage or data fault; unknown: don't guess
+                return Diagnosis(failure, [], False, evidence + [f"{failure}: {what_to_do(failure)}"])
             job_nodes = sorted({n.node_id for n in status.nodes if n.node_id}
                                | {(p.get("spec") or {}).get("nodeName") for p in pods} - {None})
             bad: list[str] = []
@@ -609,17 +609,22 @@ class EksBackend(TrainingBackend):
         return f"terminated {instance} in Auto Scaling group {group} (desired capacity kept: a new node replaces it)"
 
     # -- evaluation ---------------------------------------------------------------------------
-    def run_evaluation(self, cfg: RunConfig, timeout_s: float = 3600.0) -> dict[str, Any]:
-        """Evaluate the newest committed checkpoint in a one-pod Job and return its result
-        (``<run_dir>/eval.json``, read from the FSx mount). One Job per checkpoint, so a retried
-        task waits for the same Job rather than starting another."""
+    def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
+                       timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Evaluate ``checkpoint_id`` (None: the newest committed one) in a one-pod Job and return
+        its result (``<run_dir>/eval.json``, read from the FSx mount). One Job per checkpoint, so a
+        retried task waits for the same Job rather than starting another."""
         from training.contract import CheckpointCatalog
 
-        latest = CheckpointCatalog(cfg.run_dir).latest()
-        if latest is None:
-            raise BackendError(f"run {cfg.run_id} has no committed checkpoint under {cfg.run_dir} to evaluate")
-        job = evaluation_job(cfg, self.settings)
-        job["metadata"]["name"] = job_name_for(cfg.run_id, f"eval-{latest.checkpoint_id}")
+        if checkpoint_id is None:
+            latest = CheckpointCatalog(cfg.run_dir).latest()
+            if latest is None:
+                raise BackendError(f"run {cfg.run_id} has no committed checkpoint under {cfg.run_dir} to evaluate")
+            checkpoint_id = latest.checkpoint_id
+        try:
+            job = evaluation_job(cfg, self.settings, checkpoint_id=checkpoint_id)
+        except ValueError as e:
+            raise BackendError(f"cannot evaluate run {cfg.run_id} on EKS: {e}") from e
         name = job["metadata"]["name"]
         deadline = time.time() + timeout_s
         with self._kube() as kube:

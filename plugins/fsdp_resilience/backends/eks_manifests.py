@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_resilience.backends.base import job_name_for
-from training.contract import ExitCode, RunConfig
+from training.contract import ExitCode, RunConfig, checkpoint_step
 
 #: The oldest Kubernetes these objects are valid for. The Jobs rely on podFailurePolicy (beta and
 #: on by default since 1.26, GA in 1.31) and the DisruptionTarget pod condition (since 1.26), but
@@ -47,7 +47,8 @@ COMPONENT_EVALUATION = "evaluation"
 #: Annotations carry the exact ids, which label values may not hold (``:``, ``+``, > 63 chars).
 ANNOTATION_LAUNCH = LABEL_LAUNCH
 ANNOTATION_AIRFLOW_RUN = LABEL_AIRFLOW_RUN
-#: The evaluation Job's name is ``job_name_for(run_id, EVAL_LAUNCH_ID)``.
+#: The evaluation Job's name is ``job_name_for(run_id, "eval-<checkpoint id>")`` (``EVAL_LAUNCH_ID``
+#: alone when no checkpoint is named).
 EVAL_LAUNCH_ID = "eval"
 
 #: The name of the container port (and Service port) the rendezvous store listens on.
@@ -437,9 +438,15 @@ def _container(settings: PodTemplateSettings, command: list[str], env: list[dict
 #: A pod that is preempted, evicted or deleted with its node gets the DisruptionTarget
 #: condition; it says nothing about the run, so it must not use up the Job's backoffLimit.
 _IGNORE_DISRUPTION = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
-#: Exit codes after which another pod of the same Job cannot help: a bug or a bad config fails
-#: the same way anywhere.
-USER_ERROR_EXIT_CODES = (ExitCode.CONFIG_ERROR, ExitCode.USER_ERROR)
+#: Exit codes after which another pod of the same Job cannot help: a bug or a bad config, training
+#: state that turns NaN/inf again after its rollbacks, a full or read-only run dir fail the same
+#: way anywhere (and none of them is the node's fault).
+USER_ERROR_EXIT_CODES = (ExitCode.CONFIG_ERROR, ExitCode.USER_ERROR, ExitCode.NON_FINITE,
+                         ExitCode.STORAGE_ERROR)
+#: Another launcher of the run holds the node's launch lock: the run is being trained elsewhere. A
+#: new pod would be refused the same way (or, worse, get the lock when the other one ends and train
+#: a run nobody asked it to), so nothing retries it blindly.
+ALREADY_RUNNING_EXIT_CODES = (ExitCode.ALREADY_RUNNING,)
 #: Exit codes after which the data plane already used its own restarts: relaunching (perhaps on
 #: replaced nodes) is the control plane's decision, not the Job controller's.
 GAVE_UP_EXIT_CODES = (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NO_PROGRESS)
@@ -456,7 +463,7 @@ def training_pod_failure_policy() -> dict[str, Any]:
     of the contract's final codes fails the whole Job at once; any other failure (exit 1: unknown,
     an OOM kill) is retried by the Job controller within backoffLimit."""
     return {"rules": [copy.deepcopy(_IGNORE_DISRUPTION), _exit_code_rule(USER_ERROR_EXIT_CODES),
-                      _exit_code_rule(GAVE_UP_EXIT_CODES)]}
+                      _exit_code_rule(ALREADY_RUNNING_EXIT_CODES), _exit_code_rule(GAVE_UP_EXIT_CODES)]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,20 +564,26 @@ def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSett
     }
 
 
-def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *,
+def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *, checkpoint_id: str | None = None,
                    airflow_run_id: str | None = None) -> dict[str, Any]:
-    """The one-pod Job that evaluates the run's newest committed checkpoint
-    (``python -m training.evaluate``, which writes ``<run_dir>/eval.json``)."""
+    """The one-pod Job that evaluates checkpoint ``checkpoint_id`` of the run (None: the newest
+    committed one that verifies) with ``python -m training.evaluate``, which writes
+    ``<run_dir>/eval.json``."""
     settings.validate()
     _check_ids(EVAL_LAUNCH_ID, airflow_run_id)
     _check_under_mount(cfg, settings)
-    name = job_name_for(cfg.run_id, EVAL_LAUNCH_ID)
+    if checkpoint_id is not None and checkpoint_step(checkpoint_id) is None:
+        raise ValueError(f"checkpoint_id={checkpoint_id!r} is not a checkpoint folder name such as 'step_00000100'")
+    # One Job per checkpoint: a retried task finds the same Job, a later checkpoint gets its own.
+    name = job_name_for(cfg.run_id, EVAL_LAUNCH_ID if checkpoint_id is None else f"{EVAL_LAUNCH_ID}-{checkpoint_id}")
     # No launch label: the evaluation belongs to the run, not to one launch of it.
     labels = _labels(cfg, COMPONENT_EVALUATION, None, airflow_run_id)
     annotations = _annotations(None, airflow_run_id)
     gpus = 1 if settings.gpus(cfg) > 0 else 0
     env = {"PYTHONUNBUFFERED": "1", **settings.env}
     command = ["python", "-m", "training.evaluate", "--config", f"{cfg.run_dir}/run.json"]
+    if checkpoint_id is not None:
+        command += ["--checkpoint", checkpoint_id]
     # No EFA (one process, no collectives), and so none of the huge pages EFA needs.
     container = _container(settings, command, _env(env, node_id_from_downward_api=True),
                            _resources(gpus, 0, settings, hugepages=False), None)

@@ -20,6 +20,10 @@ from fsdp_resilience.backends.base import JobStatus
 #: network gave up waiting), so it does not blame the node that logged it (as training/restart.py).
 PEER_SYMPTOMS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "broken pipe",
                  "rendezvous", "store")
+#: fault_detected's ``failure_class`` when the fault points at the machine (older logs have none).
+MACHINE_FAULT_CLASSES = (None, FailureClass.RESTARTS_EXHAUSTED.value)
+#: Drills that fake a fault of the code or the data, not of the machine they fire on.
+NOT_MACHINE_DRILLS = ("nan", "user_bug")
 
 
 def when(ts: float) -> str:
@@ -54,9 +58,12 @@ def blame_from_events(run_dir: str | Path, launch_id: str, status: JobStatus,
 
     Worker events carry no launch id, so this launch's events are those from its first
     ``launch_begin`` up to the next launch's. In order of trust: drills that fired (ground
-    truth); faults a rank detected that are not a peer's symptom (a collective that timed out
-    blames whoever it waited for, not the node that logged it); else the nodes whose launcher
-    reported the failure; else every node of the job (the share rule keeps that in check).
+    truth; a ``nan`` or ``user_bug`` drill fakes the data or the code, not the machine); faults a
+    rank detected that are not a peer's symptom (a collective that timed out blames whoever it
+    waited for, not the node that logged it) and point at the machine — if every one points at a
+    file, the storage, the data or the code (their ``failure_class``), nobody is blamed; else the
+    nodes whose launcher reported the failure; else every node of the job (the share rule keeps
+    that in check).
     """
     events = read_events(Path(run_dir) / "events.jsonl")
     begins = [r["ts"] for r in events if r.get("event") == Event.LAUNCH_BEGIN.value and r.get("launch_id") == launch_id]
@@ -74,15 +81,24 @@ def blame_from_events(run_dir: str | Path, launch_id: str, status: JobStatus,
                 f"(rank {r.get('rank')}, attempt {r.get('attempt')})"
                 + (f": {str(r['error'])[:200]}" if r.get("error") else "") for r in rs[:20]]
 
-    injected = [r for r in window if r.get("event") == Event.FAULT_INJECTED.value]
+    injected = [r for r in window if r.get("event") == Event.FAULT_INJECTED.value
+                and r.get("kind") not in NOT_MACHINE_DRILLS]
     if injected:
         bad = sorted({r["node_id"] for r in injected})
         return bad, [f"faults injected in this launch on {bad}:"] + summary(injected)
-    detected = [r for r in window if r.get("event") == Event.FAULT_DETECTED.value
-                and not any(m in f"{r.get('kind', '')} {r.get('error', '')}".lower() for m in PEER_SYMPTOMS)]
-    if detected:
-        bad = sorted({r["node_id"] for r in detected})
-        return bad, [f"faults detected in this launch on {bad} (not a peer's symptom):"] + summary(detected)
+    detected = [r for r in window if r.get("event") == Event.FAULT_DETECTED.value]
+    machine = [r for r in detected if r.get("failure_class") in MACHINE_FAULT_CLASSES
+               and not any(m in f"{r.get('kind', '')} {r.get('error', '')}".lower() for m in PEER_SYMPTOMS)]
+    if machine:
+        bad = sorted({r["node_id"] for r in machine})
+        return bad, [f"faults detected in this launch on {bad} (not a peer's symptom):"] + summary(machine)
+    elsewhere = [r for r in detected if r.get("failure_class") not in MACHINE_FAULT_CLASSES]
+    if elsewhere:
+        # They point at a file, the storage, the data or the code: another machine would read the
+        # same file and fail the same way, so no node is blamed.
+        classes = sorted({str(r.get("failure_class")) for r in elsewhere})
+        return [], [f"the faults detected in this launch point at {', '.join(classes)}, not at a machine: "
+                    "no node is blamed"] + summary(elsewhere)
     reporting = sorted({n.node_id for n in status.nodes if n.failure_class == status.failure_class and n.node_id})
     if reporting:
         return reporting, [f"no fault events name a node; the launcher(s) on {reporting} reported "

@@ -72,6 +72,7 @@ from fsdp_resilience.backends.base import (
     job_name_for,
     most_telling_failure,
     plan_replacement,
+    what_to_do,
 )
 from fsdp_resilience.backends.evidence import blame_from_events, final_events, verdict_at_cancel
 
@@ -348,6 +349,17 @@ class LocalProcessBackend(TrainingBackend):
             return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value,
                               rc if rc is not None and rc >= 0 else None,
                               f"stopped by {node['stopped_by']} before it reported (exit {rc})")
+        if rc is None:
+            # Gone, and no exit code in the record read above. Its supervisor reaps it within a poll
+            # and records the code before it ends itself: look again after checking on it. Judging
+            # it meanwhile would call a launcher that exited by itself (73: another launcher holds
+            # the run; 2: a bad config) a lost node, and replace a healthy machine.
+            supervisor = record["supervisor"]
+            supervising = _alive(supervisor["pid"], supervisor["start_ticks"])
+            rc = ((self._store.read_job(record["job_name"]) or record)["nodes"][index]).get("exit_code")
+            if rc is None and supervising:
+                return NodeStatus(index, slot, "running", None, None,
+                                  f"launcher pid {node['pid']} ended; its exit code is being recorded")
         if rc is not None and rc >= 0:
             # Exited without a final event: rejected before training started (exit 2), or crashed.
             failure = failure_class_for_exit(rc).value
@@ -418,12 +430,8 @@ class LocalProcessBackend(TrainingBackend):
         if status.state != "failed":
             return Diagnosis(failure, [], False, [f"job {handle.job_name} is {status.state}: nothing to diagnose"])
         evidence = [f"status: {status.message}"]
-        if failure == FailureClass.USER_ERROR.value:
-            return Diagnosis(failure, [], False, evidence + [
-                "a user error fails the same way on any node: fix the code or config, do not replace nodes"])
-        if failure not in REPLACEABLE_FAILURES:  # unknown (cancelled, crashed launcher): don't guess
-            return Diagnosis(failure, [], False, evidence + [
-                f"{failure}: not a failure that replacing a node fixes; read the logs (backend.logs)"])
+        if failure not in REPLACEABLE_FAILURES:  # a user, storage or data fault; unknown: don't guess
+            return Diagnosis(failure, [], False, evidence + [f"{failure}: {what_to_do(failure)}"])
         lost = [n for n in status.nodes if n.state == LOST]
         if lost:
             return Diagnosis(failure, [n.node_id for n in lost], True,
@@ -463,13 +471,16 @@ class LocalProcessBackend(TrainingBackend):
         return changed
 
     # -- evaluation ---------------------------------------------------------------------------
-    def run_evaluation(self, cfg: RunConfig, timeout_s: float = 3600.0) -> dict[str, Any]:
+    def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
+                       timeout_s: float = 3600.0) -> dict[str, Any]:
         """``python -m training.evaluate`` in the training venv (this process never imports torch)."""
         cfg = self._absolute(cfg)
         self._check_training_python()
+        command = [self.training_python, "-m", "training.evaluate", "--config", str(cfg.layout.config)]
+        if checkpoint_id is not None:
+            command += ["--checkpoint", checkpoint_id]
         try:
-            out = subprocess.run([self.training_python, "-m", "training.evaluate", "--config", str(cfg.layout.config)],
-                                 cwd=self.repo_root, capture_output=True, text=True, timeout=timeout_s)
+            out = subprocess.run(command, cwd=self.repo_root, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise BackendError(f"evaluation of run {cfg.run_id} did not finish within {timeout_s:.0f}s") from None
         print(out.stdout + out.stderr, end="")
