@@ -24,13 +24,16 @@ METHOD_HOW = {
     "memcpy": "copies each rank's tensors into buffers allocated once (no file: the floor)",
     "nvrx_async": "`AsyncCheckpointer.save`: snapshot into reused shared-memory buffers, DCP plan, hand-off to "
                   "NVRx's persistent writer process, which writes and fsyncs; committed by the next poll/wait",
+    "nvrx_async_no_checksum": "the project's saves without the writer's CRC32C pass over the files it wrote (a "
+                              "size-only record instead; bench only: such a checkpoint would never verify)",
     "torch_async_save": "`torch.distributed.checkpoint.async_save` with its default stager (a fresh CPU copy per "
                         "save), written by a background thread",
     "dcp_save": "`torch.distributed.checkpoint.save`, returns when written (fsync) and the metadata is out",
     "torch_save": "`torch.save` of each rank's local shards to its own file, then fsync",
 }
 #: Short names of the checkpoint methods, for table headers and legends.
-METHOD_NAMES = {"memcpy": "memcpy (floor)", "nvrx_async": "project: NVRx async DCP", "torch_async_save": "torch dcp.async_save",
+METHOD_NAMES = {"memcpy": "memcpy (floor)", "nvrx_async": "project: NVRx async DCP",
+                "nvrx_async_no_checksum": "project without checksums", "torch_async_save": "torch dcp.async_save",
                 "dcp_save": "torch dcp.save (sync)", "torch_save": "torch.save"}
 PARTS = {"training_plane": "training_plane.json", "chaos": "chaos.json", "control_plane": "control_plane.json"}
 #: Phases of a recovery, in time order, and their colours in the plot.
@@ -113,6 +116,12 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
                          f"{r['nvrx_async_over_memcpy']}×", r["nvrx_async_over_memcpy"] <= 2.0))
             rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ synchronous dcp.save", "≤ 0.1×",
                          f"{r['nvrx_async_over_dcp_save']}×", r["nvrx_async_over_dcp_save"] <= 0.1))
+            if "checksum_stall_overhead" in r:
+                cost = size["methods"]["nvrx_async"].get("checksum_s_per_save") or {}
+                rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: what CRC32C checksums add (with ÷ without, "
+                             f"side by side; in the writer {_stat(cost)} a save, save→commit "
+                             f"{r['checksum_commit_overhead']:+.1%})", "≤ +10%",
+                             f"{r['checksum_stall_overhead']:+.1%}", r["checksum_stall_overhead"] <= 0.10))
     recovery = (summary.get("training_plane") or {}).get("recovery")
     if recovery:
         for row in recovery["rows"]:
@@ -330,12 +339,16 @@ def render_markdown(summary: dict[str, Any]) -> str:
                   f"(the rest is optimizer state, which evaluation skips), into one process, {evaluation['trials']} "
                   f"trials. Page cache: {evaluation['page_cache']}. Raw read: {evaluation.get('raw_read', 'reads into a buffer')}.", ""]
         lines += _table(("", "seconds", "load ÷ this"), [
-            ("load into the evaluation process (build the model, DCP load, set the weights)", _stat(s["load_model"]), "1×"),
+            ("load into the evaluation process (" + ("verify, " if "verify_checksums" in s else "")
+             + "build the model, DCP load, set the weights)", _stat(s["load_model"]), "1×"),
             (f"  of which building the model ({evaluation.get('build', 'random init')})", _stat(s["build_model_only"]), ""),
             ("raw read of the model tensors' bytes (what the load reads)", _stat(s["raw_read_model_bytes"]),
              f"{evaluation['ratios']['load_over_raw_read_model_bytes']}×"),
             ("raw read of all the checkpoint's files", _stat(s["raw_read_files"]),
-             f"{evaluation['ratios']['load_over_raw_read_files']}×")])
+             f"{evaluation['ratios']['load_over_raw_read_files']}×")]
+            + ([(f"verify before loading: sizes + CRC32C of all the files "
+                 f"({evaluation['ratios']['verify_gib_per_s']} GiB/s)", _stat(s["verify_checksums"]),
+                 f"{round(1 / evaluation['ratios']['verify_over_load'], 2)}×")] if "verify_checksums" in s else []))
 
     lines += ["### Reproduce", "", "```sh",
               "make bench          # everything, ≤ 30 min on 2 cores: bench/results/ (latest.json and the plots are",

@@ -53,10 +53,11 @@ from bench.common import (
     write_json,
 )
 
-METHODS = ("memcpy", "nvrx_async", "torch_async_save", "dcp_save", "torch_save")
+METHODS = ("memcpy", "nvrx_async", "nvrx_async_no_checksum", "torch_async_save", "dcp_save", "torch_save")
 METHOD_LABELS = {
     "memcpy": "memcpy into reused buffers (floor)",
-    "nvrx_async": "project: NVRx async DCP (AsyncCheckpointer)",
+    "nvrx_async": "project: NVRx async DCP (AsyncCheckpointer), CRC32C of every file in the writer",
+    "nvrx_async_no_checksum": "the same without the CRC32C pass (sizes only): what checksums cost",
     "torch_async_save": "torch dcp.async_save (default stager)",
     "dcp_save": "torch dcp.save (synchronous)",
     "torch_save": "torch.save of each rank's shard (+ fsync)",
@@ -67,6 +68,30 @@ WIDTH = 1024  # Linear(1024, 1024): 1.05 M params, 12.6 MB with AdamW's two mome
 # --------------------------------------------------------------------------------------------
 # Checkpoint stall: one process per rank
 # --------------------------------------------------------------------------------------------
+
+
+def write_sizes_only(write_fn: Any, checkpoint_dir: str, sums_rank: int, rank: int, buckets: Any,
+                     results_queue: Any) -> None:
+    """The writer's job without the checksum pass, for ``nvrx_async_no_checksum`` only: NVRx's
+    write, then a ``.sums`` record with sizes and a dummy CRC (the commit checks sizes; nothing
+    ever loads these folders). Run in the writer process, as ``write_then_checksum`` is."""
+    import queue
+
+    from training.contract import CHECKSUM_ALGORITHM, SUMS_DIR, atomic_write_text
+
+    local: queue.Queue = queue.Queue()
+    try:
+        write_fn(rank, buckets, local)
+        result = local.get_nowait()
+        if not isinstance(result, BaseException):
+            names = sorted({wr.storage_data.relative_path for results in result.values() for wr in results})
+            sums = {n: {"size": os.path.getsize(os.path.join(checkpoint_dir, n)), CHECKSUM_ALGORITHM: "00000000"}
+                    for n in names}
+            os.makedirs(os.path.join(checkpoint_dir, SUMS_DIR), exist_ok=True)
+            atomic_write_text(Path(checkpoint_dir) / SUMS_DIR / f"rank_{sums_rank:05d}.json", json.dumps(sums))
+    except Exception as e:  # noqa: BLE001 - reported like the real job does
+        result = e
+    results_queue.put(result)
 
 
 def _local_tensors(state: Any, prefix: str = "") -> dict[str, Any]:
@@ -143,7 +168,9 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
+    import training.checkpoint as checkpoint_module
     from training.checkpoint import app_state
+    from training.checkpoint_writer import write_then_checksum as real_job
 
     scratch = Path(spec["scratch"])
     layers = max(1, round(target_mb * 1e6 / (12 * (WIDTH * WIDTH + WIDTH))))
@@ -186,13 +213,18 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
         if method == "memcpy":
             memcpy()
             blocking = time.perf_counter() - t0
-        elif method == "nvrx_async":
+        elif method in ("nvrx_async", "nvrx_async_no_checksum"):
+            # The writer's job is picked per save (checkpoint.py binds it when the save starts).
+            checkpoint_module.write_then_checksum = real_job if method == "nvrx_async" else write_sizes_only
             ckpt.save(step, state)
             blocking = time.perf_counter() - t0
             ckpt.wait()
             s = ckpt.last_save
             extra = {"settle_s": s.settle_s, "snapshot_s": s.snapshot_s, "plan_s": s.plan_s,
                      "schedule_s": s.schedule_s}
+            if method == "nvrx_async":
+                marker = json.loads((ckpt.layout.checkpoint_dir(step) / "COMMITTED.json").read_text())
+                extra["checksum_s"] = max(marker.get("checksum_s") or [0.0])
         elif method == "torch_async_save":
             future = dcp.async_save(state, checkpoint_id=str(folder))
             blocking = time.perf_counter() - t0
@@ -226,13 +258,14 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
                     warm[method].append(record[0])
                 else:
                     rows[method].append(record)
-                if method == "nvrx_async":  # its folders are in the run-dir layout
+                if method.startswith("nvrx_async"):  # its folders are in the run-dir layout
                     for old in ckpt.layout.checkpoints.glob("step_*"):
                         shutil.rmtree(old, ignore_errors=True)
                 elif method != "memcpy":
                     shutil.rmtree(scratch / method, ignore_errors=True)
                 os.sync()  # no write-back of this save lands in the next one's timing
             dist.barrier()
+    checkpoint_module.write_then_checksum = real_job  # later saves (the evaluation checkpoint) verify
     total_bytes = sum(gather(local_bytes))
     if rank != 0:
         return None, step
@@ -240,9 +273,11 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
     for method, records in rows.items():
         entry = {"label": METHOD_LABELS[method], "blocking_s": summarize(r[0] for r in records),
                  "complete_s": summarize(r[1] for r in records), "warmup_blocking_s": [round(w, 4) for w in warm[method]]}
-        if method == "nvrx_async":
+        if method.startswith("nvrx_async"):
             entry["breakdown_median_s"] = {k: summarize(r[2][k] for r in records)["median"]
                                            for k in ("settle_s", "snapshot_s", "plan_s", "schedule_s")}
+        if method == "nvrx_async":
+            entry["checksum_s_per_save"] = summarize(r[2]["checksum_s"] for r in records)
         methods_out[method] = entry
     return {"target_mb": target_mb, "state_mb": round(total_bytes / 1e6, 1), "per_rank_mb": round(local_bytes / 1e6, 1),
             "layers": layers, "state_dict_s": round(state_dict_s, 4), "methods": methods_out}, step
@@ -309,10 +344,16 @@ def bench_stall(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "nvrx_async_over_dcp_save": round(project / m["dcp_save"]["blocking_s"]["median"], 3),
             "torch_async_save_over_dcp_save": round(m["torch_async_save"]["blocking_s"]["median"]
                                                     / m["dcp_save"]["blocking_s"]["median"], 3),
+            # What checksums add to the stall and to save-to-commit, side by side with the same
+            # saves without the CRC32C pass.
+            "checksum_stall_overhead": round(project / m["nvrx_async_no_checksum"]["blocking_s"]["median"] - 1, 3),
+            "checksum_commit_overhead": round(m["nvrx_async"]["complete_s"]["median"]
+                                              / m["nvrx_async_no_checksum"]["complete_s"]["median"] - 1, 3),
         }
         size["targets"] = {
             "nvrx_async <= 2x memcpy": size["ratios"]["nvrx_async_over_memcpy"] <= 2.0,
             "nvrx_async <= 1/10 dcp_save": size["ratios"]["nvrx_async_over_dcp_save"] <= 0.1,
+            "checksums add <= 10% to the stall": size["ratios"]["checksum_stall_overhead"] <= 0.10,
         }
     return {"world_size": args.nproc, "device": device, "backend": "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
             "scratch_dir": args.scratch or tempfile.gettempdir(), "trials": args.trials, "warmup_trials": 1,
@@ -350,11 +391,16 @@ def _read_ranges(ranges: list[tuple[Path, int, int]], buffer: bytearray) -> int:
     return at
 
 
+def _verified(reason: str | None) -> None:
+    if reason is not None:
+        raise RuntimeError(f"the bench checkpoint does not verify: {reason}")
+
+
 def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from training.contract import CheckpointCatalog, RunConfig
+    from training.contract import CheckpointCatalog, EventLog, RunConfig, verify_checkpoint
     from training.evaluate import empty_model, load_model
 
     run_dir = work / "eval-run"
@@ -369,15 +415,19 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ranges = sorted((info.path / s.relative_path, s.offset, s.length)
                     for index, s in metadata.storage_data.items() if index.fqn.startswith("model."))
     whole_files = [(p, 0, p.stat().st_size) for p in files]
+    events = EventLog(cfg.layout.events, run_id=cfg.run_id, role="bench")
     buffer = bytearray(sum(r[2] for r in whole_files))
     device = torch.device("cpu")
     timings: dict[str, list[float]] = {"load_model": [], "raw_read_model_bytes": [], "raw_read_files": [],
-                                       "build_model_only": []}
+                                       "build_model_only": [], "verify_checksums": []}
     tasks = {
         "raw_read_files": lambda: _read_ranges(whole_files, buffer),
         "raw_read_model_bytes": lambda: _read_ranges(ranges, buffer),
-        "load_model": lambda: load_model(cfg, info, device),
+        # The whole evaluation load: verify (sizes + CRC32C), build, DCP load, set the weights.
+        "load_model": lambda: load_model(cfg, info.checkpoint_id, device, events),
         "build_model_only": lambda: empty_model(cfg, device),
+        # What verifying before a load costs: sizes + CRC32C of every file, in one process.
+        "verify_checksums": lambda: _verified(verify_checkpoint(info.path)),
     }
     order = list(tasks)
     for trial in range(1 + args.trials):  # trial 0 warms the page cache and the allocator
@@ -401,7 +451,10 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "page_cache": "warm (the checkpoint was just written; trial 0 is discarded)",
         "raw_read": "os.preadv into one preallocated buffer that holds all the bytes read",
         "seconds": out,
-        "ratios": {"load_over_raw_read_model_bytes": ratio_bytes, "load_over_raw_read_files": ratio_files},
+        "ratios": {"load_over_raw_read_model_bytes": ratio_bytes, "load_over_raw_read_files": ratio_files,
+                   "verify_over_load": round(out["verify_checksums"]["median"] / load, 3),
+                   "verify_gib_per_s": round(sum(r[2] for r in whole_files) / 2**30
+                                             / out["verify_checksums"]["median"], 2)},
         "targets": {"load <= 1.5x raw read (model bytes)": ratio_bytes <= 1.5,
                     "load <= 1.5x raw read (whole files)": ratio_files <= 1.5},
     }

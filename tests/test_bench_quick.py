@@ -71,7 +71,14 @@ def test_quick_training_plane_bench_measures_every_method(tmp_path):
     assert result["load"]["cores"] >= 1 and result["load"]["loadavg_1m_during"]["n"] >= 1
     (size,) = result["stall"]["sizes"]
     methods = size["methods"]
-    assert set(methods) == {"memcpy", "nvrx_async", "torch_async_save", "dcp_save", "torch_save"}
+    assert set(methods) == {"memcpy", "nvrx_async", "nvrx_async_no_checksum", "torch_async_save", "dcp_save",
+                            "torch_save"}
+    # what checksums cost: measured side by side, in the writer (per save) and on the stall
+    assert methods["nvrx_async"]["checksum_s_per_save"]["n"] == 2
+    assert methods["nvrx_async"]["checksum_s_per_save"]["min"] > 0
+    assert size["ratios"]["checksum_stall_overhead"] == pytest.approx(
+        methods["nvrx_async"]["blocking_s"]["median"] / methods["nvrx_async_no_checksum"]["blocking_s"]["median"] - 1,
+        abs=0.002)
     for name, m in methods.items():
         b = m["blocking_s"]
         assert b["n"] == 2 and 0 < b["min"] <= b["median"] <= b["max"], name
@@ -86,6 +93,7 @@ def test_quick_training_plane_bench_measures_every_method(tmp_path):
     assert evaluation["saved_world_size"] == 2 and evaluation["model_mb"] < evaluation["file_mb"]
     seconds = evaluation["seconds"]
     assert seconds["load_model"]["median"] > seconds["build_model_only"]["median"] > 0
+    assert seconds["verify_checksums"]["median"] > 0 and evaluation["ratios"]["verify_gib_per_s"] > 0
     assert evaluation["ratios"]["load_over_raw_read_model_bytes"] == pytest.approx(
         seconds["load_model"]["median"] / seconds["raw_read_model_bytes"]["median"], rel=0.01)
 
