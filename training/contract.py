@@ -951,7 +951,9 @@ class Event(str, enum.Enum):
 
     Type-specific fields:
       launch_begin       nodes, procs_per_node, restart_mode, command
-      train_begin        start_step, world_size, device, resumed_from (checkpoint id or null)
+      train_begin        start_step, world_size, device, resumed_from (checkpoint id or null), rng
+                         ("seeded" | "restored" | "reseeded": each rank's RNG state, from the seed, the
+                         checkpoint, or the seed again when the world size changed)
       step               step, loss, tokens_per_s, step_s
       checkpoint_begin   step, blocking_s (time the training loop was stopped for the save), mode,
                          snapshot_s
@@ -966,8 +968,11 @@ class Event(str, enum.Enum):
       fault_detected     layer, kind, step, error, signature, repeated (same error, same step,
                          seen before: a user error), failure_class (what the fault points at:
                          restarts_exhausted for the machine; user_error, non_finite,
-                         storage_error, or "checkpoint" for a restore that failed on a file)
-      restart_begin      layer ("inprocess" | "injob" | "relaunch"), reason, fault_ts
+                         storage_error, or "checkpoint" for a restore that failed on a file),
+                         restoring; for non_finite (rank 0): first_step, ranks, rollbacks_before,
+                         max_rollbacks
+      restart_begin      layer ("inprocess" | "injob" | "relaunch" | "rollback": non-finite state,
+                         restored in place), reason, fault_ts
       restart_end        layer, step, latency_s (the fault, or the last step before it, -> the
                          first step completed after it)
       train_end          step, status
@@ -1082,24 +1087,27 @@ def _parse_event_line(line: str) -> dict[str, Any] | None:
 
 def declare_stop(layout: RunDir, failure: FailureClass, **record: Any) -> bool:
     """Record that the run must stop on every node and every restart layer (``STOP_CLASSES``).
-    The first rank wins (``O_EXCL`` keeps the first diagnosis); returns whether this call wrote it.
-    Best effort: on a full or read-only run dir nothing can be written, and the launcher finds the
-    storage fault by probing instead."""
+    The first rank wins (the marker is linked into place whole, so it is complete or absent, and
+    a later rank's link fails); returns whether this call wrote it. Best effort: on a full or
+    read-only run dir nothing can be written, and the launcher finds the storage fault by probing."""
     if failure not in STOP_CLASSES:
         raise ValueError(f"{failure} is not a stop class; use one of {[c.value for c in STOP_CLASSES]}")
+    tmp = layout.control / f".{layout.stop_marker.name}.{os.getpid()}.{time.monotonic_ns()}"
     try:
         layout.control.mkdir(parents=True, exist_ok=True)
-        fd = os.open(layout.stop_marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    except OSError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        try:
+        with open(tmp, "w") as f:
             json.dump({"failure_class": failure.value, "ts": time.time(), **record}, f, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, layout.stop_marker)
+        return True
+    except OSError:  # FileExistsError: another rank was first; else the run dir takes no writes
+        return False
+    finally:
+        try:
+            tmp.unlink()
         except OSError:
             pass
-    return True
 
 
 def read_stop(layout: RunDir) -> dict[str, Any] | None:
