@@ -5,12 +5,20 @@ dir (FSx is a temp folder) — it commits checkpoints and writes events with the
 ends each pod with the exit code a scenario asks for.
 
 Import the fixtures into a test module with ``from eks_cluster import aws, cluster  # noqa: F401``.
+
+``cluster`` is the fake with the rendered deploy kit loaded (deploy/overlays/example):
+RBAC enforced, the kit's admission policies and Pod Security labels active, ServiceAccounts, PVCs
+and PriorityClasses checked, tasks calling as the worker and triggers as the triggerer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import json
 import os
+import sys
 import threading
 import time
 import urllib.request
@@ -20,6 +28,7 @@ from typing import Callable
 import pytest
 
 from fake_kube import FakeKube
+from kube_authz import UserInfo, service_account_user
 from saved_checkpoints import save_checkpoint
 from training.contract import CheckpointCatalog, Event, EventLog, FailureClass, RunConfig, failure_class_for_exit
 
@@ -28,6 +37,10 @@ POOL = {"fsdp-resilience/pool": "gpu"}
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 MANAGED_TAG = {"Key": "fsdp-resilience/managed", "Value": "true", "PropagateAtLaunch": True}
 REGION = "us-west-2"
+REPO = Path(__file__).resolve().parents[2]
+#: The Airflow identities the kit grants to (deploy/base/rbac.yaml).
+WORKER = service_account_user("airflow", "airflow-worker")
+TRIGGERER = service_account_user("airflow", "airflow-triggerer")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +71,127 @@ def aws():
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    """A fake apiserver, and an Airflow connection ``kubernetes_fake`` to it."""
+def permissive_cluster(tmp_path, monkeypatch):
+    """A fake apiserver with no kit loaded (no RBAC, admission policies or reference checks; the
+    schema and semantic checks still apply), and an Airflow connection ``kubernetes_fake`` to it
+    with the admin's token. Only for tests of the fake itself: the backend's tests use ``cluster``."""
     kube = FakeKube()
     monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kube.kubeconfig(tmp_path / "kubeconfig")))
+    yield kube
+    assert not kube.errors, kube.errors
+    kube.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# The strict cluster: the deploy kit loaded, and each caller with its own token.
+
+#: The bearer token Kubernetes requests made in this context carry instead of the kubeconfig's
+#: (set by ``acting_as`` and by the triggers' patched ``run``).
+ACTING_TOKEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_kube_acting_token", default=None)
+
+
+def _deploy_tree_stamp(root: Path) -> tuple:
+    return tuple(sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*")
+                        if f.is_file() and "__pycache__" not in f.parts))
+
+
+@functools.cache
+def _render_cached(overlay: str, stamp: tuple) -> tuple:
+    if str(REPO / "deploy") not in sys.path:
+        sys.path.insert(0, str(REPO / "deploy"))
+    import render
+
+    return tuple(render.render(REPO / "deploy" / "overlays" / overlay))
+
+
+def render_kit(overlay: str = "example") -> list[dict]:
+    """The deploy kit's objects for ``overlay``, rendered with kubectl's kustomize (deploy/render.py);
+    rendered again whenever a file under deploy/ changed."""
+    return [json.loads(json.dumps(o)) for o in _render_cached(overlay, _deploy_tree_stamp(REPO / "deploy"))]
+
+
+def _with_acting_token(headers):
+    token = ACTING_TOKEN.get()
+    if token is None or headers is None:
+        return headers
+    # The clients name the header "authorization" (the kubeconfig's api_key): replace any spelling.
+    return {**{k: v for k, v in headers.items() if k.lower() != "authorization"}, "Authorization": f"Bearer {token}"}
+
+
+def swap_tokens_in_clients(monkeypatch) -> None:
+    """Make every ``kubernetes`` and ``kubernetes_asyncio`` request carry ACTING_TOKEN's token when
+    one is set in the calling context (the clients' REST layer is where the Authorization header
+    is finally put together)."""
+    import kubernetes.client.rest
+    import kubernetes_asyncio.client.rest
+
+    sync_request = kubernetes.client.rest.RESTClientObject.request
+    async_request = kubernetes_asyncio.client.rest.RESTClientObject.request
+
+    def request(self, method, url, query_params=None, headers=None, *args, **kwargs):
+        return sync_request(self, method, url, query_params, _with_acting_token(headers), *args, **kwargs)
+
+    async def request_async(self, method, url, query_params=None, headers=None, *args, **kwargs):
+        return await async_request(self, method, url, query_params, _with_acting_token(headers), *args, **kwargs)
+
+    monkeypatch.setattr(kubernetes.client.rest.RESTClientObject, "request", request)
+    monkeypatch.setattr(kubernetes_asyncio.client.rest.RESTClientObject, "request", request_async)
+
+
+def run_triggers_as(kube: FakeKube, user: UserInfo, monkeypatch) -> None:
+    """Triggers call Kubernetes as ``user`` (the triggerer): each trigger's ``run`` sets
+    ACTING_TOKEN first. It is set in the task that iterates the trigger, which has a context of
+    its own (dag.test runs each trigger in ``asyncio.run``, the triggerer in a task per trigger),
+    so it never leaks into the tasks; ``asyncio.to_thread`` copies the context into its thread, so
+    NodeCapacityTrigger's sync ``backend.capacity`` call carries the token too."""
+    from fsdp_resilience import triggers
+
+    token = kube.token_for(user)
+    for trigger in (triggers.TrainingProgressTrigger, triggers.NodeCapacityTrigger):
+        original = trigger.run
+
+        async def run(self, _original=original):
+            ACTING_TOKEN.set(token)
+            async for event in _original(self):
+                yield event
+        monkeypatch.setattr(trigger, "run", run)
+
+
+@contextlib.contextmanager
+def acting_as(kube: FakeKube, user: UserInfo):
+    """Kubernetes calls made inside this block (in this thread, and in what it starts with a copy of
+    its context) carry ``user``'s token. Needs swap_tokens_in_clients (cluster does it)."""
+    reset = ACTING_TOKEN.set(kube.token_for(user))
+    try:
+        yield
+    finally:
+        ACTING_TOKEN.reset(reset)
+
+
+def start_strict_cluster(tmp_path, monkeypatch, overlay: str = "example") -> FakeKube:
+    """A FakeKube with ``overlay``'s rendered kit loaded, an Airflow connection ``kubernetes_fake``
+    whose kubeconfig carries the worker's token, and the triggers calling as the triggerer."""
+    kube = FakeKube()
+    kube.load(render_kit(overlay))
+    kubeconfig = kube.kubeconfig(tmp_path / "kubeconfig", namespace=NS, user=WORKER)
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kubeconfig, namespace=NS))
+    swap_tokens_in_clients(monkeypatch)
+    run_triggers_as(kube, TRIGGERER, monkeypatch)
+    return kube
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """The fake apiserver as strict as the deploy kit makes EKS (deploy/overlays/example, rendered
+    now): RBAC from the kit's Roles and bindings (403 otherwise), its ValidatingAdmissionPolicies
+    (node writes, pod security), Pod Security admission from its namespace labels, and
+    ServiceAccounts, PVCs and PriorityClasses that must exist. Tasks call as the worker's
+    ServiceAccount (the ``kubernetes_fake`` connection's kubeconfig holds its token); triggers as
+    the triggerer's (run_triggers_as: each trigger's ``run`` sets ACTING_TOKEN, and the clients'
+    REST layer swaps the Authorization header for it; swap_tokens_in_clients). ``acting_as(kube,
+    user)`` does the same for a block of test code. Use ``start_strict_cluster(tmp_path,
+    monkeypatch, "example-karpenter")`` for another overlay."""
+    kube = start_strict_cluster(tmp_path, monkeypatch)
     yield kube
     assert not kube.errors, kube.errors
     kube.stop()
@@ -89,9 +219,11 @@ def asg_instances(name: str) -> list[str]:
 
 
 def add_gpu_node(kube: FakeKube, name: str, instance: str | None = None, **kw) -> dict:
-    """A p5.48xlarge node of the GPU pool (labels, taint, GPUs and EFA devices as on EKS)."""
+    """A p5.48xlarge node of the GPU pool (labels, taint, GPUs, EFA devices and the allocatable CPU
+    and memory left after EKS's kube-reserved, as on EKS)."""
     return kube.add_node(name, labels={**POOL, "node.kubernetes.io/instance-type": "p5.48xlarge"},
-                         taints=[GPU_TAINT], allocatable={"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32},
+                         taints=[GPU_TAINT], allocatable={"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32,
+                                                          "cpu": "191450m", "memory": "1990Gi"},
                          provider_id=f"aws:///{REGION}a/{instance}" if instance else None, **kw)
 
 

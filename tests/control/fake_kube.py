@@ -1,15 +1,50 @@
 """A fake Kubernetes apiserver over real HTTP, for the control-plane tests of the EKS backend.
 
 It serves the JSON paths the `kubernetes` and `kubernetes_asyncio` clients use for pods (+log,
-+eviction), services, events, nodes, batch/v1 jobs and karpenter.sh/v1 nodeclaims, and keeps the
-cluster state realistic with a mini Job controller (Indexed jobs, podFailurePolicy, backoffLimit,
-replacement pods), a mini scheduler (readiness, cordon, taints/tolerations, nodeSelector, required
-node affinity, extended resources, required pod anti-affinity) and PodGC/Karpenter-like node loss.
++eviction), services, events, nodes, namespaces, serviceaccounts, persistentvolumeclaims,
+persistentvolumes, configmaps, batch/v1 jobs, scheduling.k8s.io priorityclasses,
+networking.k8s.io networkpolicies, rbac.authorization.k8s.io roles/bindings,
+admissionregistration.k8s.io validatingadmissionpolicies/bindings and karpenter.sh/v1 nodeclaims,
+and keeps the cluster state realistic with a mini Job controller (Indexed jobs, podFailurePolicy,
+backoffLimit, suspend, replacement pods), a mini scheduler (readiness, cordon, taints/tolerations,
+nodeSelector, required node affinity, extended resources, required pod anti-affinity, PVCs) and
+PodGC/Karpenter-like node loss.
 
-Created Pods/Jobs/Services/Events/Evictions (and the result of every patch/update) are validated
-strictly against the Kubernetes 1.33 OpenAPI schema (kubernetes_validate): an unknown or misspelt
-field is a 422 Invalid, as with ``fieldValidation=Strict``. Everything the fake does is immediate:
-there is no grace period, no kubelet delay and no watch.
+What it checks, as the apiserver does (errors shaped like its Status, messages like its own):
+
+- Schema: every created or changed object against the Kubernetes 1.33 OpenAPI schema
+  (kubernetes_validate), strictly: an unknown or misspelt field is a 422, as with
+  ``fieldValidation=Strict``.
+- Semantics beyond the schema: names per kind (Services DNS-1035 labels, Namespaces RFC 1123
+  labels, Jobs RFC 1123 subdomains of at most 63 characters, the rest subdomains), label keys and
+  values, pod hostname/subdomain; podFailurePolicy (no exit code 0 with In, values unique and
+  ordered, a containerName of the template, one of onExitCodes/onPodConditions); resources
+  (extended resources and huge pages: requests equal limits, a limit when requested; huge pages
+  need cpu or memory; requests <= limits); ports in range (containers, Services with named ports
+  when there are several, NetworkPolicies); restartPolicy of Jobs.
+- Immutability: a Job's template (except a never-started suspended Job's scheduling directives),
+  selector, completionMode and podFailurePolicy (422 "field is immutable"); a pod's spec but for
+  images, activeDeadlineSeconds and added tolerations.
+- Optimistic concurrency: an update or patch carrying a resourceVersion other than the stored one
+  is a 409 Conflict. ``taint_on_next_read`` / ``add_node_taint`` play a second controller (the
+  node lifecycle controller, Karpenter) that taints a node between a client's read and write.
+- Pod Security admission per namespace label (pod-security.kubernetes.io/enforce and warn, with
+  their -version): the baseline and restricted checks a pod of this project can hit (host
+  namespaces, privileged, capabilities, hostPath, hostPort, seccomp, volume types,
+  allowPrivilegeEscalation, runAsNonRoot, runAsUser=0). A pod is refused with 403; a Job's
+  template only warns (Warning headers) and its pods are refused by the job controller.
+- Once ``load(objects)`` stored a deploy kit: pods' ServiceAccount and PriorityClass must exist
+  (else 403 for a client's pod, a FailedCreate Warning event on the Job for the job controller's),
+  PVCs too (else the pod stays Pending with a FailedScheduling event); RBAC (kube_authz
+  RbacAuthorizer) authorises every request by its bearer token's user (``token_for``,
+  ``kubeconfig(user=...)``; 401 for an unknown token, 403 with the apiserver's message); the kit's
+  ValidatingAdmissionPolicies (kube_authz AdmissionPolicies, CEL in cel-python) admit creates,
+  updates, patches, deletes and evictions, the job controller's pods as
+  system:serviceaccount:kube-system:job-controller.
+
+Every request is recorded in ``requests`` (verb, group, resource, subresource, namespace, name as
+RBAC names them, and the user). Everything the fake does is immediate: there is no grace period,
+no kubelet delay and no watch.
 
 Use::
 
@@ -17,16 +52,36 @@ Use::
 
     with FakeKube() as kube:
         kube.add_node("gpu-0", allocatable={"nvidia.com/gpu": "8"})
-        path = kube.kubeconfig(tmp_path / "kubeconfig")
+        path = kube.kubeconfig(tmp_path / "kubeconfig")  # the admin's token; user=... for another
         # KubernetesHook and AsyncKubernetesHook(conn_id="kubernetes_fake") both reach it through
         # the connection's kube_config_path (the async hook ignores config_file=):
         monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(path))
 
 As on a real apiserver: node ``spec.taints`` is an atomic list (a strategic merge patch replaces it
 whole); a Job deleted without ``propagationPolicy`` orphans its pods (with a Warning header); the
-1.33 schema wants ``status`` on every ``podFailurePolicy`` ``onPodConditions`` entry. Client quirk:
+1.33 schema wants ``status`` on every ``podFailurePolicy`` ``onPodConditions`` entry; timestamps
+are stored re-encoded (UTC, "Z", whole seconds), so a client's "+00:00" reads back as "Z". Client quirk:
 kubernetes 36.0.x's sync ``read_namespaced_pod_log`` returns ``str(bytes)`` ("b'...'",
 kubernetes-client/python#2596); read logs with ``_preload_content=False`` and decode.
+
+What it does not model (a real cluster may still refuse or behave differently):
+
+- watches, server-side apply, field managers, finalizers other than Karpenter's, graceful
+  deletion, garbage collection other than a deleted Job's (its pods, and the Services,
+  NetworkPolicies and ConfigMaps it owns, by its propagationPolicy);
+- defaulting beyond a few fields (pod requests are not filled in from limits in the stored object,
+  no QoS class computation), LimitRanges, ResourceQuotas, mutating webhooks and policies;
+- validation the apiserver does outside these lists (e.g. env var names, probes, volume sources,
+  most of the Service and NetworkPolicy semantics), and the schema of other Kubernetes versions
+  than 1.33 (deploy/render.py checks the kit at 1.30 and 1.33);
+- Pod Security checks outside the list above (AppArmor, SELinux, procMount, sysctls, Windows),
+  PodSecurity on pod updates, exemptions, audit annotations;
+- RBAC: ClusterRole aggregation, impersonation, nonResourceURLs (/version and discovery are open),
+  the job controller's own RBAC; admission: cel-python instead of cel-go (no type checking, no cost
+  limits), paramKind/paramRef;
+- NetworkPolicies are stored, never enforced (any pod reaches any pod); DNS, the CNI, EFA devices,
+  kubelet behaviour (images, probes, OOM), the device plugins' registration, node pressure,
+  taint-based evictions (NoExecute taints do not evict), preemption, PVC binding and volume attach.
 """
 
 from __future__ import annotations
@@ -65,13 +120,16 @@ JOB_DELETE_WARNING = ('299 - "child pods are preserved by default when jobs are 
 
 @dataclass(frozen=True)
 class Request:
-    """One API request, named as RBAC names it ("" for the core group, "" for no subresource)."""
+    """One API request, named as RBAC names it ("" for the core group, "" for no subresource), and
+    who made it (a kube_authz.UserInfo; not compared, so tests can list requests without it).
+    ``name`` is the URL's, or on a create the new object's metadata.name ("" for generateName)."""
     verb: str
     api_group: str
     resource: str
     subresource: str
     namespace: str
     name: str
+    user: object = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -111,12 +169,46 @@ RESOURCES = {(r.group, r.plural): r for r in [
         "reason", "reportingComponent", "source", "type")),
     Resource("", "v1", "nodes", "Node", False, "node-v1.json", "io.k8s.api.core.v1.Node",
              ("metadata.name", "spec.unschedulable")),
-    Resource("", "v1", "namespaces", "Namespace", False, field_labels=("metadata.name", "status.phase")),
+    Resource("", "v1", "namespaces", "Namespace", False, "namespace-v1.json", "io.k8s.api.core.v1.Namespace",
+             field_labels=("metadata.name", "status.phase")),
     Resource("batch", "v1", "jobs", "Job", True, "job-batch-v1.json", "io.k8s.api.batch.v1.Job",
              _BASE_FIELDS + ("status.successful",)),
     Resource("karpenter.sh", "v1", "nodeclaims", "NodeClaim", False),
+    # What a deploy kit holds (FakeKube.load) and what pods refer to.
+    Resource("", "v1", "serviceaccounts", "ServiceAccount", True, "serviceaccount-v1.json",
+             "io.k8s.api.core.v1.ServiceAccount"),
+    Resource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, "persistentvolumeclaim-v1.json",
+             "io.k8s.api.core.v1.PersistentVolumeClaim"),
+    Resource("", "v1", "persistentvolumes", "PersistentVolume", False, "persistentvolume-v1.json",
+             "io.k8s.api.core.v1.PersistentVolume"),
+    Resource("", "v1", "configmaps", "ConfigMap", True, "configmap-v1.json", "io.k8s.api.core.v1.ConfigMap"),
+    Resource("scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", False,
+             "priorityclass-scheduling-v1.json", "io.k8s.api.scheduling.v1.PriorityClass"),
+    Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True,
+             "networkpolicy-networking-v1.json", "io.k8s.api.networking.v1.NetworkPolicy"),
+    Resource("rbac.authorization.k8s.io", "v1", "roles", "Role", True, "role-rbac-v1.json",
+             "io.k8s.api.rbac.v1.Role"),
+    Resource("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False, "clusterrole-rbac-v1.json",
+             "io.k8s.api.rbac.v1.ClusterRole"),
+    Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True, "rolebinding-rbac-v1.json",
+             "io.k8s.api.rbac.v1.RoleBinding"),
+    Resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False,
+             "clusterrolebinding-rbac-v1.json", "io.k8s.api.rbac.v1.ClusterRoleBinding"),
+    Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", "ValidatingAdmissionPolicy",
+             False, "validatingadmissionpolicy-admissionregistration-v1.json",
+             "io.k8s.api.admissionregistration.v1.ValidatingAdmissionPolicy"),
+    Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings",
+             "ValidatingAdmissionPolicyBinding", False,
+             "validatingadmissionpolicybinding-admissionregistration-v1.json",
+             "io.k8s.api.admissionregistration.v1.ValidatingAdmissionPolicyBinding"),
 ]}
-POD, SERVICE, EVENT, NODE, NAMESPACE, JOB, NODECLAIM = RESOURCES.values()
+(POD, SERVICE, EVENT, NODE, NAMESPACE, JOB, NODECLAIM, SERVICEACCOUNT, PVC, PV, CONFIGMAP, PRIORITYCLASS,
+ NETWORKPOLICY, ROLE, CLUSTERROLE, ROLEBINDING, CLUSTERROLEBINDING, VAP, VAP_BINDING) = RESOURCES.values()
+KINDS = {(r.api_version, r.kind): r for r in RESOURCES.values()}
+RBAC_RESOURCES = (ROLE, CLUSTERROLE, ROLEBINDING, CLUSTERROLEBINDING)
+ADMISSION_RESOURCES = (VAP, VAP_BINDING)
+#: Built in on every cluster (the scheduling.k8s.io bootstrap): name -> value.
+SYSTEM_PRIORITY_CLASSES = {"system-cluster-critical": 2000000000, "system-node-critical": 2000001000}
 EVICTION_SCHEMA = "eviction-policy-v1.json"
 
 
@@ -148,6 +240,33 @@ class ApiError(Exception):
     @classmethod
     def bad_request(cls, message: str) -> ApiError:
         return cls(400, "BadRequest", message)
+
+
+_TIMESTAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)")
+
+
+def normalize_times(value, key: str = ""):
+    """metav1.Time fields as the apiserver stores them (it decodes and re-encodes them): RFC 3339
+    in UTC with a Z, whole seconds. A client may send "+00:00" (the Python client does)."""
+    if isinstance(value, dict):
+        return {k: normalize_times(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normalize_times(v, key) for v in value]
+    if isinstance(value, str) and (key.endswith(("Time", "Timestamp")) or key in ("timeAdded", "startedAt",
+                                                                                 "finishedAt")):
+        m = _TIMESTAMP.fullmatch(value)
+        if m:
+            stamp = datetime.fromisoformat(m.group(1) + (m.group(3).replace("Z", "+00:00")))
+            return stamp.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return value
+
+
+def _authz():
+    """kube_authz (RBAC and ValidatingAdmissionPolicy evaluation), imported when first needed: it
+    needs cel-python, which tests that never load a kit do not."""
+    import kube_authz
+
+    return kube_authz
 
 
 def now() -> str:
@@ -426,13 +545,27 @@ _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 
 
+def dns_label_problems(value: str, where: str) -> list[str]:
+    """RFC 1123 label: what namespaces, pod hostnames and subdomains must be."""
+    if len(value) > 63 or not re.fullmatch(_DNS_LABEL, value):
+        return [f'{where}: Invalid value: "{value}": a lowercase RFC 1123 label must consist of lower case '
+                "alphanumeric characters or '-', and must start and end with an alphanumeric character "
+                "(at most 63 characters)"]
+    return []
+
+
 def name_problems(res: Resource, name: str) -> list[str]:
+    """The apiserver's name rule per kind: Services are DNS-1035 labels (they become DNS names and
+    must start with a letter), Namespaces RFC 1123 labels, Jobs RFC 1123 subdomains of at most 63
+    characters (the name becomes a label value on the Job's pods), the rest RFC 1123 subdomains."""
     if res is SERVICE:
         if len(name) > 63 or not _DNS_1035.match(name):
             return [f'metadata.name: Invalid value: "{name}": a DNS-1035 label must consist of lower case '
                     "alphanumeric characters or '-', start with an alphabetic character, and end with an "
                     "alphanumeric character (at most 63 characters)"]
         return []
+    if res is NAMESPACE:
+        return dns_label_problems(name, "metadata.name")
     if len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
         return [f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist of lower '
                 "case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"]
@@ -452,6 +585,314 @@ def label_problems(labels: dict | None, where: str = "metadata.labels") -> list[
             problems.append(f'{where}: Invalid value: "{value}": a valid label must be an empty string or '
                             "consist of alphanumeric characters, '-', '_' or '.' (at most 63 characters)")
     return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Semantic validation: what the apiserver's validation code rejects beyond the OpenAPI schema.
+
+def _is_native_resource(name: str) -> bool:
+    return "/" not in name or "kubernetes.io/" in name
+
+
+def _overcommit_allowed(name: str) -> bool:
+    """cpu, memory, ephemeral-storage: a request may be below its limit. Extended resources
+    (nvidia.com/gpu, vpc.amazonaws.com/efa) and huge pages: requests must equal limits."""
+    return _is_native_resource(name) and not name.startswith("hugepages-")
+
+
+def resource_problems(resources: dict | None, where: str) -> list[str]:
+    resources = resources or {}
+    limits = resources.get("limits") or {}
+    # The apiserver defaults a missing request to its limit before it validates.
+    requests = {**limits, **(resources.get("requests") or {})}
+    problems = []
+    for name, quantity in requests.items():
+        try:
+            amount, limit = parse_quantity(quantity), (parse_quantity(limits[name]) if name in limits else None)
+        except ValueError as e:
+            problems.append(f'{where}.requests[{name}]: Invalid value: "{quantity}": {e}')
+            continue
+        if limit is None:
+            if not _overcommit_allowed(name):
+                problems.append(f"{where}.limits: Required value: Limit must be set for non overcommitable "
+                                f"resources ({name})")
+        elif amount != limit and not _overcommit_allowed(name):
+            problems.append(f'{where}.requests: Invalid value: "{quantity}": must be equal to {name} limit of '
+                            f'{limits[name]}')
+        elif amount > limit:
+            problems.append(f'{where}.requests: Invalid value: "{quantity}": must be less than or equal to '
+                            f'{name} limit of {limits[name]}')
+    named = set(requests) | set(limits)
+    if any(n.startswith("hugepages-") for n in named) and not named & {"cpu", "memory"}:
+        problems.append(f"{where}: Forbidden: HugePages require cpu or memory")
+    return problems
+
+
+def _containers(spec: dict) -> list[tuple[str, dict]]:
+    """(field, container) for init, regular and ephemeral containers, in the pod spec's order."""
+    return [(f"{kind}[{i}]", c) for kind in ("initContainers", "containers", "ephemeralContainers")
+            for i, c in enumerate(spec.get(kind) or [])]
+
+
+def port_problems(value, where: str, allow_zero: bool = False) -> list[str]:
+    """A port number (1-65535; 0 too where it means unset), or a named port (IANA_SVC_NAME)."""
+    if isinstance(value, str):
+        if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", value) or "--" in value or value.isdigit():
+            return [f'{where}: Invalid value: "{value}": must be a valid port name (IANA_SVC_NAME: at most 15 '
+                    "characters, lower case alphanumeric or '-', at least one letter)"]
+        return []
+    if isinstance(value, int) and not (1 <= value <= 65535 or (allow_zero and value == 0)):
+        return [f"{where}: Invalid value: {value}: must be between 1 and 65535, inclusive"]
+    return []
+
+
+def service_problems(spec: dict) -> list[str]:
+    ports, problems, seen = spec.get("ports") or [], [], set()
+    for i, port in enumerate(ports):
+        at = f"spec.ports[{i}]"
+        problems += port_problems(port.get("port"), f"{at}.port")
+        problems += port_problems(port.get("targetPort"), f"{at}.targetPort", allow_zero=True)
+        if len(ports) > 1 and not port.get("name"):
+            problems.append(f"{at}.name: Required value")
+        key = (port.get("port"), port.get("protocol", "TCP"))
+        if key in seen:
+            problems.append(f'{at}: Duplicate value: {{"port": {key[0]}, "protocol": "{key[1]}"}}')
+        seen.add(key)
+    return problems
+
+
+def network_policy_problems(spec: dict) -> list[str]:
+    problems = []
+    for direction, peers in (("ingress", "from"), ("egress", "to")):
+        for r, rule in enumerate(spec.get(direction) or []):
+            for i, port in enumerate(rule.get("ports") or []):
+                at = f"spec.{direction}[{r}].ports[{i}]"
+                problems += port_problems(port.get("port"), f"{at}.port")
+                if port.get("endPort") is not None and (not isinstance(port.get("port"), int)
+                                                        or port["endPort"] < port["port"]):
+                    problems.append(f"{at}.endPort: Invalid value: {port['endPort']}: must be greater than or "
+                                    "equal to `port`")
+            for i, peer in enumerate(rule.get(peers) or []):
+                if not peer:
+                    problems.append(f"spec.{direction}[{r}].{peers}[{i}]: Required value: must specify a peer")
+    return problems
+
+
+def pod_spec_problems(spec: dict, where: str = "spec") -> list[str]:
+    problems, seen = [], set()
+    for path, c in _containers(spec):
+        name = c.get("name", "")
+        if name in seen:
+            problems.append(f'{where}.{path}.name: Duplicate value: "{name}"')
+        seen.add(name)
+        problems += resource_problems(c.get("resources"), f"{where}.{path}.resources")
+        for i, port in enumerate(c.get("ports") or []):
+            problems += port_problems(port.get("containerPort"), f"{where}.{path}.ports[{i}].containerPort")
+            problems += port_problems(port.get("hostPort"), f"{where}.{path}.ports[{i}].hostPort", allow_zero=True)
+    for key in ("hostname", "subdomain"):
+        if spec.get(key):
+            problems += dns_label_problems(spec[key], f"{where}.{key}")
+    return problems
+
+
+def pod_failure_policy_problems(spec: dict) -> list[str]:
+    """A Job's podFailurePolicy as the apiserver checks it: exit code 0 is never a failure (not
+    allowed with In), values unique and ordered, containerName must name a container of the
+    template, exactly one of onExitCodes and onPodConditions per rule."""
+    template = (spec.get("template") or {}).get("spec") or {}
+    names = {c.get("name") for _, c in _containers(template)}
+    problems = []
+    for r, rule in enumerate((spec.get("podFailurePolicy") or {}).get("rules") or []):
+        at = f"spec.podFailurePolicy.rules[{r}]"
+        codes, conditions = rule.get("onExitCodes"), rule.get("onPodConditions")
+        if codes is not None and conditions is not None:
+            problems.append(f"{at}: Invalid value: specifying both OnExitCodes and OnPodConditions is not supported")
+        elif codes is None and conditions is None:
+            problems.append(f"{at}: Invalid value: specifying one of OnExitCodes and OnPodConditions is required")
+        if codes is not None:
+            container = codes.get("containerName")
+            if container is not None and container not in names:
+                problems.append(f'{at}.onExitCodes.containerName: Invalid value: "{container}": must be one of the '
+                                "container or initContainer names in the pod template")
+            values = codes.get("values") or []
+            for i, value in enumerate(values):
+                if value == 0 and codes.get("operator") == "In":
+                    problems.append(f"{at}.onExitCodes.values[{i}]: Invalid value: 0: must not be 0 for the In "
+                                    "operator")
+                if value in values[:i]:
+                    problems.append(f"{at}.onExitCodes.values[{i}]: Duplicate value: {value}")
+                elif i and values[i - 1] > value:
+                    problems.append(f"{at}.onExitCodes.values[{i}]: Invalid value: {value}: must be ordered")
+        for i, pattern in enumerate(conditions or []):
+            if pattern.get("status") not in ("True", "False", "Unknown"):
+                problems.append(f'{at}.onPodConditions[{i}].status: Unsupported value: "{pattern.get("status")}": '
+                                'supported values: "True", "False", "Unknown"')
+    return problems
+
+
+#: Template fields a suspended Job that never started may still change (JobMutableNodeSchedulingDirectives).
+_SCHEDULING_DIRECTIVES = ("nodeSelector", "tolerations", "affinity", "schedulingGates")
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def job_update_problems(old: dict, new: dict) -> list[str]:
+    """What the apiserver refuses to change on a Job: selector, completionMode, podFailurePolicy and
+    the pod template (except the scheduling directives of a suspended Job that never started)."""
+    before, after, problems = old.get("spec") or {}, new.get("spec") or {}, []
+    for key in ("selector", "completionMode", "podFailurePolicy"):
+        if before.get(key) != after.get(key):
+            problems.append(f"spec.{key}: Invalid value: {_short(after.get(key))}: field is immutable")
+    if before.get("template") != after.get("template"):
+        def without_directives(template):
+            template = copy.deepcopy(template or {})
+            meta, spec = template.get("metadata") or {}, template.get("spec") or {}
+            for key in ("labels", "annotations"):
+                meta.pop(key, None)
+            for key in _SCHEDULING_DIRECTIVES:
+                spec.pop(key, None)
+            return template
+        never_started = before.get("suspend") and not (old.get("status") or {}).get("startTime")
+        if not (never_started and without_directives(before.get("template")) ==
+                without_directives(after.get("template"))):
+            problems.append(f"spec.template: Invalid value: {_short(after.get('template'))}: field is immutable")
+    return problems
+
+
+POD_UPDATE_FORBIDDEN = ("spec: Forbidden: pod updates may not change fields other than `spec.containers[*].image`,"
+                        "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only "
+                        "additions to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set "
+                        "to 1 if it was previously negative)")
+
+
+def pod_update_problems(old: dict, new: dict) -> list[str]:
+    """A pod's spec is immutable but for images, activeDeadlineSeconds and added tolerations."""
+    def mutable_removed(spec: dict) -> dict:
+        spec = copy.deepcopy(spec or {})
+        for kind in ("containers", "initContainers"):
+            for c in spec.get(kind) or []:
+                c.pop("image", None)
+        for key in ("activeDeadlineSeconds", "tolerations", "terminationGracePeriodSeconds"):
+            spec.pop(key, None)
+        return spec
+    before, after = old.get("spec") or {}, new.get("spec") or {}
+    kept = all(t in (after.get("tolerations") or []) for t in before.get("tolerations") or [])
+    return [] if kept and mutable_removed(before) == mutable_removed(after) else [POD_UPDATE_FORBIDDEN]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pod Security admission (the built-in PodSecurity plugin): the baseline and restricted checks
+# that apply to the fields a pod of this project could set, with the plugin's messages.
+
+PSA_LEVELS = ("privileged", "baseline", "restricted")
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
+RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                           "projected", "secret"}
+
+
+def _who(containers: list[dict]) -> str:
+    names = ", ".join(f'"{c.get("name", "")}"' for c in containers)
+    return f"container {names}" if len(containers) == 1 else f"containers {names}"
+
+
+def _quoted(values) -> str:
+    return ", ".join(f'"{v}"' for v in values)
+
+
+def pod_security_violations(spec: dict, level: str) -> list[str]:
+    """The checks of PodSecurity level ``level`` (privileged, baseline, restricted) that ``spec``
+    fails, as the plugin words them (joined by ", " after 'violates PodSecurity "<level>:latest": ')."""
+    if level not in ("baseline", "restricted"):
+        return []
+    containers = [c for _, c in _containers(spec)]
+    pod_sc = spec.get("securityContext") or {}
+
+    def sc(c):
+        return c.get("securityContext") or {}
+
+    def caps(c, key):
+        return list((sc(c).get("capabilities") or {}).get(key) or [])
+
+    out = []
+    host = [f"{k}=true" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+    if host:
+        out.append(f"host namespaces ({', '.join(host)})")
+    privileged = [c for c in containers if sc(c).get("privileged")]
+    if privileged:
+        out.append(f"privileged ({_who(privileged)} must not set securityContext.privileged=true)")
+    extra = [c for c in containers if set(caps(c, "add")) - BASELINE_CAPABILITIES]
+    if extra:
+        added = sorted({a for c in extra for a in caps(c, "add")} - BASELINE_CAPABILITIES)
+        out.append(f"non-default capabilities ({_who(extra)} must not include {_quoted(added)} in "
+                   "securityContext.capabilities.add)")
+    host_paths = [v["name"] for v in spec.get("volumes") or [] if "hostPath" in v]
+    if host_paths:
+        out.append(f"hostPath {'volume' if len(host_paths) == 1 else 'volumes'} ({_quoted(host_paths)})")
+    with_ports = [c for c in containers if any(p.get("hostPort") for p in c.get("ports") or [])]
+    if with_ports:
+        ports = [str(p["hostPort"]) for c in with_ports for p in c.get("ports") or [] if p.get("hostPort")]
+        out.append(f"hostPort ({_who(with_ports)} {'uses' if len(with_ports) == 1 else 'use'} "
+                   f"{'hostPort' if len(ports) == 1 else 'hostPorts'} {', '.join(ports)})")
+    unconfined = ["pod"] * ((pod_sc.get("seccompProfile") or {}).get("type") == "Unconfined") + [
+        _who([c]) for c in containers if (sc(c).get("seccompProfile") or {}).get("type") == "Unconfined"]
+    if unconfined:
+        out.append(f"seccompProfile ({' and '.join(unconfined)} must not set securityContext.seccompProfile.type "
+                   'to "Unconfined")')
+    if level == "baseline":
+        return out
+
+    restricted_volumes = [(v["name"], t) for v in spec.get("volumes") or []
+                          for t in v if t != "name" and t not in RESTRICTED_VOLUME_TYPES]
+    if restricted_volumes:
+        names = _quoted(n for n, _ in restricted_volumes)
+        types = _quoted(sorted({t for _, t in restricted_volumes}))
+        one = len(restricted_volumes) == 1
+        out.append(f"restricted volume types ({'volume' if one else 'volumes'} {names} "
+                   f"{'uses restricted volume type' if one else 'use restricted volume types'} {types})")
+    escalating = [c for c in containers if sc(c).get("allowPrivilegeEscalation") is not False]
+    if escalating:
+        out.append(f"allowPrivilegeEscalation != false ({_who(escalating)} must set "
+                   "securityContext.allowPrivilegeEscalation=false)")
+    no_drop = [c for c in containers if "ALL" not in caps(c, "drop")]
+    adds = [c for c in containers if set(caps(c, "add")) - {"NET_BIND_SERVICE"}]
+    if no_drop or adds:
+        parts = [f'{_who(no_drop)} must set securityContext.capabilities.drop=["ALL"]'] if no_drop else []
+        if adds:
+            added = sorted({a for c in adds for a in caps(c, "add")} - {"NET_BIND_SERVICE"})
+            parts.append(f"{_who(adds)} must not include {_quoted(added)} in securityContext.capabilities.add")
+        out.append(f"unrestricted capabilities ({'; '.join(parts)})")
+    explicit_false = [c for c in containers if sc(c).get("runAsNonRoot") is False]
+    unset = [] if pod_sc.get("runAsNonRoot") is True else [c for c in containers if sc(c).get("runAsNonRoot") is None]
+    if pod_sc.get("runAsNonRoot") is False or explicit_false or unset:
+        parts = ["pod must not set securityContext.runAsNonRoot=false"] * (pod_sc.get("runAsNonRoot") is False)
+        if explicit_false:
+            parts.append(f"{_who(explicit_false)} must not set securityContext.runAsNonRoot=false")
+        if unset:
+            parts.append(f"pod or {_who(unset)} must set securityContext.runAsNonRoot=true")
+        out.append(f"runAsNonRoot != true ({'; '.join(parts)})")
+    root = ["pod"] * (pod_sc.get("runAsUser") == 0) + [_who([c]) for c in containers if sc(c).get("runAsUser") == 0]
+    if root:
+        out.append(f"runAsUser=0 ({' and '.join(root)} must not set runAsUser=0)")
+    allowed = ("RuntimeDefault", "Localhost")
+    pod_ok = (pod_sc.get("seccompProfile") or {}).get("type") in allowed
+    bad = [c for c in containers if (sc(c).get("seccompProfile") or {}).get("type") not in allowed
+           and not (pod_ok and not sc(c).get("seccompProfile"))]
+    if bad and not unconfined:
+        out.append(f"seccompProfile (pod or {_who(bad)} must set securityContext.seccompProfile.type to "
+                   '"RuntimeDefault" or "Localhost")')
+    return out
+
+
+def pod_security_levels(namespace_obj: dict | None) -> tuple[tuple[str, str], tuple[str, str]]:
+    """((level, version) to enforce, (level, version) to warn at) from a namespace's
+    pod-security.kubernetes.io labels: privileged and latest when unset."""
+    labels = ((namespace_obj or {}).get("metadata") or {}).get("labels") or {}
+    return tuple((labels.get(f"pod-security.kubernetes.io/{mode}", "privileged"),
+                  labels.get(f"pod-security.kubernetes.io/{mode}-version", "latest")) for mode in ("enforce", "warn"))
 
 
 def _condition(type_: str, status: str, reason: str = "", message: str = "", probe: bool = False) -> dict:
@@ -534,6 +975,17 @@ class FakeKube:
         self.logs: dict[tuple, str] = {}
         #: Handler crashes (answered 500): a test can assert this stays empty.
         self.errors: list[str] = []
+        #: Whether pods' ServiceAccount, PriorityClass and PVC references must exist (set by load()).
+        self.check_references = False
+        #: Objects load() was given that this fake does not serve (kept for a test to look at).
+        self.unserved: list[dict] = []
+        self._tokens: dict[str, object] = {}         # bearer token -> kube_authz.UserInfo
+        self._user = None                             # who makes the request being served
+        self._warnings: list[str] = []                # Warning headers of the request being served
+        self._authorizer = None                       # kube_authz.RbacAuthorizer once RBAC is loaded
+        self._admission = None                        # kube_authz.AdmissionPolicies once VAPs are loaded
+        self._after_read: dict[str, list[dict]] = {}  # node name -> taints a "second controller" adds
+        self._create_failures: dict[str, str] = {}    # job uid -> last FailedCreate message
         self._server: ThreadingHTTPServer | None = None
         if start:
             self.start()
@@ -568,13 +1020,21 @@ class FakeKube:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def kubeconfig(self, path, namespace: str = "default") -> Path:
-        """Write a kubeconfig (JSON is YAML) for this server, without auth; returns its path."""
+    def token_for(self, user) -> str:
+        """A bearer token that authenticates as ``user`` (a kube_authz.UserInfo) on this server."""
+        token = "fake-" + uuid.uuid5(uuid.NAMESPACE_URL, f"{user.username}|{'|'.join(user.groups)}").hex
+        self._tokens[token] = user
+        return token
+
+    def kubeconfig(self, path, namespace: str = "default", user=None) -> Path:
+        """Write a kubeconfig (JSON is YAML) for this server with ``user``'s bearer token (default:
+        kube_authz.ADMIN, in system:masters); returns its path."""
         path = Path(path)
+        token = self.token_for(user or _authz().ADMIN)
         path.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "fake",
             "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {}}],
+            "users": [{"name": "fake", "user": {"token": token}}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
         }, indent=2))
         return path
@@ -585,6 +1045,59 @@ class FakeKube:
                            "extra": {"kube_config_path": str(kubeconfig_path), "namespace": namespace}})
 
     # -- test helpers: seeding and flipping state -------------------------------------------
+
+    def load(self, objects) -> None:
+        """Store a deploy kit's objects (as kubectl apply would, replacing what exists) and make the
+        cluster as strict as the kit makes a real one: pods' ServiceAccount, PriorityClass and PVC
+        references must exist from now on; RBAC objects switch on authorization (403) for every
+        request; ValidatingAdmissionPolicies and their bindings switch on admission. Objects of a
+        kind this fake does not serve are kept in ``unserved``."""
+        with self._lock:
+            for obj in objects:
+                res = KINDS.get((obj.get("apiVersion"), obj.get("kind")))
+                if res is None:
+                    self.unserved.append(copy.deepcopy(obj))
+                    continue
+                obj = copy.deepcopy(obj)
+                namespace = (obj.get("metadata") or {}).get("namespace") or ("default" if res.namespaced else "")
+                self._validate(res, obj)
+                self._store[res].pop((namespace if res.namespaced else "", obj["metadata"]["name"]), None)
+                if res is PVC:
+                    obj["status"] = {"phase": "Bound", "accessModes": obj["spec"].get("accessModes", []),
+                                     "capacity": (obj["spec"].get("resources") or {}).get("requests", {})}
+                self._insert(res, obj, namespace)
+            self.check_references = True
+            self._refresh_policies()
+            self._resync()
+
+    def add_namespace(self, name: str, labels: dict | None = None) -> dict:
+        """Store a Namespace (e.g. with pod-security.kubernetes.io/* labels); replaces one stored."""
+        with self._lock:
+            self._store[NAMESPACE].pop(("", name), None)
+            namespace = {"metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name, **(labels or {})}},
+                         "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
+            self._insert(NAMESPACE, namespace, "")
+            return copy.deepcopy(namespace)
+
+    def add_node_taint(self, name: str, taint: dict) -> dict:
+        """Another controller (the node lifecycle controller, Karpenter) adds a taint to a node now:
+        its resourceVersion changes, so a write based on an older read conflicts."""
+        with self._lock:
+            node = self._get(NODE, "", name)
+            taints = node["spec"].setdefault("taints", [])
+            if not any((t["key"], t["effect"]) == (taint["key"], taint["effect"]) for t in taints):
+                taints.append({**copy.deepcopy(taint), **({"timeAdded": now()} if taint["effect"] == "NoExecute"
+                                                          else {})})
+            self._touch(node)
+            return copy.deepcopy(node)
+
+    def taint_on_next_read(self, name: str, taint: dict) -> None:
+        """Arm the race a real cluster has: right after the next client read (get or list) that
+        returns node ``name``, a second controller adds ``taint`` to it (add_node_taint). A
+        read-modify-write patch without the resourceVersion it read then drops that taint; one
+        with it gets 409 Conflict and can read again."""
+        with self._lock:
+            self._after_read.setdefault(name, []).append(copy.deepcopy(taint))
 
     def add_node(self, name: str, *, ready: bool = True, labels: dict | None = None, taints: list | None = None,
                  allocatable: dict | None = None, provider_id: str | None = None,
@@ -709,6 +1222,78 @@ class FakeKube:
     def clear_requests(self) -> None:
         self.requests.clear()
 
+    # -- authorization and admission -----------------------------------------------------------
+
+    def _refresh_policies(self) -> None:
+        """Rebuild the authorizer and the admission policies from the stored objects."""
+        rbac = [o for r in RBAC_RESOURCES for o in self._store[r].values()]
+        admission = [o for r in ADMISSION_RESOURCES for o in self._store[r].values()]
+        self._authorizer = _authz().RbacAuthorizer(copy.deepcopy(rbac)) if rbac else None
+        self._admission = _authz().AdmissionPolicies(copy.deepcopy(admission)) if admission else None
+
+    def _resync(self) -> None:
+        """After a referenced object appears: jobs retry their pods, pending pods the scheduler."""
+        for job in list(self._store[JOB].values()):
+            if job["metadata"]["uid"] in self._job_state and not self._finished(job):
+                self._sync_job(job)
+        self._retry_pending()
+
+    def _namespace(self, name: str) -> dict:
+        stored = self._store[NAMESPACE].get(("", name))
+        return stored or {"apiVersion": "v1", "kind": "Namespace",
+                          "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name}},
+                          "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
+
+    def _admit(self, operation: str, res: Resource, sub: str, namespace: str, name: str,
+               obj: dict | None, old: dict | None) -> None:
+        """ValidatingAdmissionPolicies for a client's (or the job controller's) write; the fake's
+        own writes (events, status) are not admitted."""
+        if self._admission is None or self._user is None:
+            return
+        denied = self._admission.admit(self._user, operation, res.group, res.version, res.plural, sub,
+                                       namespace if res.namespaced else "", name, copy.deepcopy(obj),
+                                       copy.deepcopy(old), copy.deepcopy(self._namespace(namespace))
+                                       if res.namespaced else None)
+        for policy, binding, message in getattr(self._admission, "warnings", None) or []:
+            self._warnings.append(f"Validation failed for ValidatingAdmissionPolicy '{policy}' with binding "
+                                  f"'{binding}': {message}")
+        if denied:
+            code, message = denied
+            raise ApiError(code, {401: "Unauthorized", 403: "Forbidden", 422: "Invalid"}.get(code, "BadRequest"),
+                           message, {"name": name, "group": res.group, "kind": res.plural})
+
+    def _pod_admission(self, pod: dict, namespace: str) -> None:
+        """Mutating admission (ServiceAccount, Priority) and PodSecurity for a new pod."""
+        meta, spec = pod["metadata"], pod["spec"]
+        name = meta.get("name") or meta.get("generateName", "")
+
+        def forbidden(why: str) -> ApiError:
+            return ApiError(403, "Forbidden", f'pods "{name}" is forbidden: {why}',
+                            {"name": name, "kind": "pods"})
+        account = spec.get("serviceAccountName", "default")
+        if self.check_references and account != "default" and \
+                (namespace, account) not in self._store[SERVICEACCOUNT]:
+            raise forbidden(f'error looking up service account {namespace}/{account}: serviceaccount "{account}" '
+                            "not found")
+        if spec.get("priorityClassName"):
+            priority_class = self._store[PRIORITYCLASS].get(("", spec["priorityClassName"]))
+            value = (priority_class or {}).get("value", SYSTEM_PRIORITY_CLASSES.get(spec["priorityClassName"]))
+            if value is None and self.check_references:
+                raise forbidden(f"no PriorityClass with name {spec['priorityClassName']} was found")
+            if value is not None:
+                spec["priority"] = value
+        (enforce, version), warn = pod_security_levels(self._namespace(namespace))
+        violations = pod_security_violations(spec, enforce)
+        if violations:
+            raise forbidden(f'violates PodSecurity "{enforce}:{version}": ' + ", ".join(violations))
+        self._warn_pod_security(spec, warn)
+
+    def _warn_pod_security(self, spec: dict, *levels: tuple[str, str]) -> None:
+        for level, version in dict.fromkeys(levels):
+            violations = pod_security_violations(spec, level)
+            if violations:
+                self._warnings.append(f'would violate PodSecurity "{level}:{version}": ' + ", ".join(violations))
+
     # -- store ------------------------------------------------------------------------------
 
     def _next_rv(self) -> str:
@@ -742,6 +1327,10 @@ class FakeKube:
             meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
+        if res is NAMESPACE:  # the apiserver labels every namespace with its name, and it is Active
+            meta["labels"] = {**(meta.get("labels") or {}), "kubernetes.io/metadata.name": name}
+            obj.setdefault("spec", {"finalizers": ["kubernetes"]})
+            obj.setdefault("status", {"phase": "Active"})
         problems = name_problems(res, name) + label_problems(meta.get("labels"))
         if problems:
             raise ApiError.invalid(res, name, problems)
@@ -799,6 +1388,12 @@ class FakeKube:
             if not any(t.get("key") == key and t.get("effect") in (None, "NoExecute") for t in tolerations):
                 tolerations.append({"key": key, "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300})
         pod["status"] = {"phase": "Pending", "qosClass": "BestEffort"}
+        problems = pod_spec_problems(spec)
+        if problems:
+            raise ApiError.invalid(POD, pod["metadata"].get("name") or pod["metadata"].get("generateName", ""),
+                                   problems)
+        self._pod_admission(pod, namespace)
+        self._admit("CREATE", POD, "", namespace, pod["metadata"].get("name", ""), pod, None)
         self._insert(POD, pod, namespace, dry_run)
         if not dry_run:
             self._schedule(pod)
@@ -807,6 +1402,13 @@ class FakeKube:
     def _nodes_fit(self, pod: dict) -> tuple[dict | None, str]:
         """The node the pod goes to (least loaded, then name), or None and the scheduler's message."""
         nodes = [n for _, n in sorted(self._store[NODE].items())]
+        preemption = (f"preemption: 0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful "
+                      "for scheduling.")
+        for volume in pod["spec"].get("volumes") or [] if self.check_references else []:
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim and (pod["metadata"]["namespace"], claim) not in self._store[PVC]:
+                return None, (f'0/{len(nodes)} nodes are available: persistentvolumeclaim "{claim}" not found. '
+                              f"{preemption}")
         bound = [p for p in self._store[POD].values()
                  if p["spec"].get("nodeName") and p["status"]["phase"] in ACTIVE_PHASES]
         reasons: dict[str, int] = {}
@@ -823,8 +1425,7 @@ class FakeKube:
         if not nodes:
             return None, "no nodes available to schedule pods"
         detail = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
-        return None, (f"0/{len(nodes)} nodes are available: {detail}. preemption: 0/{len(nodes)} nodes are "
-                      f"available: {len(nodes)} Preemption is not helpful for scheduling.")
+        return None, f"0/{len(nodes)} nodes are available: {detail}. {preemption}"
 
     def _unfit_reason(self, pod: dict, node: dict, bound: list[dict]) -> str | None:
         spec, labels, name = pod["spec"], node["metadata"].get("labels") or {}, node["metadata"]["name"]
@@ -994,8 +1595,12 @@ class FakeKube:
             problems.append("spec.completions: Required value: when completion mode is Indexed")
         problems += label_problems((spec["template"].get("metadata") or {}).get("labels"),
                                    "spec.template.metadata.labels")
+        problems += pod_failure_policy_problems(spec) + pod_spec_problems(template_spec, "spec.template.spec")
         if problems:
             raise ApiError.invalid(JOB, name, problems)
+        # PodSecurity only warns about a workload's template (the job controller's pods are enforced).
+        self._warn_pod_security(template_spec, *pod_security_levels(self._namespace(namespace)))
+        self._admit("CREATE", JOB, "", namespace, name, job, None)
         replacement = "Failed" if spec.get("podFailurePolicy") else "TerminatingOrFailed"
         for key, default in (("completions", 1), ("parallelism", 1), ("backoffLimit", 6),
                              ("completionMode", "NonIndexed"), ("suspend", False),
@@ -1105,11 +1710,13 @@ class FakeKube:
             if spec["completionMode"] == "Indexed":
                 busy = state.succeeded_indexes | {self._index(p) for p in active}
                 for index in [i for i in range(spec["completions"]) if i not in busy][:max(room, 0)]:
-                    self._create_job_pod(job, index)
+                    if not self._create_job_pod(job, index):
+                        break
                 done = len(state.succeeded_indexes) >= spec["completions"]
             else:
                 for _ in range(max(0, min(room, spec["completions"] - state.succeeded - len(active)))):
-                    self._create_job_pod(job, None)
+                    if not self._create_job_pod(job, None):
+                        break
                 done = state.succeeded >= spec["completions"]
             if done:
                 conditions = job["status"].setdefault("conditions", [])
@@ -1152,7 +1759,29 @@ class FakeKube:
             status["completedIndexes"] = compress_indexes(state.succeeded_indexes)
         self._touch(job)
 
-    def _create_job_pod(self, job: dict, index: int | None) -> dict:
+    def _create_job_pod(self, job: dict, index: int | None) -> dict | None:
+        """Create one pod of the job as the job controller does (its ServiceAccount, through
+        admission); a refused pod is a FailedCreate Warning event on the job (once per message)."""
+        user, warnings = self._user, self._warnings  # the controller's own request: not the client's
+        self._user, self._warnings = self._job_controller_user(), []
+        try:
+            pod = self._build_job_pod(job, index)
+        except ApiError as e:
+            uid = job["metadata"]["uid"]
+            if self._create_failures.get(uid) != e.message:
+                self._create_failures[uid] = e.message
+                self._emit(job, "FailedCreate", f"Error creating: {e.message}", "job-controller", "Warning")
+            return None
+        finally:
+            self._user, self._warnings = user, warnings
+        self._create_failures.pop(job["metadata"]["uid"], None)
+        self._emit(job, "SuccessfulCreate", f"Created pod: {pod['metadata']['name']}", "job-controller")
+        return pod
+
+    def _job_controller_user(self):
+        return _authz().service_account_user("kube-system", "job-controller") if self._admission else None
+
+    def _build_job_pod(self, job: dict, index: int | None) -> dict:
         name, template = job["metadata"]["name"], copy.deepcopy(job["spec"]["template"])
         meta, spec = template.get("metadata") or {}, template["spec"]
         suffix = f"-{index}-" if index is not None else "-"
@@ -1169,7 +1798,6 @@ class FakeKube:
                     "apiVersion": "v1", "fieldPath": f"metadata.annotations['{LABEL_INDEX}']"}}}]
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
         self._create_pod(pod, job["metadata"]["namespace"])
-        self._emit(job, "SuccessfulCreate", f"Created pod: {pod['metadata']['name']}", "job-controller")
         return pod
 
     def _delete_job(self, job: dict, policy: str) -> None:
@@ -1182,12 +1810,50 @@ class FakeKube:
                 self._touch(pod)
             else:
                 self._delete_pod(pod)
-        self._job_state.pop(job["metadata"]["uid"], None)
+        # The garbage collector: what else the Job owns (its Service, NetworkPolicy) goes with it,
+        # or loses its owner reference when orphaned.
+        uid = job["metadata"]["uid"]
+        for res in (SERVICE, NETWORKPOLICY, CONFIGMAP):
+            for obj in [o for o in self._store[res].values()
+                        if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])]:
+                if policy == "Orphan":
+                    obj["metadata"]["ownerReferences"] = [r for r in obj["metadata"]["ownerReferences"]
+                                                          if r.get("uid") != uid]
+                    self._touch(obj)
+                else:
+                    self._remove(res, obj)
+        self._job_state.pop(uid, None)
 
     # -- HTTP dispatch ----------------------------------------------------------------------
 
-    def _dispatch(self, method: str, path: str, query: dict, content_type: str, raw: bytes):
+    def _authenticate(self, authorization: str):
+        """The request's user: its bearer token's, system:anonymous without one, 401 for a token
+        this server never issued."""
+        if not authorization:
+            enforcing = self._authorizer is not None or self._admission is not None
+            return _authz().UserInfo("system:anonymous", ("system:unauthenticated",)) if enforcing else None
+        scheme, _, token = authorization.partition(" ")
+        user = self._tokens.get(token.strip()) if scheme.lower() == "bearer" else None
+        if user is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        return user
+
+    def _dispatch(self, method: str, path: str, query: dict, content_type: str, raw: bytes,
+                  authorization: str = ""):
         """Route one request: (status code, JSON-able or text payload, extra headers)."""
+        with self._lock:
+            user = self._authenticate(authorization)
+            self._user, self._warnings = user, []
+            try:
+                code, payload, headers = self._route(method, path, query, content_type, raw)
+            finally:
+                self._user = None
+            if self._warnings:
+                headers = {**headers, "Warning": [f'299 - "{w}"' for w in self._warnings] +
+                           ([headers["Warning"]] if "Warning" in headers else [])}
+            return code, payload, headers
+
+    def _route(self, method: str, path: str, query: dict, content_type: str, raw: bytes):
         parts = [p for p in path.split("/") if p]
         if parts in (["version"],):
             return 200, {"major": "1", "minor": KUBERNETES_VERSION.split(".")[1], "emulationMajor": "1",
@@ -1230,15 +1896,24 @@ class FakeKube:
                 "POST": "create", "PUT": "update", "PATCH": "patch",
                 "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
         with self._lock:
-            self.requests.append(Request(verb, group, plural, sub, namespace, name))
-            if res is None or res.version != version or (namespace and not res.namespaced):
-                raise ApiError(404, "NotFound", "the server could not find the requested resource")
-            body = None
+            body, bad_body = None, None
             if raw:
                 try:
                     body = json.loads(raw)
                 except ValueError as e:
-                    raise ApiError.bad_request(f"the request body is not JSON: {e}") from None
+                    bad_body = ApiError.bad_request(f"the request body is not JSON: {e}")
+            # RBAC sees no name on a create (the URL has none); the record names the object made.
+            named = name or (((body.get("metadata") or {}).get("name") or "") if verb == "create" and not sub
+                             and isinstance(body, dict) and isinstance(body.get("metadata"), dict) else "")
+            self.requests.append(Request(verb, group, plural, sub, namespace, named, self._user))
+            if self._authorizer is not None:
+                denied = self._authorizer.authorize(self._user, verb, group, plural, sub, namespace, name)
+                if denied:
+                    raise ApiError(403, "Forbidden", denied, {"name": name, "group": group, "kind": plural})
+            if res is None or res.version != version or (namespace and not res.namespaced):
+                raise ApiError(404, "NotFound", "the server could not find the requested resource")
+            if bad_body:
+                raise bad_body
             return self._serve(res, verb, method, namespace, name, sub, query, content_type, body)
 
     def _serve(self, res: Resource, verb: str, method: str, namespace: str, name: str, sub: str,
@@ -1251,14 +1926,20 @@ class FakeKube:
                            f"{'/' + sub if sub else ''} by this fake apiserver")
         if verb == "watch":
             raise ApiError.bad_request("watch is not supported by the fake apiserver; poll with list")
-        if res is NAMESPACE:
+        if res is NAMESPACE and verb in ("get", "list"):
             return self._serve_namespace(verb, name)
         if verb == "list":
-            return 200, self._list(res, namespace, query), {}
+            listing = self._list(res, namespace, query)
+            if res is NODE:
+                self._after_node_read([n["metadata"]["name"] for n in listing["items"]])
+            return 200, listing, {}
         if verb == "get" and sub == "log":
             return 200, self._log(namespace, name, query), {"Content-Type": "text/plain"}
         if verb == "get":
-            return 200, copy.deepcopy(self._get(res, namespace, name)), {}
+            obj = copy.deepcopy(self._get(res, namespace, name))
+            if res is NODE:
+                self._after_node_read([name])
+            return 200, obj, {}
         if verb in ("create", "update", "patch") and not isinstance(body, list if
                                                                   "json-patch" in content_type else dict):
             raise ApiError.bad_request(f"{verb} needs a JSON {'list' if 'json-patch' in content_type else 'object'}"
@@ -1280,20 +1961,22 @@ class FakeKube:
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported")
 
     def _serve_namespace(self, verb: str, name: str):
-        names = sorted({"default", "kube-system"} | {ns for r in RESOURCES.values() if r.namespaced
-                                                     for ns, _ in self._store[r]})
-
-        def namespace(n):
-            return {"apiVersion": "v1", "kind": "Namespace",
-                    "metadata": {"name": n, "labels": {"kubernetes.io/metadata.name": n}},
-                    "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
+        """Stored namespaces (load, add_namespace, create) and, as if created on first use, those
+        that hold objects, plus default and kube-system."""
+        names = sorted({"default", "kube-system"} | {n for _, n in self._store[NAMESPACE]} |
+                       {ns for r in RESOURCES.values() if r.namespaced for ns, _ in self._store[r]})
         if verb == "get":
-            return 200, namespace(name), {}
-        if verb == "list":
-            return 200, {"kind": "NamespaceList", "apiVersion": "v1",
-                         "metadata": {"resourceVersion": str(self._last_rv)},
-                         "items": [namespace(n) for n in names]}, {}
-        raise ApiError(405, "MethodNotAllowed", f"{verb} on namespaces is not supported by this fake apiserver")
+            return 200, copy.deepcopy(self._namespace(name)), {}
+        return 200, {"kind": "NamespaceList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._last_rv)},
+                     "items": [{k: v for k, v in copy.deepcopy(self._namespace(n)).items()
+                                if k not in ("kind", "apiVersion")} for n in names]}, {}
+
+    def _after_node_read(self, names: list[str]) -> None:
+        """The second controller armed by taint_on_next_read acts right after the read."""
+        for name in names:
+            for taint in self._after_read.pop(name, []):
+                if ("", name) in self._store[NODE]:
+                    self.add_node_taint(name, taint)
 
     def _select(self, res: Resource, namespace: str, query: dict) -> list[dict]:
         labels = parse_label_selector(query.get("labelSelector", ""))
@@ -1341,7 +2024,7 @@ class FakeKube:
         return text
 
     def _create(self, res: Resource, namespace: str, body: dict, dry_run: bool) -> dict:
-        obj = copy.deepcopy(body)
+        obj = normalize_times(copy.deepcopy(body))
         obj.setdefault("apiVersion", res.api_version)
         obj.setdefault("kind", res.kind)
         if (obj["apiVersion"], obj["kind"]) != (res.api_version, res.kind):
@@ -1352,6 +2035,10 @@ class FakeKube:
             return self._create_pod(obj, namespace, dry_run)
         if res is JOB:
             return self._create_job(obj, namespace, dry_run)
+        problems = {SERVICE: service_problems, NETWORKPOLICY: network_policy_problems}.get(res, lambda _: [])(
+            obj.get("spec") or {})
+        if problems:
+            raise ApiError.invalid(res, (obj.get("metadata") or {}).get("name", ""), problems)
         if res is SERVICE:
             spec = obj.setdefault("spec", {})
             spec.setdefault("type", "ClusterIP")
@@ -1361,10 +2048,21 @@ class FakeKube:
                 port.setdefault("protocol", "TCP")
                 port.setdefault("targetPort", port.get("port"))
             obj["status"] = {"loadBalancer": {}}
+        meta = obj.get("metadata") or {}
+        self._admit("CREATE", res, "", namespace, meta.get("name") or meta.get("generateName", ""), obj, None)
         self._insert(res, obj, namespace, dry_run)
-        if res is NODE and not dry_run:
-            self._retry_pending()
+        if not dry_run:
+            self._after_write(res)
         return obj
+
+    def _after_write(self, res: Resource) -> None:
+        """What a stored object's change sets off: policies rebuilt, jobs and pods retried."""
+        if res in RBAC_RESOURCES or res in ADMISSION_RESOURCES:
+            self._refresh_policies()
+        if res in (SERVICEACCOUNT, PRIORITYCLASS, PVC, NAMESPACE):
+            self._resync()
+        elif res is NODE:
+            self._retry_pending()
 
     def _modify(self, res: Resource, namespace: str, name: str, sub: str, verb: str, content_type: str, body) -> dict:
         current = self._get(res, namespace, name)
@@ -1372,11 +2070,6 @@ class FakeKube:
         try:
             if verb == "update":
                 new = copy.deepcopy(body)
-                want = (body.get("metadata") or {}).get("resourceVersion")
-                if want and want != current["metadata"]["resourceVersion"]:
-                    raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": '
-                                   "the object has been modified; please apply your changes to the latest "
-                                   "version and try again")
             elif kind == "application/json-patch+json":
                 new = json_patch(current, body)
             elif kind == "application/merge-patch+json":
@@ -1394,6 +2087,14 @@ class FakeKube:
             raise ApiError(422, "Invalid", f"the server rejected the patch: {e}") from None
         if not isinstance(new, dict):
             raise ApiError.bad_request("the patched object is not a JSON object")
+        new = normalize_times(new)
+        # Optimistic concurrency: a body (or patch) that carries a resourceVersion must carry the
+        # stored one; without one an update or patch applies to whatever is stored.
+        want = (new.get("metadata") or {}).get("resourceVersion") if isinstance(new.get("metadata"), dict) else None
+        if want and want != current["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": '
+                           "the object has been modified; please apply your changes to the latest "
+                           "version and try again", {"name": name, "group": res.group, "kind": res.plural})
         # The main resource ignores status changes, the status subresource everything else.
         kept = current if sub == "status" else new
         status = new.get("status") if sub == "status" else current.get("status")
@@ -1405,8 +2106,15 @@ class FakeKube:
         new["apiVersion"], new["kind"] = res.api_version, res.kind
         self._validate(res, new)
         problems = label_problems(new["metadata"].get("labels"))
+        if res is JOB:
+            problems += job_update_problems(current, new) + pod_failure_policy_problems(new["spec"])
+        if res is POD and sub != "status":
+            problems += pod_update_problems(current, new)
+        if res in (SERVICE, NETWORKPOLICY):
+            problems += (service_problems if res is SERVICE else network_policy_problems)(new.get("spec") or {})
         if problems:
             raise ApiError.invalid(res, name, problems)
+        self._admit("UPDATE", res, sub, namespace, name, new, current)
         current.clear()
         current.update(new)
         self._touch(current)
@@ -1414,6 +2122,8 @@ class FakeKube:
             self._sync_job(current)  # e.g. a raised parallelism gets its pods
         if res in (NODE, POD):
             self._retry_pending()
+        else:
+            self._after_write(res)
         return current
 
     def _evict(self, namespace: str, name: str, body: dict):
@@ -1426,6 +2136,7 @@ class FakeKube:
         if (eviction.get("metadata") or {}).get("name") not in (None, name):
             raise ApiError.bad_request("name in URL does not match name in Eviction object")
         pod = self._get(POD, namespace, name)
+        self._admit("CREATE", POD, "eviction", namespace, name, eviction, None)
         self._delete_pod(pod, disruption=("EvictionByEvictionAPI", "Eviction API: evicting"))
         return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, {}
 
@@ -1433,6 +2144,7 @@ class FakeKube:
         details = {"name": obj["metadata"]["name"], "group": res.group, "kind": res.plural,
                    "uid": obj["metadata"]["uid"]}
         success = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}
+        self._admit("DELETE", res, "", obj["metadata"].get("namespace", ""), obj["metadata"]["name"], None, obj)
         if res is POD:
             return 200, copy.deepcopy(self._delete_pod(obj)), {}
         if res is JOB:
@@ -1453,6 +2165,7 @@ class FakeKube:
             self._remove(res, obj)
             return 200, copy.deepcopy(obj), {}
         self._remove(res, obj)
+        self._after_write(res)
         return 200, success, {}
 
 
@@ -1471,7 +2184,8 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length) if length else b""
         headers: dict = {}
         try:
-            code, payload, headers = kube._dispatch(method, url.path, query, self.headers.get("Content-Type", ""), raw)
+            code, payload, headers = kube._dispatch(method, url.path, query, self.headers.get("Content-Type", ""), raw,
+                                                    self.headers.get("Authorization", ""))
         except ApiError as e:
             code, payload = e.code, e.status()
         except Exception as e:  # a bug in the fake: answer 500 and keep it for the test to see
@@ -1480,8 +2194,9 @@ class _Handler(BaseHTTPRequestHandler):
         data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
         self.send_response(code)
         self.send_header("Content-Type", headers.pop("Content-Type", "application/json"))
-        for key, value in headers.items():
-            self.send_header(key, value)
+        for key, values in headers.items():
+            for value in values if isinstance(values, list) else [values]:
+                self.send_header(key, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

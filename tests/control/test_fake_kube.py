@@ -1,16 +1,21 @@
 """The fake apiserver (fake_kube.py) behaves like the real one for what the EKS backend does, as seen
-through the real `kubernetes` client and through `kubernetes_asyncio` (the provider's async hook)."""
+through the real `kubernetes` client and through `kubernetes_asyncio` (the provider's async hook):
+the Job controller and scheduler, and as strict as EKS where a test can tell (immutability,
+semantic validation, references that must exist, resourceVersion conflicts, Pod Security, RBAC by
+token, admission policies, and the rendered deploy kit in ``cluster``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import kubernetes
 import pytest
 from conftest import MEASURED
-from fake_kube import FakeKube, Request, fake_kube, schema_problems  # noqa: F401  (fixture)
+from eks_cluster import cluster  # noqa: F401  (fixture)
+from fake_kube import FakeKube, Request, fake_kube, pod_security_violations, schema_problems  # noqa: F401  (fixture)
 from kubernetes.client.exceptions import ApiException
 
 NS = "training"
@@ -375,7 +380,7 @@ def test_requests_are_recorded_with_rbac_verbs(kube, api):
     custom.list_cluster_custom_object("karpenter.sh", "v1", "nodeclaims")
     batch.delete_namespaced_job("rbac", NS, propagation_policy="Background")
     assert kube.requests == [
-        Request("create", "batch", "jobs", "", NS, ""),
+        Request("create", "batch", "jobs", "", NS, "rbac"),
         Request("get", "batch", "jobs", "status", NS, "rbac"),
         Request("list", "", "pods", "", NS, ""),
         Request("get", "", "pods", "log", NS, pod),
@@ -399,9 +404,15 @@ def test_job_deletion_propagation_and_nodeclaim_deletion(kube, api):
     assert "child pods are preserved" in headers["Warning"]
     (orphan,) = kube.pods(NS, "keep")
     assert orphan["status"]["phase"] == "Running" and orphan["metadata"]["ownerReferences"] == []
+    # The Job's Service goes with it (the garbage collector follows ownerReferences).
+    owner = kube.job(NS, "drop")
+    core.create_namespaced_service(NS, {"metadata": {"name": "drop", "ownerReferences": [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "drop", "uid": owner["metadata"]["uid"]}]},
+        "spec": {"clusterIP": "None", "ports": [{"port": 29500}]}})
     foreground = kubernetes.client.V1DeleteOptions(propagation_policy="Foreground")
     status = batch.delete_namespaced_job("drop", NS, body=foreground)
     assert status.status == "Success" and kube.pods(NS, "drop") == []
+    assert core.list_namespaced_service(NS).items == []
     deleted = core.delete_namespaced_pod(orphan["metadata"]["name"], NS)
     assert deleted.metadata.name == orphan["metadata"]["name"] and deleted.metadata.deletion_timestamp is not None
     assert kube.pods(NS) == []
@@ -505,3 +516,473 @@ def test_non_indexed_job_node_affinity_pod_delete_and_events(kube, api):
     listed = core.list_namespaced_event(NS, field_selector="reason=RunRestarted").items
     assert [e.metadata.name for e in listed] == [event.metadata.name]
     assert core.delete_node("p4-a").status == "Success" and [n["metadata"]["name"] for n in kube.nodes()] == ["p5-a"]
+
+
+# ---------------------------------------------------------------------------------------------
+# As strict as EKS: immutability, semantic validation, references, conflicts, Pod Security,
+# RBAC and admission policies.
+
+def invalid_message(call, *args, **kwargs) -> str:
+    """The 422 message the apiserver answers ``call`` with."""
+    with pytest.raises(ApiException) as exc:
+        call(*args, **kwargs)
+    assert (exc.value.status, error(exc)["reason"]) == (422, "Invalid"), error(exc)
+    return error(exc)["message"]
+
+
+def test_a_jobs_template_selector_completion_mode_and_failure_policy_are_immutable(kube, api):
+    add_gpu_node(kube, "gpu-a")
+    batch = kubernetes.client.BatchV1Api(api)
+    batch.create_namespaced_job(NS, training_job("fixed", completions=1))
+    image = [{"op": "replace", "path": "/spec/template/spec/containers/0/image", "value": "trainer:2"}]
+    message = invalid_message(batch.patch_namespaced_job, "fixed", NS, image)
+    assert message.startswith('Job.batch "fixed" is invalid: spec.template: Invalid value: ')
+    assert message.endswith(": field is immutable")
+    for path, value in (("/spec/completionMode", "NonIndexed"), ("/spec/selector/matchLabels/x", "y"),
+                        ("/spec/podFailurePolicy/rules/1/onExitCodes/values", [75])):
+        key = path.split("/")[2]
+        patch = [{"op": "add", "path": path, "value": value}]
+        message = invalid_message(batch.patch_namespaced_job, "fixed", NS, patch)
+        assert f"spec.{key}: Invalid value: " in message and "field is immutable" in message
+    # What may change does (labels, parallelism, suspend), through a strategic merge patch too.
+    job = batch.patch_namespaced_job("fixed", NS, {"metadata": {"labels": {"seen": "yes"}}, "spec": {"parallelism": 0}})
+    assert job.metadata.labels["seen"] == "yes" and job.spec.parallelism == 0
+
+    # A suspended Job that never started may still change its pods' scheduling directives (only).
+    suspended = training_job("waiting", completions=1)
+    suspended["spec"]["suspend"] = True
+    batch.create_namespaced_job(NS, suspended)
+    moved = batch.patch_namespaced_job("waiting", NS, {"spec": {"template": {"spec": {"nodeSelector": {"pool": "b"}}}}})
+    assert moved.spec.template.spec.node_selector == {"node-type": "gpu", "pool": "b"}
+    assert "spec.template" in invalid_message(batch.patch_namespaced_job, "waiting", NS, image)
+
+    # A pod's spec: its image may change, its resources may not.
+    core = kubernetes.client.CoreV1Api(api)
+    (pod,) = kube.pods(NS, "fixed")
+    name = pod["metadata"]["name"]
+    new_image = [{"op": "replace", "path": "/spec/containers/0/image", "value": "trainer:2"}]
+    assert core.patch_namespaced_pod(name, NS, new_image).spec.containers[0].image == "trainer:2"
+    resources = [{"op": "add", "path": "/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": "4"}]
+    assert "spec: Forbidden: pod updates may not change fields other than" in invalid_message(
+        core.patch_namespaced_pod, name, NS, resources)
+
+
+def test_semantic_validation_beyond_the_schema(kube, api):
+    batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
+
+    def job_with(edit) -> dict:
+        job = training_job("semantic")
+        edit(job["spec"])
+        return job
+
+    def rules(spec):
+        return spec["podFailurePolicy"]["rules"]
+
+    def container(spec):
+        return spec["template"]["spec"]["containers"][0]
+
+    cases = [
+        (lambda s: rules(s)[1]["onExitCodes"].update(values=[0, 75]),
+         "spec.podFailurePolicy.rules[1].onExitCodes.values[0]: Invalid value: 0: must not be 0 for the In operator"),
+        (lambda s: rules(s)[1]["onExitCodes"].update(values=[78, 75]),
+         "spec.podFailurePolicy.rules[1].onExitCodes.values[1]: Invalid value: 75: must be ordered"),
+        (lambda s: rules(s)[1]["onExitCodes"].update(containerName="launcher"),
+         'spec.podFailurePolicy.rules[1].onExitCodes.containerName: Invalid value: "launcher": must be one of the '
+         "container or initContainer names in the pod template"),
+        (lambda s: container(s).update(resources={"requests": {"nvidia.com/gpu": "4"},
+                                                  "limits": {"nvidia.com/gpu": "8"}}),
+         'spec.template.spec.containers[0].resources.requests: Invalid value: "4": must be equal to nvidia.com/gpu '
+         "limit of 8"),
+        (lambda s: container(s).update(resources={"requests": {"vpc.amazonaws.com/efa": "4"}}),
+         "spec.template.spec.containers[0].resources.limits: Required value: Limit must be set for non "
+         "overcommitable resources (vpc.amazonaws.com/efa)"),
+        (lambda s: container(s).update(resources={"limits": {"hugepages-2Mi": "1Gi"}}),
+         "spec.template.spec.containers[0].resources: Forbidden: HugePages require cpu or memory"),
+        (lambda s: container(s).update(resources={"requests": {"hugepages-2Mi": "1Gi"},
+                                                  "limits": {"hugepages-2Mi": "2Gi", "memory": "8Gi"}}),
+         'must be equal to hugepages-2Mi limit of 2Gi'),
+        (lambda s: container(s).update(resources={"requests": {"cpu": "8"}, "limits": {"cpu": "4"}}),
+         'resources.requests: Invalid value: "8": must be less than or equal to cpu limit of 4'),
+    ]
+    for edit, expected in cases:
+        assert expected in invalid_message(batch.create_namespaced_job, NS, job_with(edit))
+    # Limits alone are fine (requests default to them), and so are cpu/memory requests below limits.
+    batch.create_namespaced_job(NS, job_with(lambda s: container(s).update(resources={
+        "requests": {"cpu": "4", "memory": "8Gi"},
+        "limits": {"cpu": "8", "memory": "8Gi", "nvidia.com/gpu": "8", "hugepages-2Mi": "1Gi"}})))
+
+    # Names per kind: a Service is a DNS-1035 label (a letter first), a Job at most 63 characters,
+    # a namespace an RFC 1123 label; a pod's hostname and subdomain are RFC 1123 labels.
+    service = {"metadata": {"name": "7b-llama"}, "spec": {"clusterIP": "None", "ports": [{"port": 29500}]}}
+    assert 'metadata.name: Invalid value: "7b-llama": a DNS-1035 label' in invalid_message(
+        core.create_namespaced_service, NS, service)
+    renamed = core.create_namespaced_service(NS, {**service, "metadata": {"name": "r7b-llama"}})
+    assert renamed.metadata.name == "r7b-llama"
+    assert batch.create_namespaced_job(NS, training_job("7b-llama", completions=1)).metadata.name == "7b-llama"
+    long_name = training_job("j" * 64, completions=1)
+    del long_name["spec"]["template"]["metadata"]["labels"]["run"], long_name["spec"]["template"]["spec"]["subdomain"]
+    assert invalid_message(batch.create_namespaced_job, NS, long_name).endswith(
+        f'metadata.name: Invalid value: "{"j" * 64}": must be no more than 63 characters')
+    assert "RFC 1123 label" in invalid_message(core.create_namespace, {"metadata": {"name": "team.a"}})
+    pod = {"metadata": {"name": "named"}, "spec": {"hostname": "Node_0", "containers": [{"name": "c", "image": "i"}]}}
+    assert 'spec.hostname: Invalid value: "Node_0"' in invalid_message(core.create_namespaced_pod, NS, pod)
+
+    # Ports: in range, named ports by IANA_SVC_NAME, several Service ports each with a name.
+    bad_port = {"metadata": {"name": "rdzv"}, "spec": {"clusterIP": "None", "ports": [{"port": 70000}]}}
+    assert "spec.ports[0].port: Invalid value: 70000: must be between 1 and 65535, inclusive" in invalid_message(
+        core.create_namespaced_service, NS, bad_port)
+    two = {"metadata": {"name": "rdzv"}, "spec": {"ports": [{"port": 29500, "name": "c10d"}, {"port": 29501}]}}
+    assert "spec.ports[1].name: Required value" in invalid_message(core.create_namespaced_service, NS, two)
+    pod["spec"] = {"containers": [{"name": "c", "image": "i", "ports": [{"containerPort": 0}]}]}
+    assert "spec.containers[0].ports[0].containerPort: Invalid value: 0" in invalid_message(
+        core.create_namespaced_pod, NS, pod)
+    policy = {"metadata": {"name": "np"}, "spec": {"podSelector": {}, "ingress": [
+        {"from": [{}], "ports": [{"port": 29500, "endPort": 29400}]}]}}
+    message = invalid_message(kubernetes.client.NetworkingV1Api(api).create_namespaced_network_policy, NS, policy)
+    assert "spec.ingress[0].ports[0].endPort: Invalid value: 29400" in message
+    assert "spec.ingress[0].from[0]: Required value: must specify a peer" in message
+
+
+def test_references_to_service_accounts_priority_classes_and_claims_must_exist_once_a_kit_is_loaded(kube, api):
+    add_gpu_node(kube, "gpu-a")
+    kube.add_node("cpu-a")
+    batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
+    scheduling = kubernetes.client.SchedulingV1Api(api)
+    kube.load([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+               {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer", "namespace": NS}},
+               {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "training"},
+                "value": 1000}])
+    assert [a.metadata.name for a in core.list_namespaced_service_account(NS).items] == ["trainer"]
+    assert scheduling.read_priority_class("training").value == 1000
+
+    # A missing ServiceAccount: the job controller's pods are refused; a FailedCreate event says why.
+    job = training_job("needs-sa", completions=1)
+    job["spec"]["template"]["spec"]["serviceAccountName"] = "launcher"
+    batch.create_namespaced_job(NS, job)
+    assert kube.pods(NS, "needs-sa") == []
+    (event,) = [e for e in kube.events(NS, "needs-sa") if e["reason"] == "FailedCreate"]
+    assert event["type"] == "Warning" and event["message"] == (
+        f'Error creating: pods "needs-sa-0-" is forbidden: error looking up service account {NS}/launcher: '
+        'serviceaccount "launcher" not found')
+    core.create_namespaced_service_account(NS, {"metadata": {"name": "launcher"}})
+    assert [p["status"]["phase"] for p in kube.pods(NS, "needs-sa")] == ["Running"]  # created once it exists
+
+    # A missing PriorityClass: refused the same way; an existing one sets the pod's priority.
+    job = training_job("needs-pc", completions=1)
+    job["spec"]["template"]["spec"]["priorityClassName"] = "urgent"
+    batch.create_namespaced_job(NS, job)
+    assert [e["message"] for e in kube.events(NS, "needs-pc") if e["reason"] == "FailedCreate"] == [
+        'Error creating: pods "needs-pc-0-" is forbidden: no PriorityClass with name urgent was found']
+    direct = {"metadata": {"name": "direct"}, "spec": {"serviceAccountName": "trainer", "priorityClassName": "training",
+                                                       "containers": [{"name": "c", "image": "i"}]}}
+    assert core.create_namespaced_pod(NS, direct).spec.priority == 1000
+    with pytest.raises(ApiException) as exc:  # a client's own pod: 403 from the ServiceAccount admission
+        core.create_namespaced_pod(NS, {**direct, "spec": {**direct["spec"], "serviceAccountName": "nobody"}})
+    assert (exc.value.status, error(exc)["message"]) == (
+        403, f'pods "direct" is forbidden: error looking up service account {NS}/nobody: serviceaccount "nobody" '
+             "not found")
+
+    # A missing claim: the pod is created but stays Pending until the claim exists.
+    claimed = {"metadata": {"name": "claimed"}, "spec": {
+        "containers": [{"name": "c", "image": "i", "volumeMounts": [{"name": "fsx", "mountPath": "/fsx"}]}],
+        "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-training"}}]}}
+    assert core.create_namespaced_pod(NS, claimed).status.phase == "Pending"
+    (event,) = [e for e in kube.events(NS, "claimed") if e["reason"] == "FailedScheduling"]
+    assert event["message"].startswith('0/2 nodes are available: persistentvolumeclaim "fsx-training" not found.')
+    core.create_namespaced_persistent_volume_claim(NS, {"metadata": {"name": "fsx-training"}, "spec": {
+        "accessModes": ["ReadWriteMany"], "storageClassName": "", "resources": {"requests": {"storage": "1200Gi"}}}})
+    assert kube.pod(NS, "claimed")["status"]["phase"] == "Running"
+    assert [c.metadata.name for c in core.list_namespaced_persistent_volume_claim(NS).items] == ["fsx-training"]
+
+
+def test_network_policies_are_served_and_strictly_validated(kube, api):
+    networking = kubernetes.client.NetworkingV1Api(api)
+    policy = {"metadata": {"name": "rdzv", "labels": {"app": "fsdp"}}, "spec": {
+        "podSelector": {"matchLabels": {"fsdp-resilience/job-name": "run-a"}}, "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": {"matchLabels": {"fsdp-resilience/job-name": "run-a"}}}]}]}}
+    created = networking.create_namespaced_network_policy(NS, policy)
+    assert created.metadata.uid
+    assert networking.read_namespaced_network_policy("rdzv", NS).spec.policy_types == ["Ingress"]
+    listed = networking.list_namespaced_network_policy(NS, label_selector="app=fsdp").items
+    assert [p.metadata.name for p in listed] == ["rdzv"]
+    typo = {**policy, "metadata": {"name": "typo"}, "spec": {**policy["spec"], "ingres": []}}
+    assert 'unknown field "spec.ingres"' in invalid_message(networking.create_namespaced_network_policy, NS, typo)
+    assert networking.delete_namespaced_network_policy("rdzv", NS).status == "Success"
+    assert networking.list_namespaced_network_policy(NS).items == []
+
+
+def test_a_stale_resource_version_conflicts_and_a_second_controller_races_a_taint_patch(kube, api):
+    add_gpu_node(kube, "gpu-a")
+    core = kubernetes.client.CoreV1Api(api)
+    quarantine = {"key": "fsdp-resilience/quarantined", "value": "xid-79", "effect": "NoSchedule"}
+    unreachable = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+
+    # Read-modify-write without the resourceVersion: the taint added in between is lost.
+    kube.taint_on_next_read("gpu-a", unreachable)
+    node = core.read_node("gpu-a")
+    assert [t.key for t in node.spec.taints] == [GPU_TAINT["key"]]  # read before the other controller wrote
+    assert [t["key"] for t in kube.node("gpu-a")["spec"]["taints"]] == [GPU_TAINT["key"], unreachable["key"]]
+    core.patch_node("gpu-a", {"spec": {"taints": [GPU_TAINT, quarantine]}})
+    assert [t["key"] for t in kube.node("gpu-a")["spec"]["taints"]] == [GPU_TAINT["key"], quarantine["key"]]
+
+    # With the resourceVersion it read: 409 Conflict, and a fresh read keeps both taints.
+    kube.taint_on_next_read("gpu-a", unreachable)
+    node = core.list_node(field_selector="metadata.name=gpu-a").items[0]  # a list is a read too
+    stale = node.metadata.resource_version
+    with pytest.raises(ApiException) as exc:
+        core.patch_node("gpu-a", {"metadata": {"resourceVersion": stale},
+                                  "spec": {"taints": [GPU_TAINT, quarantine]}})
+    assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
+        409, "Conflict", 'Operation cannot be fulfilled on nodes "gpu-a": the object has been modified; please apply '
+                         "your changes to the latest version and try again")
+    node = core.read_node("gpu-a")
+    taints = api.sanitize_for_serialization(node.spec.taints) + [quarantine]
+    core.patch_node("gpu-a", {"metadata": {"resourceVersion": node.metadata.resource_version},
+                              "spec": {"taints": taints}})
+    assert {t["key"] for t in kube.node("gpu-a")["spec"]["taints"]} == {
+        GPU_TAINT["key"], quarantine["key"], unreachable["key"]}
+    # The client sent timeAdded as "+00:00"; stored as the apiserver re-encodes it (UTC, Z).
+    (added,) = [t["timeAdded"] for t in kube.node("gpu-a")["spec"]["taints"] if t["key"] == unreachable["key"]]
+    assert "+00:00" in str(taints) and added.endswith("Z") and "+" not in added
+    # The same for a JSON patch and for a PUT with a stale resourceVersion.
+    with pytest.raises(ApiException) as exc:
+        core.patch_node("gpu-a", [{"op": "replace", "path": "/metadata/resourceVersion", "value": stale},
+                                  {"op": "add", "path": "/spec/unschedulable", "value": True}])
+    assert exc.value.status == 409
+    body = core.read_node("gpu-a")
+    kube.add_node_taint("gpu-a", {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"})
+    with pytest.raises(ApiException) as exc:
+        core.replace_node("gpu-a", body)
+    assert exc.value.status == 409
+
+
+def hardened_pod(name: str, add: list[str] | None = None) -> dict:
+    """A pod as the EKS backend makes it: non-root, no escalation, drop ALL, RuntimeDefault."""
+    return {"metadata": {"name": name}, "spec": {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{"name": "trainer", "image": "trainer:1", "securityContext": {
+            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"], "add": add or []}}}]}}
+
+
+def test_pod_security_violations_word_for_word():
+    assert pod_security_violations(hardened_pod("p")["spec"], "restricted") == []
+    ipc_lock = hardened_pod("p", add=["IPC_LOCK"])["spec"]
+    assert pod_security_violations(ipc_lock, "baseline") == [
+        'non-default capabilities (container "trainer" must not include "IPC_LOCK" in '
+        "securityContext.capabilities.add)"]
+    assert pod_security_violations(ipc_lock, "restricted")[-1] == (
+        'unrestricted capabilities (container "trainer" must not include "IPC_LOCK" in '
+        "securityContext.capabilities.add)")
+    assert pod_security_violations(hardened_pod("p", add=["NET_BIND_SERVICE"])["spec"], "restricted") == []
+    plain = {"containers": [{"name": "a", "image": "i"}, {"name": "b", "image": "i", "ports": [{"containerPort": 80,
+                                                                                                 "hostPort": 80}]}],
+             "hostNetwork": True, "volumes": [{"name": "host", "hostPath": {"path": "/dev"}}]}
+    assert pod_security_violations(plain, "privileged") == []
+    assert pod_security_violations(plain, "baseline") == [
+        "host namespaces (hostNetwork=true)", 'hostPath volume ("host")', 'hostPort (container "b" uses hostPort 80)']
+    assert pod_security_violations(plain, "restricted")[3:] == [
+        'restricted volume types (volume "host" uses restricted volume type "hostPath")',
+        'allowPrivilegeEscalation != false (containers "a", "b" must set '
+        "securityContext.allowPrivilegeEscalation=false)",
+        'unrestricted capabilities (containers "a", "b" must set securityContext.capabilities.drop=["ALL"])',
+        'runAsNonRoot != true (pod or containers "a", "b" must set securityContext.runAsNonRoot=true)',
+        'seccompProfile (pod or containers "a", "b" must set securityContext.seccompProfile.type to '
+        '"RuntimeDefault" or "Localhost")']
+    root = {**hardened_pod("p")["spec"], "securityContext": {"runAsUser": 0, "runAsNonRoot": True,
+                                                             "seccompProfile": {"type": "RuntimeDefault"}}}
+    assert pod_security_violations(root, "restricted") == ["runAsUser=0 (pod must not set runAsUser=0)"]
+
+
+def test_pod_security_admission_enforces_and_warns_per_namespace_label(kube, api):
+    add_gpu_node(kube, "gpu-a")
+    kube.add_node("cpu-a")
+    batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
+    kube.add_namespace("psa-baseline", {"pod-security.kubernetes.io/enforce": "baseline",
+                                        "pod-security.kubernetes.io/warn": "restricted"})
+    kube.add_namespace("psa-restricted", {"pod-security.kubernetes.io/enforce": "restricted",
+                                          "pod-security.kubernetes.io/enforce-version": "v1.30"})
+    with pytest.raises(ApiException) as exc:
+        core.create_namespaced_pod("psa-baseline", hardened_pod("efa", add=["IPC_LOCK"]))
+    assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
+        403, "Forbidden", 'pods "efa" is forbidden: violates PodSecurity "baseline:latest": non-default capabilities '
+                          '(container "trainer" must not include "IPC_LOCK" in securityContext.capabilities.add)')
+    # Admitted at baseline, with a warning for what restricted would reject.
+    plain = {"metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    _, code, headers = core.create_namespaced_pod_with_http_info("psa-baseline", plain)
+    assert code == 201 and headers["Warning"].startswith('299 - "would violate PodSecurity "restricted:latest": '
+                                                         "allowPrivilegeEscalation != false")
+    _, _, headers = core.create_namespaced_pod_with_http_info("psa-baseline", hardened_pod("hardened"))
+    assert "Warning" not in headers
+    core.create_namespaced_pod(NS, hardened_pod("efa", add=["IPC_LOCK"]))  # no labels: privileged
+
+    # The job controller's pods: a Job whose template violates is created (with a warning), its
+    # pods are refused and a FailedCreate event says why.
+    job = training_job("loose", completions=1)
+    _, code, headers = batch.create_namespaced_job_with_http_info("psa-restricted", job)
+    assert code == 201 and 'would violate PodSecurity "restricted:v1.30"' in headers["Warning"]
+    assert kube.pods("psa-restricted") == []
+    (event,) = [e for e in kube.events("psa-restricted", "loose") if e["reason"] == "FailedCreate"]
+    assert event["message"].startswith('Error creating: pods "loose-0-" is forbidden: violates PodSecurity '
+                                       '"restricted:v1.30": allowPrivilegeEscalation != false (container "trainer" '
+                                       "must set securityContext.allowPrivilegeEscalation=false)")
+    good = training_job("tight", completions=1)
+    good["spec"]["template"]["spec"].update(securityContext=hardened_pod("x")["spec"]["securityContext"])
+    good["spec"]["template"]["spec"]["containers"][0]["securityContext"] = \
+        hardened_pod("x")["spec"]["containers"][0]["securityContext"]
+    _, _, headers = batch.create_namespaced_job_with_http_info("psa-restricted", good)
+    assert "Warning" not in headers and len(kube.pods("psa-restricted", "tight")) == 1
+
+
+def test_tokens_rbac_and_admission_policies_once_a_kit_is_loaded(kube, api, tmp_path):
+    from kube_authz import ADMIN, UserInfo, service_account_user
+
+    add_gpu_node(kube, "gpu-a")
+    kube.add_node("cpu-a", labels={"node-type": "cpu"})
+    worker, triggerer = service_account_user("airflow", "worker"), service_account_user("airflow", "triggerer")
+    rbac = "rbac.authorization.k8s.io/v1"
+    kube.load([
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+        {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "launcher", "namespace": NS}, "rules": [
+            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get"]},
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
+        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "launcher", "namespace": NS},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "launcher"},
+         "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": "airflow"}]},
+        {"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": "nodes"}, "rules": [
+            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]}]},
+        {"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": "nodes"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "nodes"},
+         "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": "airflow"},
+                      {"kind": "ServiceAccount", "name": "triggerer", "namespace": "airflow"}]},
+        # Node patches only on GPU nodes; the job controller's pods need a team label.
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+         "metadata": {"name": "gpu-nodes-only"}, "spec": {
+             "failurePolicy": "Fail",
+             "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                                                     "operations": ["UPDATE"], "resources": ["nodes"]}]},
+             "matchConditions": [{"name": "airflow", "expression":
+                                  "request.userInfo.username.startsWith('system:serviceaccount:airflow:')"}],
+             "validations": [{"expression": "has(oldObject.metadata.labels) && "
+                                            "'node-type' in oldObject.metadata.labels && "
+                                            "oldObject.metadata.labels['node-type'] == 'gpu'",
+                              "message": "only GPU nodes"}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": "gpu-nodes-only"}, "spec": {"policyName": "gpu-nodes-only",
+                                                         "validationActions": ["Deny"]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+         "metadata": {"name": "team-pods"}, "spec": {
+             "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                                                     "operations": ["CREATE"], "resources": ["pods"]}]},
+             "matchConditions": [{"name": "job-controller", "expression":
+                                  "request.userInfo.username == 'system:serviceaccount:kube-system:job-controller'"}],
+             "validations": [{"expression": "has(object.metadata.labels) && 'team' in object.metadata.labels",
+                              "message": "pods need a team"}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": "team-pods"}, "spec": {"policyName": "team-pods", "validationActions": ["Deny"]}},
+    ])
+
+    def client(user) -> kubernetes.client.ApiClient:
+        return kubernetes.config.new_client_from_config(
+            config_file=str(kube.kubeconfig(tmp_path / f"{user.username.replace(':', '-')}.json", NS, user)))
+
+    as_worker, as_triggerer, as_admin = client(worker), client(triggerer), client(ADMIN)
+    try:
+        job = training_job("owned", completions=1)
+        job["spec"]["template"]["metadata"]["labels"]["team"] = "ml"
+        kube.clear_requests()
+        kubernetes.client.BatchV1Api(as_worker).create_namespaced_job(NS, job)
+        assert kube.requests == [Request("create", "batch", "jobs", "", NS, "owned")]
+        assert kube.requests[0].user == worker
+        assert len(kube.pods(NS, "owned")) == 1
+
+        with pytest.raises(ApiException) as exc:
+            kubernetes.client.BatchV1Api(as_triggerer).create_namespaced_job(NS, training_job("nope"))
+        assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
+            403, "Forbidden", 'jobs.batch is forbidden: User "system:serviceaccount:airflow:triggerer" cannot create '
+                              f'resource "jobs" in API group "batch" in the namespace "{NS}"')
+        with pytest.raises(ApiException) as exc:  # no grant for deletes either
+            kubernetes.client.BatchV1Api(as_worker).delete_namespaced_job("owned", NS)
+        assert exc.value.status == 403 and 'cannot delete resource "jobs"' in error(exc)["message"]
+        with pytest.raises(ApiException) as exc:  # no token: system:anonymous
+            kubernetes.client.CoreV1Api(api).list_node()
+        assert exc.value.status == 403
+        assert 'User "system:anonymous" cannot list resource "nodes"' in error(exc)["message"]
+        bogus = kubernetes.client.Configuration(host=kube.url, api_key={"authorization": "Bearer forged"})
+        with pytest.raises(ApiException) as exc, kubernetes.client.ApiClient(bogus) as forged:
+            kubernetes.client.CoreV1Api(forged).list_node()
+        assert exc.value.status == 401
+
+        # Admission: the worker may patch a GPU node, not a CPU node; the admin is not matched.
+        worker_core = kubernetes.client.CoreV1Api(as_worker)
+        worker_core.patch_node("gpu-a", {"spec": {"unschedulable": True}})
+        with pytest.raises(ApiException) as exc:
+            worker_core.patch_node("cpu-a", {"spec": {"unschedulable": True}})
+        assert exc.value.status == 422 and "only GPU nodes" in error(exc)["message"], error(exc)  # reason Invalid
+        assert "gpu-nodes-only" in error(exc)["message"]
+        kubernetes.client.CoreV1Api(as_admin).patch_node("cpu-a", {"spec": {"unschedulable": True}})
+        assert kube.node("cpu-a")["spec"]["unschedulable"] is True
+
+        # The job controller's pods go through admission as the job controller.
+        kubernetes.client.BatchV1Api(as_admin).create_namespaced_job(NS, training_job("teamless", completions=1))
+        assert kube.pods(NS, "teamless") == []
+        (event,) = [e for e in kube.events(NS, "teamless") if e["reason"] == "FailedCreate"]
+        assert event["message"].startswith('Error creating: pods "teamless-0-" is forbidden: ')
+        assert "pods need a team" in event["message"]
+        assert isinstance(kube.requests[-1].user, UserInfo)
+    finally:
+        for c in (as_worker, as_triggerer, as_admin):
+            c.close()
+
+
+def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_triggerer_in_triggers(cluster):
+    from eks_cluster import NS as TRAINING_NS, TRIGGERER, WORKER, acting_as, add_gpu_node as add_pool_node
+    from fsdp_resilience.triggers import NodeCapacityTrigger
+
+    kube = cluster
+    add_pool_node(kube, "gpu-0")
+    connection = json.loads(os.environ["AIRFLOW_CONN_KUBERNETES_FAKE"])
+    api = kubernetes.config.new_client_from_config(config_file=connection["extra"]["kube_config_path"])
+    batch = kubernetes.client.BatchV1Api(api)
+    try:
+        job = training_job("kit-run", completions=1)
+        spec = job["spec"]["template"]["spec"]
+        spec.update(serviceAccountName="fsdp-training", nodeSelector={"fsdp-resilience/pool": "gpu"},
+                    securityContext=hardened_pod("x")["spec"]["securityContext"],
+                    volumes=[{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-training"}}])
+        spec["containers"][0]["securityContext"] = hardened_pod("x")["spec"]["containers"][0]["securityContext"]
+        batch.create_namespaced_job(TRAINING_NS, job)
+        assert kube.requests[-1].user == WORKER
+        assert [p["status"]["phase"] for p in kube.pods(TRAINING_NS, "kit-run")] == ["Running"]
+
+        with acting_as(kube, TRIGGERER), pytest.raises(ApiException) as exc:
+            batch.create_namespaced_job(TRAINING_NS, training_job("from-trigger"))
+        assert (exc.value.status, error(exc)["message"]) == (
+            403, 'jobs.batch is forbidden: User "system:serviceaccount:airflow:airflow-triggerer" cannot create '
+                 f'resource "jobs" in API group "batch" in the namespace "{TRAINING_NS}"')
+        assert kube.requests[-1].user == TRIGGERER
+
+        # The kit's node-write policy: the worker may cordon a GPU-pool node, not another node.
+        kube.add_node("system-0")
+        core = kubernetes.client.CoreV1Api(api)
+        with pytest.raises(ApiException) as exc:
+            core.patch_node("system-0", {"spec": {"unschedulable": True}})
+        assert exc.value.status == 403
+        assert "ValidatingAdmissionPolicy 'fsdp-airflow-node-writes'" in error(exc)["message"]
+        add_pool_node(kube, "gpu-1")
+        assert core.patch_node("gpu-1", {"spec": {"unschedulable": True}}).spec.unschedulable is True
+    finally:
+        api.close()
+
+    # A trigger's requests (here through asyncio.to_thread) carry the triggerer's token.
+    kube.clear_requests()
+    backend = {"name": "eks", "namespace": TRAINING_NS, "kubernetes_conn_id": "kubernetes_fake",
+               "image": "example.com/fsdp-training:test"}
+    trigger = NodeCapacityTrigger(backend=backend, nodes=1, timeout_s=30, started_at=time.time(), poll_interval_s=0.1)
+
+    async def first_event():
+        return await anext(trigger.run())
+
+    event = asyncio.run(first_event())
+    assert event.payload["ready"] is True
+    assert kube.requests and {r.user for r in kube.requests} == {TRIGGERER}
