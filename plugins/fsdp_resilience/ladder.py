@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from training.contract import Event, EventLog, FailureClass, RunConfig
+from training.contract import ConfigError, Event, EventLog, FailureClass, RunConfig
 
 from fsdp_resilience import settings
 from fsdp_resilience.backends import JobHandle, get_backend, what_to_do
@@ -68,8 +68,33 @@ def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
     max_replacements = int(params.get("max_node_replacements", 1))
     if not 0 <= max_replacements <= MAX_RUNGS:
         raise EscalationError(f"max_node_replacements={max_replacements} must be between 0 and {MAX_RUNGS}")
-    backend = settings.backend_config(params.get("backend", "local"), **{
-        k: params[k] for k in ("image", "namespace") if params.get(k) and params.get("backend") == "eks"})
+    try:
+        backend = settings.backend_config(params.get("backend", "local"), **{
+            k: params[k] for k in ("image", "namespace") if params.get(k) and params.get("backend") == "eks"})
+    except ValueError as e:  # FSDP_EKS_* settings that do not parse
+        raise ConfigError(f"backend settings: {e}") from None
+    if backend["name"] == "eks" and backend.get("image"):  # no image at all: submit says what to set
+        # Whoever can trigger the DAG must not bring an arbitrary image to the shared FSx: the image
+        # must be under FSDP_EKS_IMAGE_ALLOWLIST (the backend refuses it again at submit).
+        from fsdp_resilience.backends.eks_manifests import image_allowed
+
+        image, allowlist = backend["image"], backend.get("image_allowlist") or []
+        if not image_allowed(image, allowlist):
+            allowed = ", ".join(allowlist) or "nothing (FSDP_EKS_IMAGE_ALLOWLIST and FSDP_EKS_IMAGE are unset)"
+            raise ConfigError(f"image {image!r} is not allowed: images must come from {allowed} (whole path "
+                              "components; a valid reference with :tag and/or @sha256:digest). Use an image from "
+                              "there, or have an administrator add its registry/repository to "
+                              "FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) in Airflow's environment")
+        # What the backend would refuse at submit (pod settings, paths outside the FSx mount, more
+        # processes than GPUs per pod), refused now: the same builder, nothing is sent.
+        from fsdp_resilience.backends.eks_manifests import PodTemplateSettings, training_job
+
+        try:
+            pods = PodTemplateSettings.from_dict({**(backend.get("pod") or {}), "image": image,
+                                                  "namespace": backend["namespace"]})
+            training_job(cfg, "0", pods)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"the EKS pods of this run: {e}") from None
     return {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": max_replacements,
             "airflow_run_id": dag_run_id}
 

@@ -8,6 +8,11 @@
 
 The EKS backend (``backend_config("eks")``; see README "Run on EKS"):
   FSDP_EKS_IMAGE                 the training image (the DAG's `image` param overrides it)
+  FSDP_EKS_IMAGE_ALLOWLIST       comma-separated registry/repository prefixes an image must be under
+                                 (whole path components: ".../fsdp-training" allows ".../fsdp-training:1"
+                                 and "...@sha256:...", never ".../fsdp-training-evil"); default: the
+                                 repository of FSDP_EKS_IMAGE. The `image` param is refused in
+                                 validate_config outside it, and the backend refuses it again at submit
   FSDP_EKS_NAMESPACE             where jobs run; default fsdp-training (the `namespace` param overrides)
   FSDP_EKS_CLUSTER_NAME          set: kubeconfig from EksHook + the AWS connection; unset: the
                                  Kubernetes connection (in-cluster or its kubeconfig)
@@ -16,8 +21,11 @@ The EKS backend (``backend_config("eks")``; see README "Run on EKS"):
   FSDP_EKS_REPLACEMENT           asg (default) | karpenter | cordon
   FSDP_EKS_MAX_UNHEALTHY_SHARE   default 0.2: never replace more of the pool at once
   FSDP_EKS_POOL_SELECTOR         JSON labels of the GPU node pool; default: the pods' nodeSelector
-  FSDP_EKS_POD                   JSON pod settings (backends/eks_manifests.py PodTemplateSettings), e.g.
-                                 {"gpus_per_node": 8, "efa_per_node": 32, "node_selector": {...}}
+  FSDP_EKS_POD                   JSON pod settings (backends/eks_manifests.py PodTemplateSettings); the
+                                 defaults fit p5.48xlarge (instance_type, 8 GPUs, 32 EFA, cpu 180,
+                                 memory 1800Gi, QoS Guaranteed), e.g. for p4d.24xlarge
+                                 {"instance_type": "p4d.24xlarge", "efa_per_node": 4, "cpu": "90",
+                                  "memory": "1000Gi", "eval_cpu": "11", "eval_memory": "120Gi"}
   FSDP_FSX_MOUNT_PATH            where FSx is mounted, in the pods and the Airflow workers; default /fsx
   FSDP_FSX_FILE_SYSTEM_ID        the FSx for Lustre file system (fs-...): staging and export tasks
   FSDP_CHECKPOINTS_S3            optional s3://bucket/prefix that the runs root is exported to (the FSx
@@ -94,6 +102,24 @@ def checkpoints_s3_uri(run_dir: str) -> str | None:
     return f"{base}/{relative.as_posix()}"
 
 
+def image_allowlist() -> list[str]:
+    """FSDP_EKS_IMAGE_ALLOWLIST as a list of prefixes (raises ValueError naming a bad entry); unset:
+    the repository of FSDP_EKS_IMAGE (its reference without :tag and @digest); neither: empty,
+    and no image is allowed."""
+    from fsdp_resilience.backends.eks_manifests import check_image_prefix, image_repository
+
+    text = os.environ.get("FSDP_EKS_IMAGE_ALLOWLIST", "").strip()
+    if text:
+        return [check_image_prefix(p) for p in text.split(",") if p.strip()]
+    image = os.environ.get("FSDP_EKS_IMAGE", "").strip()
+    if not image:
+        return []
+    try:
+        return [image_repository(image)]
+    except ValueError as e:
+        raise ValueError(f"FSDP_EKS_IMAGE: {e}") from None
+
+
 def eks_backend_config() -> dict[str, Any]:
     env = os.environ.get
     pod = dict(_json_env("FSDP_EKS_POD") or {})
@@ -104,7 +130,8 @@ def eks_backend_config() -> dict[str, Any]:
         "kubernetes_conn_id": env("FSDP_KUBERNETES_CONN_ID", "kubernetes_default"),
         "cluster_name": env("FSDP_EKS_CLUSTER_NAME") or None, "aws_conn_id": aws_conn_id(),
         "region_name": env("FSDP_AWS_REGION") or None, "replacement": env("FSDP_EKS_REPLACEMENT", "asg"),
-        "max_unhealthy_share": float(env("FSDP_EKS_MAX_UNHEALTHY_SHARE", "0.2")), "pod": pod}
+        "max_unhealthy_share": float(env("FSDP_EKS_MAX_UNHEALTHY_SHARE", "0.2")), "pod": pod,
+        "image_allowlist": image_allowlist()}
     pool = _json_env("FSDP_EKS_POOL_SELECTOR")
     if pool is not None:
         config["pool_selector"] = pool

@@ -19,12 +19,12 @@ from training.contract import Event, EventLog, ExitCode, RunConfig, failure_clas
 
 from fsdp_resilience.backends import (BackendError, InsufficientCapacityError, JobConflictError, get_backend,
                                       what_to_do)
-from fsdp_resilience.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, EksBackend
+from fsdp_resilience.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, EksBackend, kube_error
 
 def backend_for(tmp_path, **kw) -> EksBackend:
     pod = {"fsx_mount_path": str(tmp_path / "fsx"), **kw.pop("pod", {})}
-    return get_backend("eks", image="example.com/fsdp-training:test", namespace=NS, kubernetes_conn_id="kubernetes_fake",
-                       aws_conn_id="aws_fake", region_name="us-west-2", pod=pod, **kw)
+    kw = {"kubernetes_conn_id": "kubernetes_fake", "aws_conn_id": "aws_fake", "region_name": "us-west-2", **kw}
+    return get_backend("eks", image="example.com/fsdp-training:test", namespace=NS, pod=pod, **kw)
 
 
 def run_config(tmp_path, run_id="llm", nodes=2, **kw) -> RunConfig:
@@ -47,9 +47,15 @@ def test_submit_creates_one_indexed_job_and_a_headless_service_and_is_idempotent
     pods = cluster.pods(NS, handle.job_name)
     assert len(pods) == 2 and len({p["spec"]["nodeName"] for p in pods}) == 2  # one pod per node
     assert all(p["spec"]["nodeName"].startswith("gpu-") for p in pods)
-    # The rendezvous Service, owned by the Job (deleting the Job deletes it).
-    services = [r for r in cluster.requests if r.resource == "services" and r.verb == "create"]
-    assert len(services) == 1
+    # The rendezvous Service and NetworkPolicy, owned by the Job (deleting the Job deletes them),
+    # created while the Job was suspended; then the Job was resumed.
+    for resource in ("services", "networkpolicies"):
+        assert len([r for r in cluster.requests if r.resource == resource and r.verb == "create"]) == 1, resource
+    job_writes = [(r.resource, r.verb) for r in cluster.requests if r.verb in ("create", "patch")
+                  and r.resource in ("jobs", "services", "networkpolicies")]
+    assert job_writes == [("jobs", "create"), ("services", "create"), ("networkpolicies", "create"),
+                          ("jobs", "patch")]
+    assert job["spec"]["suspend"] is False
     assert backend.status(handle).state == "running"
 
     again = backend.submit(cfg, "0")  # a retried Airflow task
@@ -135,7 +141,8 @@ def test_a_node_the_monitoring_agent_marks_unhealthy_is_blamed(cluster, tmp_path
 def test_a_lost_node_is_replaceable_and_a_user_error_never_is(cluster, tmp_path):
     for i in range(4):
         add_gpu_node(cluster, f"gpu-{i}")
-    backend = backend_for(tmp_path)
+    # No room for disruptions in the Job's failure budget: backoffLimit = backoff_limit (2).
+    backend = backend_for(tmp_path, pod={"max_pod_disruptions": 0})
     lost = backend.submit(run_config(tmp_path, run_id="lost"), "0")
     victim = cluster.pods(NS, lost.job_name)[0]
     node = victim["spec"]["nodeName"]
@@ -255,16 +262,29 @@ def test_an_untagged_asg_is_not_touched_and_the_reason_says_why(cluster, tmp_pat
     assert asg_instances("someone-elses") == instances
 
 
-def test_karpenter_mode_deletes_the_nodeclaim_and_provisions_on_demand(cluster, tmp_path):
-    for i in range(5):
-        add_gpu_node(cluster, f"gpu-{i}")
-        cluster.add_nodeclaim(f"gpu-claim-{i}", f"gpu-{i}")
-    backend = backend_for(tmp_path, replacement="karpenter")
-    replacement = backend.replace_nodes(["gpu-3"], reason="bad GPU")
-    assert replacement.replaced == ["gpu-3"], replacement.reason
-    assert [r.name for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"] == ["gpu-claim-3"]
-    capacity = backend.capacity()
-    assert capacity.provisions_on_demand and capacity.fits(64)
+def test_karpenter_mode_deletes_the_nodeclaim_and_provisions_on_demand(tmp_path, monkeypatch):
+    from eks_cluster import start_strict_cluster
+
+    cluster = start_strict_cluster(tmp_path, monkeypatch, "example-karpenter")
+    try:
+        for i in range(5):
+            add_gpu_node(cluster, f"gpu-{i}")
+            # The kit's admission policy lets the Airflow identities delete claims of the GPU
+            # NodePool only: gpu-4's claim belongs to another pool.
+            cluster.add_nodeclaim(f"gpu-claim-{i}", f"gpu-{i}", nodepool="gpu" if i < 4 else "general")
+        backend = backend_for(tmp_path, replacement="karpenter")
+        replacement = backend.replace_nodes(["gpu-3"], reason="bad GPU")
+        assert replacement.replaced == ["gpu-3"], replacement.reason
+        assert [r.name for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"] == ["gpu-claim-3"]
+        capacity = backend.capacity()
+        assert capacity.provisions_on_demand and capacity.fits(64)
+
+        refused = backend.replace_nodes(["gpu-4"], reason="bad GPU")
+        assert refused.replaced == [] and refused.refused == ["gpu-4"]
+        assert "fsdp-airflow-nodeclaim-deletes" in refused.reason, refused.reason
+        assert cluster.nodeclaim("gpu-claim-4")  # still there
+    finally:
+        cluster.stop()
 
 
 def test_evaluation_runs_as_a_one_pod_job_and_returns_its_result(cluster, tmp_path):
@@ -371,3 +391,269 @@ def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_wha
     threading.Timer(0.3, lambda: cluster.set_node_condition("gpu-1", "Ready", "True", "KubeletReady")).start()
     ready = asyncio.run(asyncio.wait_for(first_event(waiting), timeout=30))
     assert ready["ready"] is True and ready["capacity"]["healthy"] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Names, retried submits, API errors, images (issue 12)
+# --------------------------------------------------------------------------------------------
+
+
+def api_client(cluster, tmp_path):
+    """A plain client as the admin, to look and to play another actor (a first try that died)."""
+    from kubernetes import config
+
+    return config.new_client_from_config(str(cluster.kubeconfig(tmp_path / "admin-kubeconfig")))
+
+
+def launch_objects(cluster, tmp_path) -> dict[str, list[str]]:
+    """The names of the Jobs, Services and NetworkPolicies the backend made in the training
+    namespace (not the kit's default-deny-ingress policy)."""
+    from kubernetes import client
+
+    api = api_client(cluster, tmp_path)
+    return {"jobs": [j.metadata.name for j in client.BatchV1Api(api).list_namespaced_job(NS).items],
+            "services": [s.metadata.name for s in client.CoreV1Api(api).list_namespaced_service(NS).items],
+            "networkpolicies": [p.metadata.name for p in
+                                client.NetworkingV1Api(api).list_namespaced_network_policy(NS).items
+                                if p.metadata.name != "default-deny-ingress"]}
+
+
+def test_a_run_id_starting_with_a_digit_launches(cluster, tmp_path):
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(run_config(tmp_path, run_id="7b-llama"), "0")
+    assert handle.job_name.startswith("r-7b-llama-0-")
+    # The Service (a DNS-1035 name) was accepted, and so the rendezvous host resolves.
+    assert launch_objects(cluster, tmp_path) == {"jobs": [handle.job_name], "services": [handle.job_name],
+                                                 "networkpolicies": [handle.job_name]}
+    assert backend.status(handle).state == "running"
+
+
+def test_a_submit_that_fails_in_the_middle_is_finished_by_a_retry(cluster, tmp_path, monkeypatch):
+    """The Service is refused once (here: a name the apiserver rejects); the Job stays suspended,
+    no pod runs without its Service, and the retried task finishes the launch: one Job, its
+    Service, its NetworkPolicy, running."""
+    import fsdp_resilience.backends.eks as eks
+
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    cfg = run_config(tmp_path)
+    real_service = eks.rendezvous_service
+
+    def refused_once(*args, **kwargs):
+        service = real_service(*args, **kwargs)
+        service["metadata"]["name"] = "7" + service["metadata"]["name"]  # not DNS-1035: the apiserver says 422
+        return service
+
+    monkeypatch.setattr(eks, "rendezvous_service", refused_once)
+    with pytest.raises(BackendError, match=r"rejected the request to create service .* invalid \(422\).*"
+                                           r"stays suspended.*retrying the launch task"):
+        backend.submit(cfg, "0")
+    monkeypatch.setattr(eks, "rendezvous_service", real_service)
+    assert launch_objects(cluster, tmp_path)["services"] == []
+    (name,) = launch_objects(cluster, tmp_path)["jobs"]
+    job = cluster.job(NS, name)
+    assert job["spec"]["suspend"] is True and cluster.pods(NS) == []  # nothing runs without its Service
+    handle = backend._handle(cfg, "0", job)
+    status = backend.status(handle)
+    assert status.state == "pending" and "suspended" in status.message, status.message
+
+    again = backend.submit(cfg, "0")  # the retried task
+    assert again.job_name == job["metadata"]["name"]
+    assert launch_objects(cluster, tmp_path) == {"jobs": [name], "services": [name], "networkpolicies": [name]}
+    assert len([r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]) == 1
+    assert cluster.job(NS, again.job_name)["spec"]["suspend"] is False
+    assert len(cluster.pods(NS, again.job_name)) == 2 and backend.status(again).state == "running"
+
+
+def test_a_retry_after_a_try_that_died_after_creating_the_job_finishes_it(cluster, tmp_path):
+    """A first try created the (suspended) Job and died: the retry creates the Service and the
+    NetworkPolicy and resumes the Job."""
+    from kubernetes import client
+
+    from fsdp_resilience.backends.eks_manifests import training_job
+
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    cfg = run_config(tmp_path)
+    body = training_job(cfg, "0", backend.settings)
+    client.BatchV1Api(api_client(cluster, tmp_path)).create_namespaced_job(NS, body)
+    name = body["metadata"]["name"]
+    assert cluster.pods(NS, name) == []
+    handle = backend.submit(cfg, "0")
+    assert handle.job_name == name and len(cluster.pods(NS, name)) == 2
+    assert launch_objects(cluster, tmp_path) == {"jobs": [name], "services": [name], "networkpolicies": [name]}
+    assert backend.status(handle).state == "running"
+
+
+def test_a_cancelled_job_is_never_resumed_by_a_retried_submit(cluster, tmp_path):
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    cfg = run_config(tmp_path)
+    handle = backend.submit(cfg, "0")
+    backend.cancel(handle)
+    wait_for(lambda: not [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+             what="the cancelled job's pods to stop")
+    backend.submit(cfg, "0")  # a late retry of the launch task
+    job = cluster.job(NS, handle.job_name)
+    assert job["spec"]["suspend"] is True and CANCEL_ANNOTATION in job["metadata"]["annotations"]
+    assert backend.status(handle).state == "failed"
+
+
+def test_an_image_outside_the_allowlist_is_refused_at_submit(cluster, tmp_path):
+    add_gpu_node(cluster, "gpu-0")
+    backend = backend_for(tmp_path, image_allowlist=["123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training"])
+    with pytest.raises(BackendError, match="not under the image allowlist.*FSDP_EKS_IMAGE_ALLOWLIST"):
+        backend.submit(run_config(tmp_path, nodes=1), "0")
+    assert not [r for r in cluster.requests if r.verb == "create"]
+    assert get_backend(**backend.to_config()).image_allowlist == backend.image_allowlist
+    allowed = backend_for(tmp_path, image_allowlist=["example.com/fsdp-training"])
+    assert allowed.submit(run_config(tmp_path, nodes=1), "0").job_name
+
+
+def test_api_errors_say_what_to_do(tmp_path):
+    from kubernetes.client import ApiException
+
+    def api_exception(status, reason, message):
+        e = ApiException(status=status, reason=reason)
+        e.body = json.dumps({"kind": "Status", "status": "Failure", "message": message, "code": status})
+        return e
+
+    forbidden = kube_error(api_exception(403, "Forbidden", 'jobs.batch is forbidden: User '
+                                         '"system:serviceaccount:airflow:airflow-triggerer" cannot create resource '
+                                         '"jobs" in API group "batch" in the namespace "fsdp-training"'),
+                           "create job llm-0-abc", NS)
+    text = str(forbidden)
+    assert "identity system:serviceaccount:airflow:airflow-triggerer lacks the grant 'create' on jobs" in text
+    assert "API group batch" in text and "deploy/base/rbac.yaml" in text and "access entry" in text
+    missing = kube_error(api_exception(404, "Not Found", 'namespaces "fsdp-training" not found'), "create job x", NS)
+    assert "namespace fsdp-training does not exist" in str(missing) and "deploy kit" in str(missing)
+    invalid = kube_error(api_exception(422, "Unprocessable Entity", 'Service "7b" is invalid: metadata.name: ...'),
+                         "create service 7b", NS)
+    assert "invalid (422): Service \"7b\" is invalid" in str(invalid)
+
+
+def test_an_unreachable_cluster_is_a_backend_error_that_says_so(tmp_path, monkeypatch):
+    from fake_kube import FakeKube
+
+    gone = FakeKube()
+    path = gone.kubeconfig(tmp_path / "gone-kubeconfig")
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_GONE", gone.airflow_connection(path))
+    gone.stop()  # nothing listens there now
+    backend = backend_for(tmp_path, kubernetes_conn_id="kubernetes_gone")
+    with pytest.raises(BackendError, match="cannot reach the Kubernetes API.*FSDP_KUBERNETES_CONN_ID"):
+        backend.capacity()
+
+
+def test_a_node_without_registered_gpus_is_not_healthy_capacity(cluster, tmp_path):
+    add_gpu_node(cluster, "gpu-0")
+    # Joined and Ready, but its device plugin has not registered the GPUs (or the EFA devices) yet.
+    cluster.add_node("gpu-1", labels={"fsdp-resilience/pool": "gpu", "node.kubernetes.io/instance-type": "p5.48xlarge"},
+                     allocatable={"nvidia.com/gpu": 0, "vpc.amazonaws.com/efa": 32})
+    cluster.add_node("gpu-2", labels={"fsdp-resilience/pool": "gpu", "node.kubernetes.io/instance-type": "p5.48xlarge"},
+                     allocatable={"nvidia.com/gpu": 8})
+    capacity = backend_for(tmp_path).capacity()
+    assert capacity.total == 3 and capacity.healthy_node_ids == ["gpu-0"]
+
+
+def test_disrupted_pods_are_replaced_within_a_bound_then_the_launch_fails_replaceably(cluster, tmp_path):
+    """Evictions and lost nodes do not fail a launch at once (the Job replaces the pod and the
+    restart layers take it back), but not for ever: past backoff_limit + max_pod_disruptions
+    the Job fails and the launch reports restarts_exhausted, which the ladder climbs."""
+    for i in range(4):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path, pod={"backoff_limit": 0, "max_pod_disruptions": 1})
+    handle = backend.submit(run_config(tmp_path, nodes=1), "0")
+    first = cluster.pods(NS, handle.job_name)[0]["spec"]["nodeName"]
+    cluster.remove_node(first)  # lost with its node: replaced on another node
+    second = wait_for(lambda: [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+                      what="the replacement pod")[0]["spec"]["nodeName"]
+    assert second != first and backend.status(handle).state == "running"
+    cluster.remove_node(second)  # the second disruption is one more than the bound
+    status = wait_for(lambda: (s := backend.status(handle)).state == "failed" and s, what="the job to fail")
+    assert status.failure_class == "restarts_exhausted", status.message
+    assert "disrupted" in status.message and "BackoffLimitExceeded" in status.message
+
+
+def test_a_taint_added_between_the_read_and_the_patch_survives_the_quarantine(cluster, tmp_path):
+    """The node lifecycle controller taints the node right after the backend read it: the
+    backend's patch (the whole taint list, with the resourceVersion it read) gets 409, and the
+    backend reads the node again and keeps that taint."""
+    for i in range(5):
+        add_gpu_node(cluster, f"gpu-{i}")
+    unreachable = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+    cluster.taint_on_next_read("gpu-2", unreachable)
+    replacement = backend_for(tmp_path, replacement="cordon").replace_nodes(["gpu-2"], reason="rung 1: lost")
+    assert replacement.replaced == ["gpu-2"], replacement.reason
+    keys = [t["key"] for t in cluster.node("gpu-2")["spec"]["taints"]]
+    assert sorted(keys) == sorted(["nvidia.com/gpu", "node.kubernetes.io/unreachable", QUARANTINE_TAINT]), keys
+    node_patches = [r for r in cluster.requests if r.resource == "nodes" and r.verb == "patch"]
+    assert len(node_patches) == 2  # the conflict, then the patch on the fresh read
+    assert cluster.node("gpu-2")["spec"]["unschedulable"] is True
+
+
+def test_a_missing_grant_is_a_backend_error_naming_the_identity_and_the_grant(cluster, tmp_path, monkeypatch):
+    """The triggerer's identity is read-only: a submit with its token is refused (403), and the
+    error names who lacks what and where the grants are."""
+    import yaml
+
+    from kube_authz import service_account_user
+
+    rbac = [o for o in yaml.safe_load_all((Path(__file__).resolve().parents[2] / "deploy/base/rbac.yaml").read_text())
+            if o]
+    cluster.load(rbac)
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    triggerer = cluster.kubeconfig(tmp_path / "triggerer", namespace=NS,
+                                   user=service_account_user("airflow", "airflow-triggerer"))
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_TRIGGERER", cluster.airflow_connection(triggerer))
+    backend = backend_for(tmp_path, kubernetes_conn_id="kubernetes_triggerer")
+    with pytest.raises(BackendError, match=r"forbidden to (list|create) jobs? .*identity system:serviceaccount:"
+                                           r"airflow:airflow-triggerer lacks the grant '(list|create)' on jobs "
+                                           r"\(API group batch\) in namespace fsdp-training.*deploy/base/rbac.yaml"):
+        backend.submit(run_config(tmp_path), "0")
+    assert backend.capacity().total == 2  # what its triggers read, it may
+
+
+def test_a_launch_on_the_kit_as_the_worker_passes_rbac_admission_and_pod_security(tmp_path, monkeypatch):
+    """With the rendered deploy kit loaded (RBAC, Pod Security labels, the kit's admission
+    policies, the ServiceAccount, PVC and PriorityClass the pods name), the worker launches a run
+    whose id starts with a digit, its pods (IPC_LOCK for EFA) are admitted and run, and a bad node
+    of the GPU pool is cordoned and tainted."""
+    from eks_cluster import start_strict_cluster
+
+    kube = start_strict_cluster(tmp_path, monkeypatch)
+    try:
+        for i in range(3):
+            add_gpu_node(kube, f"gpu-{i}")
+        backend = backend_for(tmp_path, replacement="cordon")
+        handle = backend.submit(run_config(tmp_path, run_id="7b-llama"), "0")
+        pods = wait_for(lambda: [p for p in kube.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+                        what="the pods to run")
+        assert len(pods) == 2 and backend.status(handle).state == "running"
+        bad = pods[0]["spec"]["nodeName"]
+        replacement = backend.replace_nodes([bad], reason="rung 1: restarts_exhausted")
+        assert replacement.replaced == [bad], replacement.reason
+        assert kube.node(bad)["spec"]["unschedulable"] is True
+        assert not kube.errors, kube.errors
+    finally:
+        kube.stop()
+
+
+def test_without_ipc_lock_the_pods_pass_pod_security_restricted(cluster, tmp_path):
+    """In a namespace that enforces Pod Security "restricted", EFA pods with IPC_LOCK are refused
+    (the kit therefore enforces "privileged" plus its own policy); with efa_ipc_lock=false they
+    pass, as evaluation pods always do."""
+    cluster.add_namespace(NS, labels={"pod-security.kubernetes.io/enforce": "restricted"})
+    for i in range(4):
+        add_gpu_node(cluster, f"gpu-{i}")
+    refused = backend_for(tmp_path).submit(run_config(tmp_path, run_id="ipc-lock", nodes=1), "0")
+    assert cluster.pods(NS, refused.job_name) == []
+    assert backend_for(tmp_path).status(refused).state == "pending"
+    backend = backend_for(tmp_path, pod={"efa_ipc_lock": False})
+    handle = backend.submit(run_config(tmp_path, run_id="no-ipc-lock", nodes=1), "0")
+    assert [p["status"]["phase"] for p in cluster.pods(NS, handle.job_name)] == ["Running"]

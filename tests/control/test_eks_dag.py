@@ -1,6 +1,8 @@
 """fsdp_training on the EKS backend with dag.test(): the same DAG as on the local backend, switched
-by the `backend` param alone. Kubernetes is the fake apiserver, the node group an Auto Scaling
-group in moto, FSx a temp folder, and the pods are played by eks_cluster.FakeKubelet.
+by the `backend` param alone. Kubernetes is the fake apiserver with the rendered deploy kit loaded
+(eks_cluster.start_strict_cluster: RBAC, admission policies, Pod Security; the tasks call as the
+worker's ServiceAccount, the triggers as the triggerer's), the node group an Auto Scaling group in
+moto, FSx a temp folder, and the pods are played by eks_cluster.FakeKubelet.
 
 The scenario of the issue: launch -> the pod on node X ends with restarts exhausted -> X is
 cordoned and tainted and its instance terminated in the ASG -> the replacement instance joins as a
@@ -8,6 +10,7 @@ new Ready node -> relaunch from the newest checkpoint -> success -> evaluation J
 export of the run's records and verified checkpoint to S3 with an FSx data repository task
 (botocore Stubber: moto has none). And what must never climb the ladder: a full run dir, a run
 another launcher holds; and a checkpoint whose bytes changed after its commit, which nothing trusts.
+And what never starts: an `image` outside the image allowlist fails validate_config.
 """
 
 from __future__ import annotations
@@ -179,3 +182,32 @@ def test_storage_and_already_running_fail_the_run_without_touching_a_node(eks_en
     if failure is FailureClass.ALREADY_RUNNING:
         # The refused pod wrote nothing: the run's status is what the other launcher left.
         assert final_status(run_dir) == status_before
+
+
+def test_an_image_outside_the_allowlist_fails_validate_config_and_nothing_is_submitted(eks_env, cluster, monkeypatch):
+    from training.contract import ConfigError
+
+    from fsdp_resilience import ladder
+
+    add_gpu_node(cluster, "gpu-0")
+    repository = "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp"
+    conf = {"run_name": "evil", "backend": "eks", "dataset": "c4", "nodes": 1, "procs_per_node": 2, "steps": 10,
+            "checkpoint_interval": 5, "image": f"{repository}-evil:1"}
+    # The default allowlist is FSDP_EKS_IMAGE's repository, matched by whole path components.
+    with pytest.raises(ConfigError, match=rf"not allowed: images must come from {repository} .*FSDP_EKS_IMAGE_ALLOWLIST"):
+        ladder.build_run_config(conf, "manual__1")
+    assert ladder.build_run_config({**conf, "image": f"{repository}:2"}, "manual__1")["backend"]["image_allowlist"] \
+        == [repository]
+    monkeypatch.setenv("FSDP_EKS_IMAGE_ALLOWLIST", f"{repository}, 123456789012.dkr.ecr.us-west-2.amazonaws.com/eval")
+    assert ladder.build_run_config({**conf, "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/eval/x:1"},
+                                   "manual__1")
+
+    monkeypatch.delenv("FSDP_EKS_IMAGE_ALLOWLIST")
+    # What the backend would refuse at submit is refused here too: more processes than GPUs per pod.
+    with pytest.raises(ConfigError, match=r"procs_per_node=16 is more than the 8 GPU"):
+        ladder.build_run_config({**conf, "image": f"{repository}:2", "procs_per_node": 16}, "manual__1")
+    dr = trigger(conf)
+    st = states(dr)
+    assert str(dr.state) == "failed" and st["validate_config"] == "failed", st
+    assert st["launch_training"] == "upstream_failed"
+    assert not [r for r in cluster.requests if r.verb == "create"]  # nothing reached the cluster

@@ -1,6 +1,7 @@
 """The EKS backend's Kubernetes objects: strict validation against the official schemas of the
-oldest supported Kubernetes and of 1.33 (offline, kubernetes-validate), and the behaviour the
-objects encode: names, labels, the pod failure policy of the run contract, devices, mounts.
+supported Kubernetes range (1.30 and 1.33; offline, kubernetes-validate), and the behaviour the
+objects encode: names, labels, the pod failure policy of the run contract, devices, mounts, the
+pods' security context and QoS, the per-launch NetworkPolicy, and the image allowlist.
 
 No cluster: the objects are checked as the API server's schema and the Job controller's rules
 read them, and the pod env is fed to the real ``training.launch`` (dry run).
@@ -23,7 +24,9 @@ sys.path.insert(0, str(REPO / "plugins"))
 from fsdp_resilience.backends.base import JOB_NAME_MAX, job_name_for  # noqa: E402
 from fsdp_resilience.backends.eks_manifests import (  # noqa: E402
     CONTAINER,
+    DEVICE_RDMA_ENV,
     EFA_ENV,
+    INSTANCE_TYPE_LABEL,
     LABEL_AIRFLOW_RUN,
     LABEL_COMPONENT,
     LABEL_JOB,
@@ -31,12 +34,18 @@ from fsdp_resilience.backends.eks_manifests import (  # noqa: E402
     LABEL_RUN,
     MANAGED_BY,
     NCCL_ENV,
+    NEWEST_SUPPORTED_K8S,
     OLDEST_SUPPORTED_K8S,
     PodTemplateSettings,
+    check_image_prefix,
     evaluation_job,
+    image_allowed,
+    image_repository,
     label_value,
     rendezvous_host,
+    rendezvous_network_policy,
     rendezvous_service,
+    training_backoff_limit,
     training_job,
 )
 from training.contract import ExitCode, FailureClass, RunConfig, failure_class_for_exit  # noqa: E402
@@ -45,10 +54,12 @@ kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is missing: pip install '.[test-eks]'")
 
 TRAINING_PYTHON = Path(os.environ.get("TRAINING_PYTHON") or REPO / ".venv" / "bin" / "python")
-K8S_VERSIONS = (OLDEST_SUPPORTED_K8S, "1.33")
+K8S_VERSIONS = (OLDEST_SUPPORTED_K8S, NEWEST_SUPPORTED_K8S)
 AIRFLOW_RUN_ID = "manual__2026-11-30T07:35:43.123456+00:00"
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+#: What a Service name must be (and so the Job and NetworkPolicy named like it).
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
@@ -99,9 +110,12 @@ def all_labels(obj: dict) -> list[dict[str, str]]:
 # A spread of settings: every optional branch of the builders, each validated against the schemas.
 SETTINGS_VARIANTS = {
     "p5-defaults": {},
-    "cpu-cluster": dict(gpus_per_node=0, efa_per_node=0, node_selector={}, tolerations=[]),
+    "cpu-cluster": dict(gpus_per_node=0, efa_per_node=0, node_selector={}, tolerations=[], instance_type=None,
+                        cpu="8", memory="32Gi"),
     "hugepages-priority": dict(hugepages_2mi="5120Mi", memory="1800Gi", cpu="180", priority_class="training-high",
                                env={"NCCL_DEBUG": "INFO", "NCCL_NVLS_ENABLE": "0"}),
+    "burstable-no-ipc-lock": dict(guaranteed_qos=False, cpu=None, memory=None, efa_ipc_lock=False,
+                                  instance_type="g6e.48xlarge", gpus_per_node=None),
 }
 
 
@@ -111,6 +125,8 @@ def all_objects(settings: PodTemplateSettings) -> list[dict]:
     owner = {"metadata": {"name": job["metadata"]["name"], "uid": "0b7c6a4e-4a43-4c6e-9a43-1c2f3e4d5a6b"}}
     return [job, rendezvous_service(cfg, "try-1", settings),
             rendezvous_service(cfg, "try-1", settings, owner=owner, airflow_run_id=AIRFLOW_RUN_ID),
+            rendezvous_network_policy(cfg, "try-1", settings),
+            rendezvous_network_policy(cfg, "try-1", settings, owner=owner, airflow_run_id=AIRFLOW_RUN_ID),
             evaluation_job(cfg, settings), evaluation_job(cfg, settings, airflow_run_id=AIRFLOW_RUN_ID),
             evaluation_job(cfg, settings, checkpoint_id="step_00000040", airflow_run_id=AIRFLOW_RUN_ID)]
 
@@ -127,14 +143,22 @@ def test_objects_validate_strictly(version, variant):
         validate(obj, version)
 
 
-def test_oldest_supported_version_is_the_oldest_whose_schema_accepts_the_job():
-    """The constant is not a guess: one minor version earlier, the schema rejects the Job (its
-    podFailurePolicy exit-code rules have no onPodConditions, which that schema requires)."""
+def test_the_supported_range_starts_where_the_kits_admission_policies_exist():
+    """The constant is not a guess: the kit's ValidatingAdmissionPolicies are
+    admissionregistration.k8s.io/v1, which the schema of one minor version earlier does not have.
+    The backend's own objects need 1.29: 1.28's schema rejects the Job (its podFailurePolicy
+    exit-code rules have no onPodConditions, which that schema requires)."""
     major, minor = (int(x) for x in OLDEST_SUPPORTED_K8S.split("."))
+    assert (major, minor) == (1, 30) and NEWEST_SUPPORTED_K8S == "1.33"
+    policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+              "metadata": {"name": "node-writes"}, "spec": {"validations": [{"expression": "true"}]}}
+    validate(policy, OLDEST_SUPPORTED_K8S)
+    with pytest.raises(kubernetes_validate.utils.SchemaNotFoundError):
+        validate(policy, f"{major}.{minor - 1}")
     job = training_job(make_cfg(), "try-1", make_settings())
-    validate(job, OLDEST_SUPPORTED_K8S)
+    validate(job, f"{major}.{minor - 1}")
     with pytest.raises(kubernetes_validate.ValidationError, match="onPodConditions"):
-        validate(job, f"{major}.{minor - 1}")
+        validate(job, f"{major}.{minor - 2}")
 
 
 @pytest.mark.parametrize("mutate, where", [
@@ -173,7 +197,9 @@ def test_training_job_is_one_indexed_job_with_a_pod_per_node():
     assert job["metadata"]["name"] == name and job["metadata"]["namespace"] == settings.namespace
     assert spec["completionMode"] == "Indexed"
     assert spec["completions"] == spec["parallelism"] == 6
-    assert spec["backoffLimit"] == settings.backoff_limit
+    # Created suspended: the backend resumes it once its Service and NetworkPolicy exist.
+    assert spec["suspend"] is True and training_job(cfg, "try-2", settings, suspend=False)["spec"]["suspend"] is False
+    assert spec["backoffLimit"] == training_backoff_limit(settings) == 2 + 3
     assert spec["activeDeadlineSeconds"] == settings.active_deadline_s
     assert spec["ttlSecondsAfterFinished"] == settings.ttl_after_finished_s
     assert pod["restartPolicy"] == "Never"
@@ -181,7 +207,8 @@ def test_training_job_is_one_indexed_job_with_a_pod_per_node():
     assert pod["serviceAccountName"] == settings.service_account
     assert pod["automountServiceAccountToken"] is False
     assert pod["terminationGracePeriodSeconds"] == settings.termination_grace_s
-    assert pod["nodeSelector"] == settings.node_selector
+    # The pool's label and its instance type (p5.48xlarge: what the sizes and the RDMA setting are for).
+    assert pod["nodeSelector"] == {**settings.node_selector, INSTANCE_TYPE_LABEL: "p5.48xlarge"}
     assert pod["tolerations"] == settings.tolerations
     assert "priorityClassName" not in pod
     # One pod per machine: the anti-affinity term selects exactly this Job's pods, by hostname.
@@ -229,17 +256,42 @@ def test_settings_env_overrides_the_defaults_and_comes_last():
     assert [e["name"] for e in container_of(job)["env"]][-1] == "NCCL_BUFFSIZE"
 
 
-def test_efa_and_gpus_by_default_one_gpu_per_process():
-    cfg = make_cfg(procs_per_node=8)
-    job = training_job(cfg, "try-1", make_settings())
-    resources = container_of(job)["resources"]
-    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "8"
-    assert resources["limits"]["vpc.amazonaws.com/efa"] == resources["requests"]["vpc.amazonaws.com/efa"] == "32"
+def test_efa_and_the_pools_gpus_by_default():
+    for procs in (8, 2):  # the pod gets the node's 8 GPUs (p5.48xlarge) however many ranks use them
+        job = training_job(make_cfg(procs_per_node=procs), "try-1", make_settings())
+        resources = container_of(job)["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "8"
+        assert resources["limits"]["vpc.amazonaws.com/efa"] == resources["requests"]["vpc.amazonaws.com/efa"] == "32"
     env = env_of(job)
-    for k, v in {**EFA_ENV, **NCCL_ENV}.items():
+    for k, v in {**EFA_ENV, **DEVICE_RDMA_ENV, **NCCL_ENV}.items():
         assert env[k]["value"] == v
-    assert env["FI_PROVIDER"]["value"] == "efa"
+    assert env["FI_PROVIDER"]["value"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"]["value"] == "1"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"]["value"] == "1"
+    # gpus_per_node=None: one GPU per process.
+    job = training_job(make_cfg(procs_per_node=4), "try-1", make_settings(gpus_per_node=None))
+    assert container_of(job)["resources"]["limits"]["nvidia.com/gpu"] == "4"
+
+
+def test_more_processes_than_gpus_is_refused():
+    with pytest.raises(ValueError, match=r"procs_per_node=16 is more than the 8 GPU\(s\).*gpus_per_node=8"):
+        training_job(make_cfg(procs_per_node=16), "try-1", make_settings())
+    training_job(make_cfg(procs_per_node=16), "try-1", make_settings(gpus_per_node=0, efa_per_node=0))  # CPU
+
+
+@pytest.mark.parametrize("instance_type, rdma", [
+    ("p4d.24xlarge", True), ("p4de.24xlarge", True), ("p5.48xlarge", True), ("p5e.48xlarge", True),
+    ("p5en.48xlarge", True), ("p6-b200.48xlarge", True), ("g6e.48xlarge", False), ("g5.48xlarge", False),
+    ("p3dn.24xlarge", False), (None, False),
+])
+def test_device_rdma_only_on_instance_types_that_have_it(instance_type, rdma):
+    settings = make_settings(instance_type=instance_type)
+    job = training_job(make_cfg(), "try-1", settings)
+    env = env_of(job)
+    assert env["FI_PROVIDER"]["value"] == "efa"  # EFA itself, whatever the type
+    assert ("FI_EFA_USE_DEVICE_RDMA" in env) is rdma
+    selector = job["spec"]["template"]["spec"]["nodeSelector"]
+    assert selector.get(INSTANCE_TYPE_LABEL) == instance_type
+    assert settings.device_rdma() is rdma
 
 
 def test_no_efa_means_no_efa_devices_and_no_efa_env():
@@ -253,19 +305,105 @@ def test_no_efa_means_no_efa_devices_and_no_efa_env():
 
 def test_no_gpus_means_no_gpu_request_and_no_nccl_env():
     job = training_job(make_cfg(), "try-1", make_settings(gpus_per_node=0, efa_per_node=0))
-    c = container_of(job)
-    assert "resources" not in c  # nothing requested at all
+    resources = container_of(job)["resources"]
+    assert resources["requests"] == resources["limits"] == {"cpu": "180", "memory": "1800Gi"}  # no devices
     assert not set(env_of(job)) & set(NCCL_ENV)
+    burstable = training_job(make_cfg(), "try-1", make_settings(gpus_per_node=0, efa_per_node=0, cpu=None,
+                                                                  memory=None, guaranteed_qos=False))
+    assert "resources" not in container_of(burstable)  # nothing requested at all
+
+
+def test_training_pods_are_guaranteed_by_default_sized_for_p5():
+    resources = container_of(training_job(make_cfg(), "try-1", make_settings()))["resources"]
+    # QoS Guaranteed: every request equals its limit, cpu and memory included.
+    assert resources["requests"] == resources["limits"] == {
+        "nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "cpu": "180", "memory": "1800Gi"}
 
 
 def test_explicit_gpu_count_hugepages_cpu_and_memory():
     settings = make_settings(gpus_per_node=4, hugepages_2mi="5120Mi", cpu="96", memory="1000Gi")
-    resources = container_of(training_job(make_cfg(procs_per_node=8), "try-1", settings))["resources"]
-    assert resources["requests"] == {"nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "32",
-                                     "hugepages-2Mi": "5120Mi", "cpu": "96", "memory": "1000Gi"}
-    # No CPU limit (throttling stalls data loading); every other request is also the limit.
-    assert resources["limits"] == {"nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "32",
-                                   "hugepages-2Mi": "5120Mi", "memory": "1000Gi"}
+    resources = container_of(training_job(make_cfg(procs_per_node=4), "try-1", settings))["resources"]
+    assert resources["requests"] == resources["limits"] == {
+        "nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "32", "hugepages-2Mi": "5120Mi", "cpu": "96",
+        "memory": "1000Gi"}
+    # Burstable on request: no CPU limit (never throttled below what the node has free).
+    burstable = make_settings(gpus_per_node=4, cpu="96", memory="1000Gi", guaranteed_qos=False)
+    resources = container_of(training_job(make_cfg(procs_per_node=4), "try-1", burstable))["resources"]
+    assert resources["requests"]["cpu"] == "96" and "cpu" not in resources["limits"]
+
+
+# --------------------------------------------------------------------------------------------
+# Least privilege: the pods' security context
+# --------------------------------------------------------------------------------------------
+
+
+def pod_specs(settings: PodTemplateSettings) -> list[dict]:
+    return [o["spec"]["template"]["spec"] for o in all_objects(settings) if o["kind"] == "Job"]
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """The Pod Security Standards' "restricted" rules (what PSA enforce=restricted checks), on a
+    pod spec. The kit's training-namespace policy allows IPC_LOCK on top of these."""
+    problems = []
+    pod_sc = pod.get("securityContext") or {}
+    for c in pod["containers"] + (pod.get("initContainers") or []):
+        sc = c.get("securityContext") or {}
+        if sc.get("privileged"):
+            problems.append("privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            problems.append("allowPrivilegeEscalation != false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            problems.append("capabilities.drop lacks ALL")
+        extra = set(caps.get("add") or []) - {"NET_BIND_SERVICE"}
+        if extra:
+            problems.append(f"capabilities.add {sorted(extra)}")
+        if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+            problems.append("runAsNonRoot != true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            problems.append("runAsUser 0")
+        seccomp = (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"seccompProfile {seccomp}")
+        if any(p.get("hostPort") for p in c.get("ports") or []):
+            problems.append("hostPort")
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            problems.append(key)
+    allowed = {"persistentVolumeClaim", "emptyDir", "configMap", "secret", "projected", "downwardAPI", "csi",
+               "ephemeral", "name"}
+    for volume in pod.get("volumes") or []:
+        if set(volume) - allowed:
+            problems.append(f"volume {volume['name']}: {sorted(set(volume) - allowed)}")
+    return problems
+
+
+@pytest.mark.parametrize("variant", sorted(SETTINGS_VARIANTS))
+def test_every_pod_runs_non_root_with_seccomp_and_no_privilege_escalation(variant):
+    settings = make_settings(**SETTINGS_VARIANTS[variant])
+    for pod in pod_specs(settings):
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                          "seccompProfile": {"type": "RuntimeDefault"}}
+        (c,) = pod["containers"]
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert pod["automountServiceAccountToken"] is False
+
+
+def test_ipc_lock_only_for_efa_and_otherwise_the_pods_pass_restricted():
+    cfg = make_cfg()
+    training = training_job(cfg, "try-1", make_settings())["spec"]["template"]["spec"]
+    # EFA pins memory with the NIC: IPC_LOCK, and nothing else beyond "restricted".
+    assert training["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert restricted_violations(training) == ["capabilities.add ['IPC_LOCK']"]
+    # The evaluation pod has no EFA: restricted as it is.
+    assert restricted_violations(evaluation_job(cfg, make_settings())["spec"]["template"]["spec"]) == []
+    for overrides in (dict(efa_ipc_lock=False), dict(efa_per_node=0)):
+        settings = make_settings(**overrides)
+        for pod in pod_specs(settings):
+            assert "add" not in pod["containers"][0]["securityContext"]["capabilities"]
+            assert restricted_violations(pod) == [], overrides
 
 
 def test_priority_class_is_set_when_given():
@@ -322,15 +460,23 @@ def test_pod_failure_policy_fails_the_job_on_exactly_the_contracts_final_exit_co
     # the backoffLimit left (and the DAG's ladder replaces no node for them).
     for code in (ExitCode.NON_FINITE, ExitCode.ALREADY_RUNNING, ExitCode.STORAGE_ERROR):
         assert job_controller_action(policy, int(code)) == "FailJob"
-        assert job_controller_action(policy, int(code), ("DisruptionTarget",)) == "Ignore"
+        assert job_controller_action(policy, int(code), ("DisruptionTarget",)) == "Count"
     # The API wants each rule's values unique and ascending.
     assert all(r["onExitCodes"]["values"] == sorted(set(r["onExitCodes"]["values"])) for r in fail_rules)
 
 
-def test_a_disrupted_pod_does_not_count_whatever_its_exit_code():
-    policy = training_job(make_cfg(), "try-1", make_settings())["spec"]["podFailurePolicy"]
+def test_a_disrupted_pod_never_fails_the_job_at_once_and_is_replaced_within_a_bound():
+    """Evicted, preempted or lost with its node: whatever its exit code, the pod is replaced, but
+    it counts against backoffLimit, which holds max_pod_disruptions on top of backoff_limit (with
+    "Ignore", the Job controller would replace evicted pods for ever)."""
+    settings = make_settings(backoff_limit=1, max_pod_disruptions=4)
+    job = training_job(make_cfg(), "try-1", settings)
+    policy = job["spec"]["podFailurePolicy"]
     for code in (1, 137, int(ExitCode.RESTARTS_EXHAUSTED), int(ExitCode.USER_ERROR)):
-        assert job_controller_action(policy, code, ("DisruptionTarget",)) == "Ignore"
+        assert job_controller_action(policy, code, ("DisruptionTarget",)) == "Count"
+    assert job["spec"]["backoffLimit"] == 5
+    assert training_job(make_cfg(), "try-1", make_settings(backoff_limit=0, max_pod_disruptions=0))[
+        "spec"]["backoffLimit"] == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,17 +489,22 @@ def test_a_disrupted_pod_does_not_count_whatever_its_exit_code():
     ("r-" + "x" * 59 + "9", "relaunch-" + "y" * 150),
     ("7", "Try #3 / replaced ip-10-0-1-23.us-west-2.compute.internal"),
     ("run", "___"),
+    ("7b-llama", "0"),
+    ("0" * 63, "eval-step_00000040"),
 ])
-def test_names_are_dns_labels_of_at_most_52_chars_for_odd_ids(run_id, launch_id):
+def test_names_are_dns_1035_labels_of_at_most_52_chars_for_odd_ids(run_id, launch_id):
     cfg = make_cfg(run_id=run_id, run_dir=f"/fsx/runs/{run_id}")
     settings = make_settings()
     job = training_job(cfg, launch_id, settings, airflow_run_id=AIRFLOW_RUN_ID)
     service = rendezvous_service(cfg, launch_id, settings)
+    policy = rendezvous_network_policy(cfg, launch_id, settings)
     evaluation = evaluation_job(cfg, settings)
     name = job["metadata"]["name"]
-    for n in (name, service["metadata"]["name"], evaluation["metadata"]["name"]):
-        assert len(n) <= JOB_NAME_MAX and DNS1123_LABEL.match(n), n
-    assert service["metadata"]["name"] == job["spec"]["template"]["spec"]["subdomain"] == name
+    for n in (name, service["metadata"]["name"], policy["metadata"]["name"], evaluation["metadata"]["name"]):
+        # A Service name must start with a letter (DNS-1035); a digit-first run id gets "r-".
+        assert len(n) <= JOB_NAME_MAX and DNS1035_LABEL.match(n) and DNS1123_LABEL.match(n), n
+    assert service["metadata"]["name"] == policy["metadata"]["name"] == \
+        job["spec"]["template"]["spec"]["subdomain"] == name
     # The highest pod hostname <job>-<index> is a DNS label too.
     assert len(f"{name}-{cfg.nodes - 1}") <= 63 and len(f"{name}-1023") <= 63
     for labels in all_labels(job) + all_labels(service) + all_labels(evaluation):
@@ -362,6 +513,21 @@ def test_names_are_dns_labels_of_at_most_52_chars_for_odd_ids(run_id, launch_id)
     assert job["metadata"]["annotations"][LABEL_LAUNCH] == launch_id
     for obj in (job, service, evaluation):
         validate(obj, "1.33")
+
+
+def test_job_names_start_with_a_letter_and_stay_what_they_were_otherwise():
+    import hashlib
+
+    name = job_name_for("7b-llama", "0")
+    assert name.startswith("r-7b-llama-0-") and name == job_name_for("7b-llama", "0")
+    assert name.endswith(hashlib.sha256(b"7b-llama\x000").hexdigest()[:8])
+    assert job_name_for("7b-llama", "1") != name
+    # A run id that starts with a letter keeps the name it always had (running jobs are found again).
+    assert job_name_for("llm", "0") == "llm-0-" + hashlib.sha256(b"llm\x000").hexdigest()[:8]
+    assert job_name_for("___", "___").startswith("r-") and len(job_name_for("___", "___")) == 10
+    for run_id in ("7" * 80, "9-" * 40):
+        assert len(job_name_for(run_id, "relaunch-2")) <= JOB_NAME_MAX
+        assert DNS1035_LABEL.match(job_name_for(run_id, "relaunch-2"))
 
 
 def test_labels_of_the_training_job_and_its_pods():
@@ -484,21 +650,26 @@ def test_evaluation_job_is_one_pod_one_gpu_no_efa():
     assert job["metadata"]["name"] == job_name_for(cfg.run_id, "eval")
     assert spec.get("completionMode", "NonIndexed") == "NonIndexed"
     assert spec["completions"] == 1 and spec["parallelism"] == 1
-    assert spec["backoffLimit"] == 0
+    assert spec["backoffLimit"] == settings.max_pod_disruptions  # only disruptions are retried
     assert pod["restartPolicy"] == "Never" and "subdomain" not in pod
     assert pod["automountServiceAccountToken"] is False
     c = container_of(job)
     assert c["command"] == ["python", "-m", "training.evaluate", "--config", f"{cfg.run_dir}/run.json"]
-    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "900Gi"}
+    # One GPU's share of the node, Guaranteed; no EFA, so none of the huge pages EFA needs.
+    assert c["resources"]["limits"] == c["resources"]["requests"] == {"nvidia.com/gpu": "1", "cpu": "22",
+                                                                      "memory": "225Gi"}
+    assert "add" not in c["securityContext"]["capabilities"]
     assert not [k for k in env_of(job) if k.startswith("FI_")]
     assert "TRAINING_RUN_CONFIG" not in env_of(job)
     labels = job["metadata"]["labels"]
     assert labels[LABEL_COMPONENT] == "evaluation" and labels[LABEL_RUN] == cfg.run_id
     assert LABEL_LAUNCH not in labels
     assert job["spec"]["template"]["metadata"]["labels"][LABEL_JOB] == job["metadata"]["name"]
-    # Preemption is retried even with backoffLimit 0.
-    assert job_controller_action(spec["podFailurePolicy"], 1, ("DisruptionTarget",)) == "Ignore"
-    assert job_controller_action(spec["podFailurePolicy"], 1) == "Count"
+    # A disruption is retried (counted, within max_pod_disruptions); a failing evaluation fails the
+    # same way again, so any failing exit code fails the Job at once.
+    for code in (1, 137):
+        assert job_controller_action(spec["podFailurePolicy"], code, ("DisruptionTarget",)) == "Count"
+        assert job_controller_action(spec["podFailurePolicy"], code) == "FailJob"
 
 
 def test_evaluation_job_of_a_named_checkpoint():
@@ -515,7 +686,80 @@ def test_evaluation_job_of_a_named_checkpoint():
 
 def test_evaluation_job_without_gpus():
     job = evaluation_job(make_cfg(), make_settings(gpus_per_node=0, efa_per_node=0))
+    assert "nvidia.com/gpu" not in container_of(job)["resources"]["limits"]
+    job = evaluation_job(make_cfg(), make_settings(gpus_per_node=0, efa_per_node=0, eval_cpu=None, eval_memory=None))
     assert "resources" not in container_of(job)
+
+
+# --------------------------------------------------------------------------------------------
+# The rendezvous NetworkPolicy
+# --------------------------------------------------------------------------------------------
+
+
+def test_network_policy_admits_only_the_same_launchs_pods():
+    cfg, settings = make_cfg(), make_settings()
+    job = training_job(cfg, "try-1", settings, airflow_run_id=AIRFLOW_RUN_ID)
+    name = job["metadata"]["name"]
+    policy = rendezvous_network_policy(cfg, "try-1", settings, airflow_run_id=AIRFLOW_RUN_ID)
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
+    assert policy["metadata"]["name"] == name and policy["metadata"]["namespace"] == settings.namespace
+    assert policy["metadata"]["labels"] == job["metadata"]["labels"]
+    launch_pods = {"matchLabels": {LABEL_JOB: name}}
+    assert policy["spec"] == {"podSelector": launch_pods, "policyTypes": ["Ingress"],
+                              "ingress": [{"from": [{"podSelector": launch_pods}]}]}  # every port, only from them
+    pod_labels = job["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels[LABEL_JOB] == name  # the launch's pods are what it selects
+    other = rendezvous_network_policy(cfg, "try-2", settings)
+    assert other["spec"]["podSelector"] != policy["spec"]["podSelector"]  # another launch: not admitted
+    # Owned by the created Job: it goes with the Job.
+    owner = {"metadata": {"name": name, "uid": "uid-1"}}
+    owned = rendezvous_network_policy(cfg, "try-1", settings, owner=owner)
+    assert owned["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    with pytest.raises(ValueError, match="this launch's Job"):
+        rendezvous_network_policy(cfg, "try-2", settings, owner=owner)
+
+
+# --------------------------------------------------------------------------------------------
+# The image allowlist
+# --------------------------------------------------------------------------------------------
+
+REPO_PREFIX = "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training"
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize("image, allowed", [
+    (f"{REPO_PREFIX}:1.0", True),
+    (f"{REPO_PREFIX}@{DIGEST}", True),
+    (f"{REPO_PREFIX}:1.0@{DIGEST}", True),
+    (REPO_PREFIX, True),
+    (f"{REPO_PREFIX}/nightly:2", True),  # a repository under it: whole components
+    (f"{REPO_PREFIX}-evil:1", False),
+    (f"{REPO_PREFIX}evil:1", False),
+    (f"{REPO_PREFIX}@evil", False),  # not a digest
+    (f"{REPO_PREFIX}:1 ", False),
+    (f"{REPO_PREFIX}:1\n", False),
+    (f"{REPO_PREFIX}:ünï", False),
+    (f"{REPO_PREFIX}:../x", False),
+    ("123456789012.dkr.ecr.us-west-2.amazonaws.com/other:1", False),
+    ("123456789012.dkr.ecr.us-west-2.amazonaws.com.evil.io/fsdp-training:1", False),
+    ("evil.io/123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1", False),
+    ("fsdp-training:1", False),
+    ("", False),
+])
+def test_image_allowlist_matches_whole_path_components(image, allowed):
+    assert image_allowed(image, [REPO_PREFIX]) is allowed
+    assert image_allowed(image, [REPO_PREFIX + "/"]) is allowed  # a trailing '/' changes nothing
+
+
+def test_a_registry_prefix_allows_its_repositories_and_entries_are_checked():
+    registry = "123456789012.dkr.ecr.us-west-2.amazonaws.com"
+    assert image_allowed(f"{REPO_PREFIX}:1", [registry]) and image_allowed(f"{registry}/other:2", [registry])
+    assert not image_allowed("123456789012.dkr.ecr.us-west-2.amazonaws.com:5000/x:1", [registry])
+    assert image_repository(f"{REPO_PREFIX}:1.0@{DIGEST}") == REPO_PREFIX
+    assert image_repository("localhost:5000/a/b:1") == "localhost:5000/a/b"
+    for bad in (f"{REPO_PREFIX}:1.0", f"{REPO_PREFIX}@{DIGEST}", "", "UPPER/Case"):
+        with pytest.raises(ValueError, match="allowlist entry"):
+            check_image_prefix(bad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,7 +804,13 @@ def test_paths_under_another_mount_are_accepted():
     (dict(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]), r"Exists takes no value"),
     (dict(gpus_per_node=-1), r"gpus_per_node=-1"),
     (dict(efa_per_node=True), r"efa_per_node=True"),
-    (dict(hugepages_2mi="5120Mi"), r"hugepages_2mi=.*needs memory"),
+    (dict(hugepages_2mi="5120Mi", memory=None, guaranteed_qos=False), r"hugepages_2mi=.*needs memory"),
+    (dict(memory=None), r"guaranteed_qos=True needs cpu and memory"),
+    (dict(instance_type="p5"), r"instance_type=.*EC2 instance type"),
+    (dict(efa_ipc_lock="yes"), r"efa_ipc_lock=.*true or false"),
+    (dict(run_as_user=0), r"run_as_user=0.*non-root"),
+    (dict(max_pod_disruptions=-1), r"max_pod_disruptions="),
+    (dict(eval_memory="lots"), r"eval_memory=.*quantity"),
     (dict(shm_size="lots"), r"shm_size=.*quantity"),
     (dict(memory="1TB"), r"memory=.*quantity"),
     (dict(backoff_limit=-1), r"backoff_limit="),

@@ -120,22 +120,32 @@ class JobConflictError(BackendError):
 #: Kubernetes names an Indexed Job's pods' hostnames ``<job>-<index>``, and a hostname is a
 #: DNS-1123 label of at most 63 characters. 52 (the CronJob limit) leaves room for the index.
 JOB_NAME_MAX = 52
+#: Put before a name that would start with a digit: a Service (and so the rendezvous DNS name) must
+#: be a DNS-1035 label, which starts with a letter.
+JOB_NAME_LETTER_PREFIX = "r-"
 _DNS_UNSAFE = re.compile(r"[^a-z0-9-]+")
 
 
 def job_name_for(run_id: str, launch_id: str, max_len: int = JOB_NAME_MAX) -> str:
-    """The job's name: deterministic per (run, launch), a DNS-1123 label, at most ``max_len``.
+    """The job's name: deterministic per (run, launch), a DNS-1035 label (lowercase letters, digits
+    and '-', starting with a letter, ending with a letter or digit), at most ``max_len``.
 
     Readable (``<run_id>-<launch_id>``, cut to fit) with a short hash of the exact pair, so two
-    launches whose readable parts coincide after cutting or cleaning never share a name.
+    launches whose readable parts coincide after cutting or cleaning never share a name. A run id
+    that starts with a digit (``7b-llama``) gets ``r-`` in front: the EKS backend names the Job's
+    Service and NetworkPolicy the same, and a Service name must start with a letter. Names that
+    already started with a letter are what they always were.
     """
     if not run_id or not launch_id:
         raise ValueError(f"a job needs a run_id and a launch_id, got run_id={run_id!r} launch_id={launch_id!r}")
+    if max_len < len(JOB_NAME_LETTER_PREFIX) + 8 + 2:
+        raise ValueError(f"max_len={max_len} leaves no room for a readable part and the hash")
     digest = hashlib.sha256(f"{run_id}\0{launch_id}".encode()).hexdigest()[:8]
     readable = _DNS_UNSAFE.sub("-", f"{run_id}-{launch_id}".lower())
     readable = re.sub(r"-{2,}", "-", readable).strip("-")
-    readable = readable[: max_len - len(digest) - 1].strip("-")
-    return f"{readable}-{digest}" if readable else digest
+    prefix = "" if readable[:1].isalpha() else JOB_NAME_LETTER_PREFIX
+    readable = readable[: max_len - len(prefix) - len(digest) - 1].strip("-")
+    return f"{prefix}{readable}-{digest}" if readable else f"{prefix}{digest}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The EKS backend: one launch = one Indexed Job (a pod per node) + one headless Service.
+"""The EKS backend: one launch = one Indexed Job (a pod per node) + one headless Service + one
+NetworkPolicy, all named ``job_name_for(run_id, launch_id)`` (a DNS-1035 label).
 
     backend = get_backend("eks", image="123.dkr.ecr.../fsdp-training:0.1.0", cluster_name="prod",
                           namespace="fsdp-training", replacement="asg")
@@ -15,6 +16,13 @@ every call, so any process can pick up a job another process submitted. What the
 needs beyond that (a cancel verdict, the nodes a cancelled job ran on) is kept in the Job's
 annotations.
 
+``submit`` is safe to retry and never leaves pods running without their Service: it creates the
+Job suspended, then its Service and NetworkPolicy (both owned by the Job), then resumes it
+(``spec.suspend: false``, sent with the resourceVersion it read). A retry finds the suspended
+Job and finishes the steps; a Job a cancel suspended (CANCEL_ANNOTATION) is never resumed. The
+image must be under the backend's allowlist (``image_allowlist``; the DAG checks it first, in
+validate_config). Every API error becomes a BackendError saying what to do (``kube_error``).
+
 How each failure class plays out (see also the Job's ``podFailurePolicy`` in eks_manifests.py):
   user_error          exit 78/2 -> the Job fails at once; never a node replacement
   storage_error       exit 74 (run dir full or read-only) -> as user_error: free space or fix the mount
@@ -25,7 +33,9 @@ How each failure class plays out (see also the Job's ``podFailurePolicy`` in eks
                       cordons + taints them, evicts leftovers, and has the ASG (or Karpenter)
                       replace the instance; the DAG relaunches from the newest checkpoint
   no_progress         exit 93, or a stall seen by the watch (cancel suspends the Job) -> as above
-  lost node           a pod disrupted (node gone, evicted, OOMKilled launcher) -> restarts_exhausted
+  lost node           a pod disrupted (node gone, evicted, OOMKilled launcher) -> restarts_exhausted;
+                      the Job replaces up to backoff_limit + max_pod_disruptions failed pods, then
+                      fails; a Job whose budget disruptions used up -> restarts_exhausted
   unknown             other exit codes count against backoffLimit; then the Job fails, no replacement
 """
 
@@ -65,12 +75,17 @@ from fsdp_resilience.backends.eks_manifests import (
     COMPONENT_TRAINING,
     CONFIG_ENV,
     CONTAINER,
+    EFA_RESOURCE,
     LABEL_COMPONENT,
     LABEL_JOB,
     LABEL_RUN,
     MANAGED_BY,
     PodTemplateSettings,
+    check_image_prefix,
     evaluation_job,
+    image_allowed,
+    image_repository,
+    rendezvous_network_policy,
     rendezvous_service,
     training_job,
 )
@@ -98,8 +113,68 @@ _DISRUPTION_REASONS = ("NodeLost", "Evicted", "Preempting", "DeadlineExceeded", 
                        "NodeShutdown", "UnexpectedAdmissionError")
 
 
-def _k8s_status(e: Exception) -> int | None:
-    return getattr(e, "status", None)
+#: Where the worker's grants are (RBAC) and how Airflow outside the cluster gets them.
+RBAC_HINT = ("grant it in deploy/base/rbac.yaml (the worker's Role/ClusterRole, bound to the ServiceAccount "
+             "airflow/airflow-worker and the group fsdp-airflow-worker; the triggerer's are read-only) and apply "
+             "the kit; Airflow outside the cluster needs the EKS access entry that maps its IAM role to that "
+             "group (README, Deploy)")
+_FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)"'
+                        r'(?: in API group "(?P<group>[^"]*)")?(?: in the namespace "(?P<ns>[^"]*)")?')
+
+
+def _status_message(e: Exception) -> str:
+    """The apiserver's own message from an ApiException's Status body (else its reason)."""
+    body = getattr(e, "body", None)
+    if isinstance(body, bytes):
+        body = body.decode(errors="replace")
+    if body:
+        try:
+            message = json.loads(body).get("message")
+        except (ValueError, AttributeError):
+            message = None
+        return str(message or body)[:1000]
+    return str(getattr(e, "reason", None) or e)[:1000]
+
+
+def kube_error(e: Exception, doing: str, namespace: str) -> BackendError:
+    """A Kubernetes API error (sync or async client) or a connection error as a BackendError that
+    says what failed and what to do. ``doing``: what the backend was doing ("create job x")."""
+    status = getattr(e, "status", None)
+    if status is None or not isinstance(status, int) or status == 0:
+        return BackendError(f"cannot reach the Kubernetes API to {doing}: {type(e).__name__}: {str(e)[:300]}. Check "
+                            "the Kubernetes connection (FSDP_KUBERNETES_CONN_ID) or FSDP_EKS_CLUSTER_NAME and the AWS "
+                            "connection, and that the cluster's endpoint is reachable from Airflow")
+    message = _status_message(e)
+    if status == 401:
+        return BackendError(f"the Kubernetes API refused the credentials to {doing} (401 Unauthorized: {message}). "
+                            "Check the Kubernetes connection's kubeconfig or token; with FSDP_EKS_CLUSTER_NAME, that "
+                            "the AWS connection's IAM identity has an EKS access entry (README, Deploy)")
+    if status == 403:
+        match = _FORBIDDEN.search(message)
+        if match:
+            where = f" in namespace {match['ns']}" if match["ns"] else " (cluster-wide)"
+            group = match["group"] or "core"
+            who = (f"identity {match['user']} lacks the grant '{match['verb']}' on {match['resource']} "
+                   f"(API group {group}){where}")
+        else:  # an admission policy (Pod Security, the kit's ValidatingAdmissionPolicies) said no
+            who = "the request was refused by RBAC or an admission policy"
+        return BackendError(f"forbidden to {doing}: {who}. The apiserver said: {message}. If the grant is "
+                            f"missing, {RBAC_HINT}")
+    if status == 404:
+        if re.search(r'namespaces? "[^"]*" not found', message):
+            return BackendError(f"cannot {doing}: namespace {namespace} does not exist ({message}). Create it by "
+                                "applying the deploy kit (kubectl apply -k deploy/overlays/<cluster>; README, Deploy), "
+                                "or set FSDP_EKS_NAMESPACE to the training namespace")
+        return BackendError(f"cannot {doing}: not found (404: {message}). Is this the right cluster, and is its API "
+                            "(and the kit) installed?")
+    if status == 409:
+        return BackendError(f"cannot {doing}: conflict (409: {message}); someone changed it meanwhile: retry the task")
+    if status == 422:
+        return BackendError(f"the apiserver rejected the request to {doing} as invalid (422): {message}")
+    if status == 429 or status >= 500:
+        return BackendError(f"the Kubernetes API could not {doing} now ({status}: {message}); the apiserver is busy "
+                            "or failing: retry the task later")
+    return BackendError(f"cannot {doing}: {status} {getattr(e, 'reason', '')}: {message}")
 
 
 def _ts(text: str | None) -> float:
@@ -211,14 +286,29 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
     if failed_cond or cancel or fatal:
         failure = most_telling_failure([n.failure_class for n in failed + replaced]
                                        + ([cancel["failure_class"]] if cancel else []))
+        parts = []
+        if (failure in (None, FailureClass.UNKNOWN.value) and failed_cond
+                and failed_cond.get("reason") == "BackoffLimitExceeded"
+                and not [n for n in failed + replaced if n.state == "failed" and n.exit_code is not None]):
+            # The Job used up its failure budget and no pod it kept failed on its own: the failed
+            # pods were deleted, as disrupted pods are (evicted, preempted, lost with their node).
+            failure = FailureClass.RESTARTS_EXHAUSTED.value
+            parts.append(f"the job's pods were disrupted (evicted, preempted or lost with their node) more often than "
+                         f"its backoffLimit={(job.get('spec') or {}).get('backoffLimit')} allows "
+                         "(PodTemplateSettings.backoff_limit + max_pod_disruptions)")
         failure = failure or FailureClass.UNKNOWN.value
         telling = [n for n in failed + replaced if n.failure_class == failure]
-        parts = [n.message for n in telling[:3]]
+        parts += [n.message for n in telling[:3]]
         if cancel and failure == cancel["failure_class"]:
             parts.insert(0, cancel["message"])
         if failed_cond:
             parts.append(f"job condition {failed_cond.get('reason')}: {failed_cond.get('message', '')}")
         return JobStatus("failed", failure, exit_codes, f"{failure}: " + "; ".join(p for p in parts if p), nodes)
+    if (job.get("spec") or {}).get("suspend"):
+        # Created suspended and not yet resumed: submit has not finished (a retry resumes it).
+        return JobStatus("pending", None, exit_codes,
+                         f"job {name} is suspended until its Service and NetworkPolicy exist and submit resumes it "
+                         "(a submit that did not finish: retry the launch task)", nodes)
     running = [n for n in nodes if n.state == "running"]
     if running and len(running) == len(nodes):
         return JobStatus("running", None, exit_codes,
@@ -297,7 +387,7 @@ class EksBackend(TrainingBackend):
                  aws_conn_id: str | None = "aws_default", region_name: str | None = None,
                  replacement: str = "asg", max_unhealthy_share: float = DEFAULT_MAX_UNHEALTHY_SHARE,
                  pool_selector: dict[str, str] | None = None, evaluation_poll_s: float = 10.0,
-                 pod: dict[str, Any] | None = None):
+                 pod: dict[str, Any] | None = None, image_allowlist: list[str] | None = None):
         if replacement not in REPLACEMENT_MODES:
             raise BackendError(f"replacement={replacement!r}: use one of {REPLACEMENT_MODES} (asg: a managed node "
                                "group or Auto Scaling group; karpenter: delete the node's NodeClaim; cordon: "
@@ -311,6 +401,12 @@ class EksBackend(TrainingBackend):
                                                           validate=False)
         except (TypeError, ValueError) as e:
             raise BackendError(f"EKS pod settings: {e}") from None
+        try:
+            #: Registry/repository prefixes the image must be under (None: the image's own repository).
+            self.image_allowlist = [check_image_prefix(p) for p in image_allowlist] \
+                if image_allowlist is not None else None
+        except ValueError as e:
+            raise BackendError(f"{e}; fix FSDP_EKS_IMAGE_ALLOWLIST") from None
         self.image = image
         self.namespace = namespace
         self.kubernetes_conn_id = kubernetes_conn_id
@@ -321,15 +417,17 @@ class EksBackend(TrainingBackend):
         self.max_unhealthy_share = float(max_unhealthy_share)
         self.evaluation_poll_s = float(evaluation_poll_s)
         self.pod = dict(pod or {})
-        #: The GPU node pool: the nodes training pods may land on (default: the pods' nodeSelector).
-        self.pool_selector = dict(pool_selector if pool_selector is not None else self.settings.node_selector)
+        #: The GPU node pool: the nodes training pods may land on (default: the pods' nodeSelector,
+        #: instance type included).
+        self.pool_selector = dict(pool_selector if pool_selector is not None else self.settings.pod_node_selector())
 
     def to_config(self) -> dict[str, Any]:
         return {"name": self.name, "image": self.image, "namespace": self.namespace,
                 "kubernetes_conn_id": self.kubernetes_conn_id, "cluster_name": self.cluster_name,
                 "aws_conn_id": self.aws_conn_id, "region_name": self.region_name, "replacement": self.replacement,
                 "max_unhealthy_share": self.max_unhealthy_share, "pool_selector": self.pool_selector,
-                "evaluation_poll_s": self.evaluation_poll_s, "pod": self.pod}
+                "evaluation_poll_s": self.evaluation_poll_s, "pod": self.pod,
+                "image_allowlist": self.image_allowlist}
 
     # -- clients ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -348,14 +446,21 @@ class EksBackend(TrainingBackend):
 
     @contextlib.contextmanager
     def _kube(self) -> Iterator["_Kube"]:
+        """A ``_Kube`` on a fresh client. An API or connection error that escapes the block becomes
+        a BackendError (``kube_error``); _Kube's own calls already name what they were doing."""
+        import urllib3
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+        from kubernetes.client import ApiException
 
         with self._kubeconfig() as config_file:
             if config_file:
                 hook = KubernetesHook(conn_id=None, kubernetes_conn_id=None, config_file=config_file)
             else:
                 hook = KubernetesHook(conn_id=self.kubernetes_conn_id)
-            yield _Kube(hook.get_conn(), self.namespace)
+            try:
+                yield _Kube(hook.get_conn(), self.namespace)
+            except (ApiException, urllib3.exceptions.HTTPError) as e:
+                raise kube_error(e, "call the Kubernetes API", self.namespace) from e
 
     def _autoscaling(self):
         from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
@@ -369,6 +474,7 @@ class EksBackend(TrainingBackend):
         if not self.image:
             raise BackendError("the EKS backend needs a training image: set the DAG's `image` param or "
                                "FSDP_EKS_IMAGE (see images/training/Dockerfile)")
+        self.check_image(self.image)
         try:
             job = training_job(cfg, launch_id, self.settings, airflow_run_id=airflow_run_id)
         except ValueError as e:
@@ -385,12 +491,35 @@ class EksBackend(TrainingBackend):
                             f"run {cfg.run_id} needs {cfg.nodes} healthy node(s) in the pool {self.pool_selector}; "
                             f"{capacity.healthy} of {capacity.total} are (out of service: {capacity.quarantined}). "
                             "Wait for replacements to join, or scale the node group up")
-                existing = kube.create_job(job)
+                existing = kube.create_job(job)  # suspended: no pod starts yet
             elif (existing["metadata"].get("labels") or {}).get(LABEL_RUN) != cfg.run_id:
                 raise JobConflictError(f"job {job_name} exists but belongs to run "
                                        f"{(existing['metadata'].get('labels') or {}).get(LABEL_RUN)!r}, not {cfg.run_id!r}")
-            kube.ensure_service(rendezvous_service(cfg, launch_id, self.settings, owner=existing))
+            # A retry finishes what a failed try left: each step is a no-op once done.
+            try:
+                kube.ensure_service(rendezvous_service(cfg, launch_id, self.settings, owner=existing,
+                                                       airflow_run_id=airflow_run_id))
+                kube.ensure_network_policy(rendezvous_network_policy(cfg, launch_id, self.settings, owner=existing,
+                                                                     airflow_run_id=airflow_run_id))
+                existing = kube.resume_job(existing)
+            except BackendError as e:
+                raise BackendError(f"{e}. Job {job_name} stays suspended (no pod runs without its Service); once "
+                                   "this is fixed, retrying the launch task finishes the launch") from e
         return self._handle(cfg, launch_id, existing)
+
+    def check_image(self, image: str) -> None:
+        """Refuse an image outside the allowlist (BackendError); the DAG checks the same in
+        validate_config, this is the second line."""
+        allowlist = self.image_allowlist
+        if allowlist is None:
+            try:
+                allowlist = [image_repository(self.image)]
+            except ValueError as e:
+                raise BackendError(f"the EKS backend's image: {e}") from None
+        if not image_allowed(image, allowlist):
+            raise BackendError(f"image {image!r} is not under the image allowlist {allowlist}: use an image from "
+                               "one of those registries/repositories, or add its repository to "
+                               "FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) where Airflow runs")
 
     def _check_no_other_launch(self, kube: "_Kube", run_id: str, job_name: str) -> None:
         for other in kube.list_jobs(f"{LABEL_RUN}={run_id},{LABEL_COMPONENT}={COMPONENT_TRAINING}"):
@@ -438,17 +567,24 @@ class EksBackend(TrainingBackend):
                 hook = AsyncKubernetesHook(conn_id=None, kubernetes_conn_id=None, config_dict=config)
             else:
                 hook = AsyncKubernetesHook(conn_id=self.kubernetes_conn_id)
-            async with hook.get_conn() as api:
-                batch, core = async_client.BatchV1Api(api), async_client.CoreV1Api(api)
-                try:
-                    job = api.sanitize_for_serialization(
-                        await batch.read_namespaced_job(handle.job_name, self.namespace))
-                except async_client.ApiException as e:
-                    if e.status == 404:
-                        raise JobNotFoundError(f"no job {handle.job_name} in namespace {self.namespace}") from None
-                    raise
-                pods = api.sanitize_for_serialization(await core.list_namespaced_pod(
-                    self.namespace, label_selector=f"{LABEL_JOB}={handle.job_name}"))["items"]
+            import aiohttp
+
+            doing = f"read job {handle.job_name}"
+            try:
+                async with hook.get_conn() as api:
+                    batch, core = async_client.BatchV1Api(api), async_client.CoreV1Api(api)
+                    try:
+                        job = api.sanitize_for_serialization(
+                            await batch.read_namespaced_job(handle.job_name, self.namespace))
+                    except async_client.ApiException as e:
+                        if e.status == 404:
+                            raise JobNotFoundError(f"no job {handle.job_name} in namespace {self.namespace}") from None
+                        raise
+                    doing = f"list the pods of job {handle.job_name}"
+                    pods = api.sanitize_for_serialization(await core.list_namespaced_pod(
+                        self.namespace, label_selector=f"{LABEL_JOB}={handle.job_name}"))["items"]
+            except (async_client.ApiException, aiohttp.ClientError, OSError) as e:
+                raise kube_error(e, doing, self.namespace) from e
         return job_status(job, pods)
 
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
@@ -535,15 +671,25 @@ class EksBackend(TrainingBackend):
         selector = ",".join(f"{k}={v}" for k, v in sorted(self.pool_selector.items()))
         return kube.list_nodes(selector)
 
-    def _gpus_needed(self) -> int:
-        return int(self.settings.gpus_per_node or 0)
+    def _devices_needed(self) -> dict[str, int]:
+        """The devices each training pod requests (its real request): a node whose device plugin
+        has not registered them yet (allocatable 0) cannot take one, so it is not healthy capacity.
+        gpus_per_node=None (one per process: unknown until a run) needs at least one GPU."""
+        gpus = self.settings.gpus_per_node
+        return {GPU_RESOURCE: 1 if gpus is None else int(gpus), EFA_RESOURCE: int(self.settings.efa_per_node or 0)}
 
     def _healthy(self, node: dict[str, Any]) -> bool:
         if out_of_service(node) or node_problems(node):
             return False
-        need = self._gpus_needed()
-        have = int(str(((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, "0")) or 0)
-        return have >= need
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        for resource, need in self._devices_needed().items():
+            try:
+                have = int(str(allocatable.get(resource, "0")) or 0)
+            except ValueError:
+                have = 0
+            if have < need:
+                return False
+        return True
 
     def _capacity(self, kube: "_Kube") -> Capacity:
         pool = self._pool(kube)
@@ -621,6 +767,7 @@ class EksBackend(TrainingBackend):
             if latest is None:
                 raise BackendError(f"run {cfg.run_id} has no committed checkpoint under {cfg.run_dir} to evaluate")
             checkpoint_id = latest.checkpoint_id
+        self.check_image(self.image)
         try:
             job = evaluation_job(cfg, self.settings, checkpoint_id=checkpoint_id)
         except ValueError as e:
@@ -636,7 +783,7 @@ class EksBackend(TrainingBackend):
                 if conds & {"Complete", "SuccessCriteriaMet"}:
                     break
                 if conds & {"Failed", "FailureTarget"}:
-                    pods = kube.list_pods(f"job-name={name}")
+                    pods = kube.list_pods(f"{LABEL_JOB}={name}")  # our label: on every pod of the Job
                     tail = kube.pod_log(pods[-1]["metadata"]["name"], 50) if pods else "(no pod)"
                     raise BackendError(f"evaluation job {name} failed; its log ends:\n{tail}")
                 if time.time() > deadline:
@@ -655,8 +802,12 @@ class _Kube:
     """The few API calls the backend makes, on one ``ApiClient``, returning the API's JSON.
 
     Every verb used here must be granted by the deploy kit's RBAC (deploy/); a test checks the two
-    agree, by recording what this class does against a fake apiserver.
+    agree, by recording what this class does against a fake apiserver. Every call goes through
+    ``_call``, so an API or connection error becomes a BackendError naming what was being done.
     """
+
+    #: Tries of a patch that meets a 409 (someone else changed the object since it was read).
+    PATCH_TRIES = 5
 
     def __init__(self, api_client, namespace: str):
         from kubernetes import client
@@ -665,52 +816,102 @@ class _Kube:
         self.namespace = namespace
         self.core = client.CoreV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self._json = api_client.sanitize_for_serialization
         self.ApiException = client.ApiException
 
-    def _or_none(self, call, *args, **kwargs):
+    def _call(self, doing: str, call, *args, ok: tuple[int, ...] = (), **kwargs):
+        """``call(*args, **kwargs)`` as JSON; an ApiException whose status is in ``ok`` is raised
+        as is (the caller handles it), any other error becomes a BackendError."""
+        import urllib3
+
         try:
             return self._json(call(*args, **kwargs))
         except self.ApiException as e:
-            if e.status == 404:
-                return None
-            raise
+            if e.status in ok:
+                raise
+            raise kube_error(e, doing, self.namespace) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise kube_error(e, doing, self.namespace) from e
+
+    def _or_none(self, doing: str, call, *args, **kwargs):
+        try:
+            return self._call(doing, call, *args, ok=(404,), **kwargs)
+        except self.ApiException:
+            return None
+
+    def _create(self, doing: str, call, body: dict[str, Any], read) -> dict[str, Any]:
+        """Create ``body``; if it exists already (a retried task, a concurrent try), the existing one."""
+        try:
+            return self._call(doing, call, self.namespace, body, ok=(409,))
+        except self.ApiException:
+            existing = read(body["metadata"]["name"])
+            if existing is None:  # deleted between the two calls: say so rather than guess
+                raise BackendError(f"cannot {doing}: it existed a moment ago and is gone now; retry the task") from None
+            return existing
 
     # jobs: get, list, create, patch
     def get_job(self, name: str) -> dict[str, Any] | None:
-        return self._or_none(self.batch.read_namespaced_job, name, self.namespace)
+        return self._or_none(f"read job {name}", self.batch.read_namespaced_job, name, self.namespace)
 
     def list_jobs(self, label_selector: str) -> list[dict[str, Any]]:
-        return self._json(self.batch.list_namespaced_job(self.namespace, label_selector=label_selector))["items"]
+        return self._call(f"list jobs ({label_selector})", self.batch.list_namespaced_job, self.namespace,
+                          label_selector=label_selector)["items"]
 
     def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return self._json(self.batch.create_namespaced_job(self.namespace, body))
-        except self.ApiException as e:
-            if e.status == 409:  # created by a concurrent try of the same task: use it
-                return self.get_job(body["metadata"]["name"])
-            raise BackendError(f"the apiserver rejected job {body['metadata']['name']}: {e.status} {e.reason}: "
-                               f"{(e.body or '')[:500]}") from e
+        return self._create(f"create job {body['metadata']['name']}", self.batch.create_namespaced_job, body,
+                            self.get_job)
 
-    def patch_job(self, name: str, body: dict[str, Any]) -> None:
-        self.batch.patch_namespaced_job(name, self.namespace, body)
+    def patch_job(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call(f"patch job {name}", self.batch.patch_namespaced_job, name, self.namespace, body)
+
+    def resume_job(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Resume a Job that submit created suspended, unless a cancel suspended it (its verdict
+        annotation) or it already finished. The patch carries the resourceVersion read, so a cancel
+        that lands in between wins (409: read again and decide again)."""
+        name = job["metadata"]["name"]
+        for _ in range(self.PATCH_TRIES):
+            if not (job.get("spec") or {}).get("suspend") or job_finished(job):
+                return job
+            try:
+                return self._call(f"resume job {name}", self.batch.patch_namespaced_job, name, self.namespace,
+                                  {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]},
+                                   "spec": {"suspend": False}}, ok=(409,))
+            except self.ApiException:
+                job = self.get_job(name)
+                if job is None:
+                    raise BackendError(f"job {name} was deleted while submit resumed it; retry the task") from None
+        raise BackendError(f"job {name} kept changing while submit resumed it ({self.PATCH_TRIES} tries); retry "
+                           "the task")
 
     # services: get, create
-    def ensure_service(self, body: dict[str, Any]) -> None:
-        if self._or_none(self.core.read_namespaced_service, body["metadata"]["name"], self.namespace) is None:
-            try:
-                self.core.create_namespaced_service(self.namespace, body)
-            except self.ApiException as e:
-                if e.status != 409:
-                    raise
+    def get_service(self, name: str) -> dict[str, Any] | None:
+        return self._or_none(f"read service {name}", self.core.read_namespaced_service, name, self.namespace)
+
+    def ensure_service(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        return self.get_service(name) or self._create(f"create service {name}", self.core.create_namespaced_service,
+                                                      body, self.get_service)
+
+    # networkpolicies.networking.k8s.io: get, create
+    def get_network_policy(self, name: str) -> dict[str, Any] | None:
+        return self._or_none(f"read network policy {name}", self.networking.read_namespaced_network_policy, name,
+                             self.namespace)
+
+    def ensure_network_policy(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        return self.get_network_policy(name) or self._create(
+            f"create network policy {name}", self.networking.create_namespaced_network_policy, body,
+            self.get_network_policy)
 
     # pods: list; pods/log: get; pods/eviction: create
     def list_pods(self, label_selector: str, field_selector: str | None = None) -> list[dict[str, Any]]:
         kwargs = {"label_selector": label_selector}
         if field_selector:
             kwargs["field_selector"] = field_selector
-        return self._json(self.core.list_namespaced_pod(self.namespace, **kwargs))["items"]
+        return self._call(f"list pods ({label_selector})", self.core.list_namespaced_pod, self.namespace,
+                          **kwargs)["items"]
 
     def pod_log(self, name: str, tail: int) -> str:
         try:
@@ -731,14 +932,13 @@ class _Kube:
             name = pod["metadata"]["name"]
             body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=self.namespace))
             try:
-                self.core.create_namespaced_pod_eviction(name, self.namespace, body)
+                self._call(f"evict pod {name}", self.core.create_namespaced_pod_eviction, name, self.namespace, body,
+                           ok=(404, 429))
             except self.ApiException as e:
                 if e.status == 404:
                     continue
-                if e.status != 429:
-                    raise
-                # A disruption budget forbids it now: the pod goes with the node when its instance
-                # is terminated (or a human drains it under replacement=cordon).
+                # 429: a disruption budget forbids it now: the pod goes with the node when its
+                # instance is terminated (or a human drains it under replacement=cordon).
                 evicted.append(f"{name} (eviction blocked by a disruption budget)")
                 continue
             evicted.append(name)
@@ -746,28 +946,42 @@ class _Kube:
 
     # nodes: get, list, patch
     def get_node(self, name: str) -> dict[str, Any] | None:
-        return self._or_none(self.core.read_node, name)
+        return self._or_none(f"read node {name}", self.core.read_node, name)
 
     def list_nodes(self, label_selector: str) -> list[dict[str, Any]]:
-        return self._json(self.core.list_node(label_selector=label_selector))["items"]
+        return self._call(f"list nodes ({label_selector})", self.core.list_node, label_selector=label_selector)["items"]
 
-    def quarantine_node(self, node: dict[str, Any], reason: str) -> None:
-        """Cordon and taint. The taint list is sent whole: a strategic merge replaces it."""
-        taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != QUARANTINE_TAINT]
+    def quarantine_node(self, node: dict[str, Any], reason: str) -> dict[str, Any]:
+        """Cordon and taint ``node`` (as read). The taint list is sent whole (a strategic merge
+        replaces it), so the patch carries the resourceVersion it was computed from: if the node
+        changed meanwhile (the node lifecycle controller or Karpenter added a taint), the apiserver
+        answers 409 and the node is read again and the list recomputed, keeping their taints."""
+        name = node["metadata"]["name"]
         value = re.sub(r"[^A-Za-z0-9_.-]+", "-", reason)[:63].strip("-_.") or "replaced"
-        taints.append({"key": QUARANTINE_TAINT, "value": value, "effect": "NoSchedule"})
-        self.core.patch_node(node["metadata"]["name"], {
-            "metadata": {"annotations": {QUARANTINE_ANNOTATION: f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} "
-                                                                f"{reason}"}},
-            "spec": {"unschedulable": True, "taints": taints}})
+        note = f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {reason}"
+        for _ in range(self.PATCH_TRIES):
+            taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != QUARANTINE_TAINT]
+            taints.append({"key": QUARANTINE_TAINT, "value": value, "effect": "NoSchedule"})
+            try:
+                return self._call(f"cordon and taint node {name}", self.core.patch_node, name, {
+                    "metadata": {"resourceVersion": node["metadata"].get("resourceVersion"),
+                                 "annotations": {QUARANTINE_ANNOTATION: note}},
+                    "spec": {"unschedulable": True, "taints": taints}}, ok=(409,))
+            except self.ApiException:
+                node = self.get_node(name)
+                if node is None:
+                    raise BackendError(f"node {name} is gone (deleted while it was being cordoned)") from None
+        raise BackendError(f"node {name} kept changing while it was being cordoned and tainted "
+                           f"({self.PATCH_TRIES} tries got 409 Conflict); retry the task")
 
     # karpenter.sh nodeclaims: list, delete
     def list_nodeclaims(self) -> list[dict[str, Any]]:
-        return self.custom.list_cluster_custom_object("karpenter.sh", "v1", "nodeclaims")["items"]
+        return self._call("list Karpenter NodeClaims", self.custom.list_cluster_custom_object, "karpenter.sh", "v1",
+                          "nodeclaims")["items"]
 
     def delete_nodeclaim(self, name: str) -> None:
         try:
-            self.custom.delete_cluster_custom_object("karpenter.sh", "v1", "nodeclaims", name)
-        except self.ApiException as e:
-            if e.status != 404:
-                raise
+            self._call(f"delete Karpenter NodeClaim {name}", self.custom.delete_cluster_custom_object, "karpenter.sh",
+                       "v1", "nodeclaims", name, ok=(404,))
+        except self.ApiException:
+            pass  # gone already

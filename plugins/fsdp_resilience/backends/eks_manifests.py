@@ -1,10 +1,19 @@
 """The Kubernetes objects of the EKS backend, as plain JSON-safe dicts.
 
-One launch of a run is ONE Indexed Job (a pod per node; completion index = node rank) plus ONE
-headless Service named like the Job, which gives pod 0 the stable DNS name that every node
-rendezvouses at. Evaluation is a one-pod Job. The dicts are what
-``BatchV1Api.create_namespaced_job(namespace, body=...)`` and
-``CoreV1Api.create_namespaced_service(namespace, body=...)`` accept.
+One launch of a run is ONE Indexed Job (a pod per node; completion index = node rank), created
+suspended, plus ONE headless Service named like the Job, which gives pod 0 the stable DNS name
+that every node rendezvouses at, and ONE NetworkPolicy that admits traffic to the launch's pods
+only from the same launch's pods (the rendezvous store is unauthenticated). Evaluation is a
+one-pod Job. The dicts are what ``BatchV1Api.create_namespaced_job(namespace, body=...)``,
+``CoreV1Api.create_namespaced_service`` and ``NetworkingV1Api.create_namespaced_network_policy``
+accept.
+
+Every pod runs as the images' non-root user (uid/gid 1000), with seccomp RuntimeDefault, no
+privilege escalation and every capability dropped, except IPC_LOCK on EFA pods (libfabric pins
+the memory it registers with the NIC; the EKS runtime's default memlock limit is too small).
+Training pods are QoS Guaranteed by default (cpu and memory requests = limits), sized for
+p5.48xlarge. Image references are checked against an allowlist of registry/repository prefixes
+(``image_allowed``): whoever triggers a run cannot bring an arbitrary image to the shared FSx.
 
 Pure functions: no Kubernetes client, no clock, no randomness. The same inputs give the same
 objects, so a retried Airflow task submits byte-for-byte what the first try did.
@@ -25,13 +34,17 @@ from typing import Any
 from fsdp_resilience.backends.base import job_name_for
 from training.contract import ExitCode, RunConfig, checkpoint_step
 
-#: The oldest Kubernetes these objects are valid for. The Jobs rely on podFailurePolicy (beta and
-#: on by default since 1.26, GA in 1.31) and the DisruptionTarget pod condition (since 1.26), but
-#: up to 1.28 the API schema requires ``onPodConditions`` on every rule, exit-code rules included;
-#: 1.29 is the first whose schema accepts our exit-code rules as written. 1.29 is also where a Job
-#: with a podFailurePolicy replaces a failed pod only once it has fully terminated (the beta
-#: podReplacementPolicy), so two pods never hold the same index and hostname at once.
-OLDEST_SUPPORTED_K8S = "1.29"
+#: The supported EKS range is OLDEST_SUPPORTED_K8S..NEWEST_SUPPORTED_K8S (1.30-1.33). The floor
+#: is the deploy kit's: its ValidatingAdmissionPolicies (node writes, NodeClaim deletes, the
+#: training namespace's pod rules) use admissionregistration.k8s.io/v1, GA and served from 1.30.
+#: The objects built here need 1.29: the Jobs rely on podFailurePolicy (beta and on by default
+#: since 1.26, GA in 1.31) and the DisruptionTarget pod condition, but up to 1.28 the schema wants
+#: ``onPodConditions`` on every rule, exit-code rules included; and from 1.29 a Job with a
+#: podFailurePolicy replaces a failed pod only once it has fully terminated (podReplacementPolicy),
+#: so two pods never hold the same index and hostname at once.
+OLDEST_SUPPORTED_K8S = "1.30"
+#: The newest Kubernetes the objects and the kit are validated against (and the fake apiserver serves).
+NEWEST_SUPPORTED_K8S = "1.33"
 
 #: The one container of every pod; the Job's podFailurePolicy rules refer to it by name.
 CONTAINER = "trainer"
@@ -72,12 +85,20 @@ RESERVED_ENV = frozenset({CONFIG_ENV, LAUNCH_ID_ENV, NODE_ID_ENV, RDZV_HOST_ENV}
 EFA_ENV = {
     # Use the EFA provider, never a silent fallback to TCP sockets (which still "works", slowly).
     "FI_PROVIDER": "efa",
-    # GPUDirect RDMA (p4d/p5): the NIC reads and writes GPU memory without a host copy.
-    "FI_EFA_USE_DEVICE_RDMA": "1",
     # The launcher, workers and data loaders fork; without this a child can corrupt the parent's
     # RDMA-registered memory.
     "FI_EFA_FORK_SAFE": "1",
 }
+#: GPUDirect RDMA: the NIC reads and writes GPU memory without a host copy. Only on the instance
+#: families whose EFA devices support it (DEVICE_RDMA_FAMILIES): elsewhere (g5, g6e...) libfabric
+#: refuses to start with it set. An instance type not listed gets no setting, and libfabric decides.
+DEVICE_RDMA_ENV = {"FI_EFA_USE_DEVICE_RDMA": "1"}
+#: EC2 instance families (the part of the type before the '.') with EFA device RDMA to the GPUs.
+DEVICE_RDMA_FAMILIES = frozenset({"p4d", "p4de", "p5", "p5e", "p5en", "p6-b200", "p6-b300", "p6e-gb200"})
+#: Node label with the EC2 instance type (set by the kubelet on EKS; Karpenter selects by it too).
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+#: Only what EFA needs: libfabric registers (pins) memory with the NIC, beyond the default memlock.
+EFA_CAPABILITIES = ("IPC_LOCK",)
 #: NCCL behaviour the restart layers rely on (only when the pods get GPUs).
 NCCL_ENV = {
     # NCCL's bootstrap traffic goes over the pod's network interface, never loopback or a bridge.
@@ -99,6 +120,7 @@ _LABEL_EDGE = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 #: A Kubernetes resource quantity ("64Gi", "500m", "1.5", "1e3").
 _QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
 LABEL_VALUE_MAX = 63
 _HASH_LEN = 8
 
@@ -149,7 +171,10 @@ def _is_nonneg_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class PodTemplateSettings:
-    """Everything about the pods that is not the run config: image, placement, devices, limits.
+    """Everything about the pods that is not the run config: image, placement, devices, limits,
+    the user they run as, and how many disruptions a launch survives. The defaults fit a pool of
+    p5.48xlarge nodes (8 GPUs, 32 EFA interfaces, device RDMA); set instance_type, gpus_per_node,
+    efa_per_node, cpu, memory (and eval_cpu, eval_memory) together for another instance type.
 
     Not validated when constructed (a backend that only watches jobs may hold settings without an
     image); every builder calls ``validate`` first. JSON-safe through ``to_dict``/``from_dict``.
@@ -165,18 +190,48 @@ class PodTemplateSettings:
     node_selector: dict[str, str] = field(default_factory=lambda: {"fsdp-resilience/pool": "gpu"})
     tolerations: list[dict[str, Any]] = field(default_factory=lambda: [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
-    #: GPUs per pod. None: cfg.procs_per_node (one rank per GPU); 0: no GPU request (CPU clusters).
-    gpus_per_node: int | None = None
+    #: The EC2 instance type of the GPU pool. It decides FI_EFA_USE_DEVICE_RDMA (only on types with
+    #: device RDMA, DEVICE_RDMA_FAMILIES) and is added to the pods' nodeSelector
+    #: (node.kubernetes.io/instance-type), so the pods land only where that decision, and the
+    #: cpu/memory/GPU/EFA sizes below, hold. None: a mixed pool; no selector and no RDMA setting.
+    instance_type: str | None = "p5.48xlarge"
+    #: GPUs per pod: the pool's GPUs per node (p5.48xlarge has 8), so a node whose device plugin has
+    #: not registered them (allocatable 0) neither takes a pod nor counts as healthy capacity. None:
+    #: cfg.procs_per_node; 0: no GPU request (CPU clusters). procs_per_node may not exceed it.
+    gpus_per_node: int | None = 8
     #: EFA interfaces per pod (p5.48xlarge has 32); 0: no EFA devices and no EFA env.
     efa_per_node: int = 32
+    #: Add CAP_IPC_LOCK to EFA pods (efa_per_node > 0): libfabric registers (pins) memory with the
+    #: NIC and needs an unlimited memlock or this capability; the EKS AL2023 runtime spec raises only
+    #: RLIMIT_NOFILE. False: only for AMIs/runtimes that raise RLIMIT_MEMLOCK themselves; the pods
+    #: then pass Pod Security "restricted" (IPC_LOCK needs the kit's pod policy, see deploy/).
+    efa_ipc_lock: bool = True
     #: e.g. "5120Mi" where the AMI's EFA driver needs 2 MiB huge pages; needs ``memory`` set.
     hugepages_2mi: str | None = None
     #: Size of the memory-backed /dev/shm (NCCL and data loader workers share memory through it;
-    #: a container's default 64 MiB is far too small).
+    #: a container's default 64 MiB is far too small). It counts against ``memory``.
     shm_size: str = "64Gi"
-    #: CPU request (no limit: a CPU limit throttles data loading) and memory request = limit.
-    cpu: str | None = None
-    memory: str | None = None
+    #: The training pod's cpu and memory requests. Sized for p5.48xlarge (allocatable about 192 vCPU
+    #: and 2 TiB), leaving room for the daemonsets (EFA and GPU device plugins, CNI, node agents).
+    cpu: str | None = "180"
+    memory: str | None = "1800Gi"
+    #: QoS Guaranteed: the cpu limit equals the request too (memory and devices always do), so the
+    #: kubelet evicts these pods last under node pressure and a static CPU manager pins whole cores.
+    #: False: no cpu limit (Burstable). Needs cpu and memory set.
+    guaranteed_qos: bool = True
+    #: The evaluation pod (one GPU, no EFA): about one GPU's share of a p5.48xlarge; requests = limits.
+    eval_cpu: str | None = "22"
+    eval_memory: str | None = "225Gi"
+    #: The images' user and group (numeric, so runAsNonRoot can be checked without the image).
+    run_as_user: int = 1000
+    run_as_group: int = 1000
+    #: Disrupted pods (evicted, preempted, lost with their node) a Job replaces. Kubernetes has one
+    #: failure budget per Job, so the Job's backoffLimit is backoff_limit + max_pod_disruptions
+    #: (training_backoff_limit); beyond it the Job fails (BackoffLimitExceeded) and the backend
+    #: reports restarts_exhausted when disruptions used it up, so the ladder relaunches. Without a
+    #: bound (podFailurePolicy Ignore) the Job controller would recreate evicted pods for ever.
+    max_pod_disruptions: int = 3
+    #: Failed pods with an exit code outside the run contract (exit 1, an OOM kill) a Job replaces.
     backoff_limit: int = 2
     active_deadline_s: int = 7 * 86400
     #: Finished Jobs (and their pods and logs) are kept this long, long enough to diagnose.
@@ -195,9 +250,12 @@ class PodTemplateSettings:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"PodTemplateSettings.{name}={getattr(self, name)!r} {why}")
 
-        if not isinstance(self.image, str) or not self.image.strip() or any(c.isspace() for c in self.image):
+        try:
+            image_repository(self.image)
+        except ValueError:
             raise bad("image", "must be a container image reference such as "
-                               "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0'")
+                               "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0' (a digest, "
+                               "'@sha256:...', pins it)") from None
         if not isinstance(self.namespace, str) or len(self.namespace) > 63 or not _DNS1123_LABEL.match(self.namespace):
             raise bad("namespace", "must be a Kubernetes namespace name (lowercase letters, digits and '-', "
                                    "at most 63 characters)")
@@ -221,12 +279,27 @@ class PodTemplateSettings:
             raise bad("gpus_per_node", "must be between 0 and 64, or None for one GPU per process (procs_per_node)")
         if not _is_nonneg_int(self.efa_per_node) or self.efa_per_node > 64:
             raise bad("efa_per_node", "must be between 0 (no EFA) and 64 (p5.48xlarge has 32)")
-        for name in ("hugepages_2mi", "cpu", "memory"):
+        if self.instance_type is not None and (not isinstance(self.instance_type, str)
+                                               or not _INSTANCE_TYPE.match(self.instance_type)):
+            raise bad("instance_type", "must be an EC2 instance type such as 'p5.48xlarge', or None for a mixed pool")
+        for name in ("efa_ipc_lock", "guaranteed_qos"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false")
+        for name in ("run_as_user", "run_as_group"):
+            if not _is_nonneg_int(getattr(self, name)) or getattr(self, name) == 0:
+                raise bad(name, "must be the images' non-root numeric id (1000 in images/), not 0")
+        if not _is_nonneg_int(self.max_pod_disruptions) or self.max_pod_disruptions > 100:
+            raise bad("max_pod_disruptions", "must be between 0 and 100 (disrupted pods a launch survives)")
+        for name in ("hugepages_2mi", "cpu", "memory", "eval_cpu", "eval_memory"):
             value = getattr(self, name)
             if value is not None and not _is_quantity(value):
                 raise bad(name, "must be a Kubernetes quantity such as '5120Mi', '96' or '500m', or None")
         if not _is_quantity(self.shm_size):
             raise bad("shm_size", "must be a Kubernetes quantity such as '64Gi'")
+        if self.guaranteed_qos and (self.cpu is None or self.memory is None):
+            raise bad("guaranteed_qos", f"needs cpu and memory set (cpu={self.cpu!r}, memory={self.memory!r}): "
+                                        "QoS Guaranteed means requests = limits for both; set them or "
+                                        "guaranteed_qos=false")
         if self.hugepages_2mi is not None and self.memory is None:
             raise bad("hugepages_2mi", "needs memory set too: Kubernetes rejects a pod that requests huge pages "
                                        "without a memory (or CPU) request; set memory, e.g. '1000Gi'")
@@ -282,6 +355,17 @@ class PodTemplateSettings:
         """GPUs each training pod requests."""
         return cfg.procs_per_node if self.gpus_per_node is None else self.gpus_per_node
 
+    def pod_node_selector(self) -> dict[str, str]:
+        """The pods' nodeSelector: ``node_selector`` plus the instance type, when set."""
+        selector = dict(self.node_selector)
+        if self.instance_type is not None:
+            selector.setdefault(INSTANCE_TYPE_LABEL, self.instance_type)
+        return selector
+
+    def device_rdma(self) -> bool:
+        """Whether the pool's EFA devices do GPUDirect RDMA (FI_EFA_USE_DEVICE_RDMA=1)."""
+        return self.instance_type is not None and self.instance_type.split(".")[0] in DEVICE_RDMA_FAMILIES
+
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(dataclasses.asdict(self))
 
@@ -299,6 +383,61 @@ class PodTemplateSettings:
         if validate:
             settings.validate()
         return settings
+
+
+# --------------------------------------------------------------------------------------------
+# Images: references and the allowlist
+# --------------------------------------------------------------------------------------------
+
+# The reference grammar of the distribution project (what containerd and the registries parse):
+# [domain[:port]/]path-component(/path-component)*[:tag][@algorithm:hex].
+_DOMAIN_COMPONENT = r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9-]*[A-Za-z0-9])"
+_DOMAIN = rf"{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*(?::[0-9]+)?"
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_NAME = rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*"
+_IMAGE_NAME = re.compile(_NAME)  # always fullmatch: "$" would let a newline through
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_DIGEST = r"[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}"
+_IMAGE_REFERENCE = re.compile(rf"(?P<name>{_NAME})(?::(?P<tag>{_TAG}))?(?:@(?P<digest>{_DIGEST}))?")
+_NAME_MAX = 255
+
+
+def image_repository(image: str) -> str:
+    """The repository of an image reference: the reference without its ``:tag`` and ``@digest``
+    (``123.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0`` -> ``...amazonaws.com/fsdp-training``).
+    Raises ValueError for what is not a valid reference."""
+    match = _IMAGE_REFERENCE.fullmatch(image) if isinstance(image, str) else None
+    if not match or len(match.group("name")) > _NAME_MAX:
+        raise ValueError(f"{image!r} is not a container image reference such as "
+                         "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0' (registry/repository, "
+                         "then :tag and/or @sha256:<digest>)")
+    return match.group("name")
+
+
+def check_image_prefix(prefix: str) -> str:
+    """An allowlist entry, normalised (no trailing '/'): a registry (``123.dkr.ecr...amazonaws.com``)
+    or a repository in it (``.../fsdp-training``), never with a tag or digest."""
+    text = prefix.strip().rstrip("/") if isinstance(prefix, str) else ""
+    if not text or not _IMAGE_NAME.fullmatch(text):
+        raise ValueError(f"image allowlist entry {prefix!r} is not a registry or repository such as "
+                         "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training' (no :tag, no @digest)")
+    return text
+
+
+def image_allowed(image: str, prefixes: list[str] | tuple[str, ...]) -> bool:
+    """Whether ``image`` is in a repository under one of ``prefixes``, compared by whole path
+    components: ``.../fsdp-training`` allows ``.../fsdp-training:1.0``, ``.../fsdp-training@sha256:...``
+    and ``.../fsdp-training/sub:1``, never ``.../fsdp-training-evil:1``. An image that is not a valid
+    reference is never allowed. Comparison is textual: ``ubuntu`` is not ``docker.io/library/ubuntu``."""
+    try:
+        components = image_repository(image).split("/")
+    except ValueError:
+        return False
+    for prefix in prefixes:
+        wanted = check_image_prefix(prefix).split("/")
+        if components[:len(wanted)] == wanted:
+            return True
+    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,7 +499,8 @@ def _env(pairs: dict[str, str], node_id_from_downward_api: bool) -> list[dict[st
     return env
 
 
-def _resources(gpus: int, efa: int, settings: PodTemplateSettings, hugepages: bool) -> dict[str, Any]:
+def _resources(gpus: int, efa: int, settings: PodTemplateSettings, *, hugepages: bool, cpu: str | None,
+               memory: str | None) -> dict[str, Any]:
     # Extended resources (GPU, EFA, huge pages) need requests equal to limits.
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
@@ -370,16 +510,31 @@ def _resources(gpus: int, efa: int, settings: PodTemplateSettings, hugepages: bo
         requests[EFA_RESOURCE] = limits[EFA_RESOURCE] = str(efa)
     if hugepages and settings.hugepages_2mi is not None:
         requests[HUGEPAGES_RESOURCE] = limits[HUGEPAGES_RESOURCE] = settings.hugepages_2mi
-    if settings.cpu is not None:
-        requests["cpu"] = settings.cpu  # no CPU limit: throttling stalls data loading and NCCL progress
-    if settings.memory is not None:
-        requests["memory"] = limits["memory"] = settings.memory
+    if cpu is not None:
+        requests["cpu"] = cpu
+        if settings.guaranteed_qos:  # else no CPU limit: Burstable, never throttled below the node
+            limits["cpu"] = cpu
+    if memory is not None:
+        requests["memory"] = limits["memory"] = memory
     resources: dict[str, Any] = {}
     if requests:
         resources["requests"] = requests
     if limits:
         resources["limits"] = limits
     return resources
+
+
+def _pod_security_context(settings: PodTemplateSettings) -> dict[str, Any]:
+    # The images' numeric user: runAsNonRoot is checked by the kubelet before the container starts.
+    return {"runAsNonRoot": True, "runAsUser": settings.run_as_user, "runAsGroup": settings.run_as_group,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security_context(settings: PodTemplateSettings, efa: int) -> dict[str, Any]:
+    capabilities: dict[str, Any] = {"drop": ["ALL"]}
+    if efa > 0 and settings.efa_ipc_lock:
+        capabilities["add"] = list(EFA_CAPABILITIES)
+    return {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": capabilities}
 
 
 def _pod_spec(settings: PodTemplateSettings, container: dict[str, Any], job_name: str,
@@ -394,7 +549,8 @@ def _pod_spec(settings: PodTemplateSettings, container: dict[str, Any], job_name
         # Service links would put every Service of the namespace into the env; nothing reads them.
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": settings.termination_grace_s,
-        "nodeSelector": dict(settings.node_selector),
+        "securityContext": _pod_security_context(settings),
+        "nodeSelector": settings.pod_node_selector(),
         "tolerations": copy.deepcopy(settings.tolerations),
         "containers": [container],
         "volumes": [
@@ -416,13 +572,14 @@ def _pod_spec(settings: PodTemplateSettings, container: dict[str, Any], job_name
 
 
 def _container(settings: PodTemplateSettings, command: list[str], env: list[dict[str, Any]],
-               resources: dict[str, Any], ports: list[dict[str, Any]] | None) -> dict[str, Any]:
+               resources: dict[str, Any], ports: list[dict[str, Any]] | None, *, efa: int) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": settings.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(command),
         "env": env,
+        "securityContext": _container_security_context(settings, efa),
         "volumeMounts": [
             {"name": FSX_VOLUME, "mountPath": settings.fsx_mount_path},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
@@ -435,9 +592,12 @@ def _container(settings: PodTemplateSettings, command: list[str], env: list[dict
     return container
 
 
-#: A pod that is preempted, evicted or deleted with its node gets the DisruptionTarget
-#: condition; it says nothing about the run, so it must not use up the Job's backoffLimit.
-_IGNORE_DISRUPTION = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+#: A pod that is preempted, evicted or deleted with its node gets the DisruptionTarget condition.
+#: It says nothing about the run, so whatever its exit code (a launcher killed mid-way may exit
+#: with a final code) it never fails the Job at once; but it counts against backoffLimit, which
+#: holds PodTemplateSettings.max_pod_disruptions on top of backoff_limit: with "Ignore", the Job
+#: controller would replace evicted pods for ever (Kubernetes has no separate budget for them).
+_COUNT_DISRUPTION = {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
 #: Exit codes after which another pod of the same Job cannot help: a bug or a bad config, training
 #: state that turns NaN/inf again after its rollbacks, a full or read-only run dir fail the same
 #: way anywhere (and none of them is the node's fault).
@@ -459,11 +619,25 @@ def _exit_code_rule(codes: tuple[ExitCode, ...]) -> dict[str, Any]:
 
 def training_pod_failure_policy() -> dict[str, Any]:
     """The training Job's podFailurePolicy. Rules apply in order, first match wins: a disrupted
-    pod is ignored whatever its exit code (it was killed from outside); a pod that exits with one
-    of the contract's final codes fails the whole Job at once; any other failure (exit 1: unknown,
-    an OOM kill) is retried by the Job controller within backoffLimit."""
-    return {"rules": [copy.deepcopy(_IGNORE_DISRUPTION), _exit_code_rule(USER_ERROR_EXIT_CODES),
+    pod counts against backoffLimit whatever its exit code (it was killed from outside); a pod
+    that exits with one of the contract's final codes fails the whole Job at once; any other
+    failure (exit 1: unknown, an OOM kill) is retried by the Job controller within backoffLimit."""
+    return {"rules": [copy.deepcopy(_COUNT_DISRUPTION), _exit_code_rule(USER_ERROR_EXIT_CODES),
                       _exit_code_rule(ALREADY_RUNNING_EXIT_CODES), _exit_code_rule(GAVE_UP_EXIT_CODES)]}
+
+
+def training_backoff_limit(settings: PodTemplateSettings) -> int:
+    """The training Job's backoffLimit: failed pods it replaces before it fails. One Kubernetes
+    budget for two kinds: ``backoff_limit`` failures with an exit code outside the contract, and
+    ``max_pod_disruptions`` pods evicted, preempted or lost with their node."""
+    return settings.backoff_limit + settings.max_pod_disruptions
+
+
+def evaluation_pod_failure_policy() -> dict[str, Any]:
+    """The evaluation Job's: a disruption is retried (within max_pod_disruptions); an evaluation
+    that fails fails the same way again, so any failing exit code fails the Job at once."""
+    return {"rules": [copy.deepcopy(_COUNT_DISRUPTION), {"action": "FailJob", "onExitCodes": {
+        "containerName": CONTAINER, "operator": "NotIn", "values": [0]}}]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,9 +646,13 @@ def training_pod_failure_policy() -> dict[str, Any]:
 
 
 def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
-                 airflow_run_id: str | None = None) -> dict[str, Any]:
+                 airflow_run_id: str | None = None, suspend: bool = True) -> dict[str, Any]:
     """The Indexed Job of one launch: ``cfg.nodes`` pods, one per machine, completion index =
-    node rank (training/launch.py reads JOB_COMPLETION_INDEX), all rendezvousing at pod 0."""
+    node rank (training/launch.py reads JOB_COMPLETION_INDEX), all rendezvousing at pod 0.
+
+    Created suspended (``suspend``): no pod starts before the backend has created the launch's
+    Service and NetworkPolicy and resumes it (``spec.suspend: false``), so no pod ever runs
+    without the DNS name it rendezvouses at."""
     settings.validate()
     _check_ids(launch_id, airflow_run_id)
     _check_under_mount(cfg, settings)
@@ -482,6 +660,10 @@ def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, 
     labels = _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id)
     annotations = _annotations(launch_id, airflow_run_id)
     gpus, efa = settings.gpus(cfg), settings.efa_per_node
+    if gpus > 0 and cfg.procs_per_node > gpus:
+        raise ValueError(f"RunConfig.procs_per_node={cfg.procs_per_node} is more than the {gpus} GPU(s) each pod "
+                         f"gets (PodTemplateSettings.gpus_per_node={settings.gpus_per_node}): one process per GPU; "
+                         "lower procs_per_node, or raise gpus_per_node to the GPUs of the pool's nodes")
 
     env = {
         # The config itself, not a path: the pod needs no file shipped before it starts.
@@ -492,13 +674,15 @@ def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, 
     }
     if efa > 0:
         env.update(EFA_ENV)
+        if settings.device_rdma():
+            env.update(DEVICE_RDMA_ENV)
     if gpus > 0:
         env.update(NCCL_ENV)
     env.update(settings.env)
     container = _container(
         settings, TRAINING_COMMAND, _env(env, node_id_from_downward_api=True),
-        _resources(gpus, efa, settings, hugepages=True),
-        [{"name": RDZV_PORT_NAME, "containerPort": cfg.rdzv_port, "protocol": "TCP"}])
+        _resources(gpus, efa, settings, hugepages=True, cpu=settings.cpu, memory=settings.memory),
+        [{"name": RDZV_PORT_NAME, "containerPort": cfg.rdzv_port, "protocol": "TCP"}], efa=efa)
     pod_spec = _pod_spec(settings, container, name, subdomain=name, anti_affinity=True)
     return {
         "apiVersion": "batch/v1",
@@ -508,7 +692,8 @@ def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, 
             "completionMode": "Indexed",
             "completions": cfg.nodes,
             "parallelism": cfg.nodes,
-            "backoffLimit": settings.backoff_limit,
+            "suspend": bool(suspend),
+            "backoffLimit": training_backoff_limit(settings),
             "activeDeadlineSeconds": settings.active_deadline_s,
             "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
             "podFailurePolicy": training_pod_failure_policy(),
@@ -564,6 +749,35 @@ def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSett
     }
 
 
+def rendezvous_network_policy(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
+                              owner: dict[str, Any] | None = None,
+                              airflow_run_id: str | None = None) -> dict[str, Any]:
+    """The NetworkPolicy named like the launch's Job: traffic into the launch's pods only from the
+    same launch's pods, on every port (the rendezvous store, which has no authentication; the
+    c10d store; NCCL's TCP bootstrap and socket fallback). Other pods of the namespace, and other
+    launches of the same run, are refused (the kit also denies all other ingress to the training
+    namespace). EFA traffic is OS-bypass and never meets the CNI's policy. Egress is not limited
+    (FSx, the registry, S3). With ``owner`` (the created Job), it goes with the Job."""
+    settings.validate()
+    _check_ids(launch_id, airflow_run_id)
+    name = job_name_for(cfg.run_id, launch_id)
+    metadata = _metadata(name, settings.namespace, _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id),
+                         _annotations(launch_id, airflow_run_id))
+    if owner is not None:
+        metadata["ownerReferences"] = [_owner_reference(owner, name)]
+    launch_pods = {"matchLabels": {LABEL_JOB: name}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata,
+        "spec": {
+            "podSelector": copy.deepcopy(launch_pods),
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": copy.deepcopy(launch_pods)}]}],
+        },
+    }
+
+
 def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *, checkpoint_id: str | None = None,
                    airflow_run_id: str | None = None) -> dict[str, Any]:
     """The one-pod Job that evaluates checkpoint ``checkpoint_id`` of the run (None: the newest
@@ -586,7 +800,8 @@ def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *, checkpoint_
         command += ["--checkpoint", checkpoint_id]
     # No EFA (one process, no collectives), and so none of the huge pages EFA needs.
     container = _container(settings, command, _env(env, node_id_from_downward_api=True),
-                           _resources(gpus, 0, settings, hugepages=False), None)
+                           _resources(gpus, 0, settings, hugepages=False, cpu=settings.eval_cpu,
+                                      memory=settings.eval_memory), None, efa=0)
     template_meta: dict[str, Any] = {"labels": {**labels, LABEL_JOB: name}}
     if annotations:
         template_meta["annotations"] = dict(annotations)
@@ -598,10 +813,10 @@ def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *, checkpoint_
             "completions": 1,
             "parallelism": 1,
             # An evaluation that fails fails the same way again; only a disruption is retried.
-            "backoffLimit": 0,
+            "backoffLimit": settings.max_pod_disruptions,
             "activeDeadlineSeconds": settings.active_deadline_s,
             "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
-            "podFailurePolicy": {"rules": [copy.deepcopy(_IGNORE_DISRUPTION)]},
+            "podFailurePolicy": evaluation_pod_failure_policy(),
             "template": {
                 "metadata": template_meta,
                 "spec": _pod_spec(settings, container, name, subdomain=None, anti_affinity=False),
