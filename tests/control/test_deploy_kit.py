@@ -1,9 +1,12 @@
 """The EKS deployment kit: images/ and deploy/.
 
-Every kustomization renders (kubectl's kustomize) and every object is valid Kubernetes 1.33 in
-strict mode; the kit provides the names the EKS backend uses; RBAC and IAM grant no more than the
-backend needs; the Helm values mount FSx where the DAGs look for it; the Dockerfiles pass hadolint,
-pin what pyproject.toml and requirements/ pin, and lay files out so the code imports.
+Every kustomization renders (kubectl's kustomize) and every object, and every object the EKS
+backend creates, is valid Kubernetes 1.30 and 1.33 in strict mode; the kit provides the names the
+EKS backend uses; RBAC and IAM grant each Airflow identity (worker, triggerer) no more than it
+needs, and the triggerer only reads; the Helm values mount FSx where the DAGs look for it; the
+Dockerfiles pass hadolint, take their bases by digest, pin what pyproject.toml and requirements/
+pin, and lay files out so the code imports. The checkov scan itself runs in `make lint-deploy`;
+here its list of accepted findings is checked for form.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from conftest import TRAINING_PYTHON
-from deploy.render import K8S_VERSION, KitError, components, kustomizations, rbac_grants, render, validate
+from deploy.render import (K8S_VERSIONS, KitError, components, group_grants, kustomizations,
+                           rbac_grants, render, validate)
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -43,6 +47,12 @@ FSX_CLAIM = "fsx-training"
 FSX_MOUNT = "/fsx"
 AIRFLOW_NAMESPACE = "airflow"
 AIRFLOW_SAS = ("airflow-worker", "airflow-triggerer")
+#: Each Airflow identity: its service account and the Kubernetes group an EKS access entry maps its
+#: IAM role to (Airflow outside the cluster).
+WORKER = ("airflow-worker", "fsdp-airflow-worker")
+TRIGGERER = ("airflow-triggerer", "fsdp-airflow-triggerer")
+#: The supported EKS range, stated once here and checked against the kit, the backend and README.
+SUPPORTED_EKS = ("1.30", "1.33")
 MANAGED_ASG_TAG = "fsdp-resilience/managed"
 #: The file system the base carries until an overlay names a real one.
 STAND_IN_FILE_SYSTEM = "fs-00000000000000000"
@@ -62,12 +72,14 @@ def by_kind(objects: list[dict], kind: str) -> dict[tuple[str | None, str], dict
 # --------------------------------------------------------------------------------------------
 
 
-def test_every_kustomization_renders_and_every_object_is_valid_kubernetes_1_33(built):
+def test_every_kustomization_renders_and_every_object_is_valid_kubernetes_1_30_and_1_33(built):
+    assert K8S_VERSIONS == SUPPORTED_EKS
     names = {d.relative_to(DEPLOY).as_posix() for d in built}
     assert names >= {"base", "overlays/example", "overlays/example-karpenter"}
     for directory, objects in built.items():
         assert objects, f"{directory} rendered nothing"
-        validate(objects, K8S_VERSION)
+        for version in K8S_VERSIONS:
+            validate(objects, version)
         keys = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects]
         assert len(keys) == len(set(keys)), f"{directory} renders an object twice: {keys}"
 
@@ -75,8 +87,32 @@ def test_every_kustomization_renders_and_every_object_is_valid_kubernetes_1_33(b
 def test_strict_validation_rejects_a_misspelt_field(built):
     bad = json.loads(json.dumps(by_kind(built[DEPLOY / "base"], "PersistentVolume")[(None, "fsdp-fsx-training")]))
     bad["spec"]["csi"]["volumeAtributes"] = bad["spec"]["csi"].pop("volumeAttributes")
-    with pytest.raises(KitError, match=r"PersistentVolume fsdp-fsx-training: spec/csi: .*'volumeAtributes'"):
+    with pytest.raises(KitError, match=r"Kubernetes 1.30:\n.*PersistentVolume fsdp-fsx-training: spec/csi: .*'volumeAtributes'"):
         validate([bad])
+
+
+def test_every_object_the_backend_creates_is_valid_kubernetes_1_30_and_1_33():
+    from deploy.backend_objects import backend_objects
+    from fsdp_resilience.backends import eks_manifests
+
+    objects = backend_objects()
+    kinds = {o["kind"] for o in objects}
+    assert {"Job", "Service"} <= kinds
+    if hasattr(eks_manifests, "rendezvous_network_policy"):
+        assert "NetworkPolicy" in kinds
+    for version in K8S_VERSIONS:
+        validate(objects, version)
+
+
+def test_the_supported_eks_range_is_stated_the_same_everywhere():
+    from fsdp_resilience.backends import eks_manifests
+
+    oldest, newest = SUPPORTED_EKS
+    assert eks_manifests.OLDEST_SUPPORTED_K8S == oldest, "the backend validates from another oldest version"
+    docs = DOCS.read_text()
+    stated = set(re.findall(r"EKS (\d\.\d+)\s*[–-]\s*(\d\.\d+)", docs))
+    assert stated == {(oldest, newest)}, f"README states the EKS range as {stated}"
+    assert not re.search(r"EKS (≥|>=) ?1\.\d+", docs), "README states an open-ended EKS range somewhere"
 
 
 def test_every_component_is_built_by_some_overlay():
@@ -148,7 +184,20 @@ def test_the_kit_names_match_the_eks_backend_defaults():
 ESCALATING_VERBS = {"*", "escalate", "bind", "impersonate"}
 
 
-def test_rbac_grants_the_airflow_service_accounts_only_narrow_rights(built):
+#: Verbs that only read.
+READ_VERBS = {"get", "list", "watch"}
+KARPENTER = EXAMPLE.with_name("example-karpenter")
+
+
+def subjects(binding: dict) -> set[tuple[str, str, str]]:
+    return {(s["kind"], s.get("namespace", ""), s["name"]) for s in binding["subjects"]}
+
+
+def identity(service_account: str, group: str) -> set[tuple[str, str, str]]:
+    return {("ServiceAccount", AIRFLOW_NAMESPACE, service_account), ("Group", "", group)}
+
+
+def test_rbac_grants_the_airflow_identities_only_narrow_rights(built):
     for objects in built.values():
         for role in [o for o in objects if o["kind"] in ("Role", "ClusterRole")]:
             for rule in role["rules"]:
@@ -157,21 +206,55 @@ def test_rbac_grants_the_airflow_service_accounts_only_narrow_rights(built):
                 assert not {"secrets", "configmaps", "serviceaccounts"} & set(rule["resources"])
         for role in by_kind(objects, "Role").values():
             assert role["metadata"]["namespace"] == TRAINING_NAMESPACE
+        # Every binding names one identity, both ways it can authenticate: the chart's service
+        # account (Airflow in the cluster) and the group an EKS access entry maps its IAM role to.
         for binding in [o for o in objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")]:
-            assert {(s["kind"], s["namespace"], s["name"]) for s in binding["subjects"]} == \
-                {("ServiceAccount", AIRFLOW_NAMESPACE, sa) for sa in AIRFLOW_SAS}
+            assert subjects(binding) in (identity(*WORKER), identity(*TRIGGERER)), binding["metadata"]["name"]
+            for subject in binding["subjects"]:
+                if subject["kind"] == "Group":
+                    assert subject["apiGroup"] == "rbac.authorization.k8s.io"
 
-    worker, triggerer = (rbac_grants(built[EXAMPLE], AIRFLOW_NAMESPACE, sa) for sa in AIRFLOW_SAS)
-    assert worker == triggerer, "the triggerer polls what the worker submits: same rights"
+    for overlay in (EXAMPLE, KARPENTER):
+        for service_account, group in (WORKER, TRIGGERER):
+            assert rbac_grants(built[overlay], AIRFLOW_NAMESPACE, service_account) == group_grants(built[overlay], group)
+
+    worker, triggerer = (rbac_grants(built[EXAMPLE], AIRFLOW_NAMESPACE, sa) for sa, _ in (WORKER, TRIGGERER))
     assert set(worker.namespaced) == {TRAINING_NAMESPACE}
     # Cluster-wide only what is cluster-scoped: nodes, which are read and patched, never removed.
     assert set(worker.cluster) == {("", "nodes")}
     assert not {"delete", "update", "create"} & worker.verbs("", "nodes")
     assert worker.verbs("batch", "jobs", "default") == frozenset(), "jobs only in the training namespace"
-    # The Karpenter overlay adds exactly the NodeClaim rights, and nothing else changes.
-    karpenter = rbac_grants(built[EXAMPLE.with_name("example-karpenter")], AIRFLOW_NAMESPACE, AIRFLOW_SAS[0])
+    assert worker.verbs("networking.k8s.io", "networkpolicies", TRAINING_NAMESPACE) == {"create", "get"}
+
+    # The triggerer only reads, and only what the worker may read too (its triggers watch what
+    # the worker's tasks submitted).
+    assert set(triggerer.namespaced) == {TRAINING_NAMESPACE}
+    for scope, group, resource, verbs in triggerer.rows():
+        assert set(verbs.split(",")) <= READ_VERBS, f"the triggerer may {verbs} {resource} ({scope})"
+        assert set(verbs.split(",")) <= worker.verbs(group, resource, TRAINING_NAMESPACE)
+
+    # The Karpenter overlay adds exactly the NodeClaim rights, to the worker only.
+    karpenter = rbac_grants(built[KARPENTER], AIRFLOW_NAMESPACE, WORKER[0])
     assert karpenter.namespaced == worker.namespaced
     assert karpenter.cluster == {**worker.cluster, ("karpenter.sh", "nodeclaims"): frozenset({"list", "delete"})}
+    assert rbac_grants(built[KARPENTER], AIRFLOW_NAMESPACE, TRIGGERER[0]) == triggerer
+
+
+def test_training_namespace_pod_security_and_default_deny_ingress(built):
+    for overlay in (EXAMPLE, KARPENTER):
+        objects = built[overlay]
+        labels = by_kind(objects, "Namespace")[(None, TRAINING_NAMESPACE)]["metadata"]["labels"]
+        psa = {k.removeprefix("pod-security.kubernetes.io/"): v for k, v in labels.items()
+               if k.startswith("pod-security.kubernetes.io/")}
+        # Enforce privileged (EFA's IPC_LOCK passes no other level; the kit's admission policy
+        # holds the rest of `restricted`), warn and audit at restricted, versions pinned to the
+        # oldest supported minor.
+        oldest = f"v{SUPPORTED_EKS[0]}"
+        assert psa == {"enforce": "privileged", "enforce-version": oldest, "warn": "restricted",
+                       "warn-version": oldest, "audit": "restricted", "audit-version": oldest}
+        policies = by_kind(objects, "NetworkPolicy")
+        deny = policies[(TRAINING_NAMESPACE, "default-deny-ingress")]["spec"]
+        assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}, "every pod, no ingress rule"
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,8 +303,9 @@ def test_the_destructive_wildcard_check_catches_one():
 
 def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
     paths = sorted(IAM_DIR.glob("*.json"))
-    assert [p.name for p in paths] == ["airflow-permissions-policy.json", "airflow-trust-policy-irsa.json",
-                                       "airflow-trust-policy-pod-identity.json"]
+    assert [p.name for p in paths] == sorted(f"airflow-{who}-{doc}.json" for who in ("worker", "triggerer")
+                                             for doc in ("permissions-policy", "trust-policy-irsa",
+                                                         "trust-policy-pod-identity"))
     documented = DOCS.read_text()
     for path in paths:
         for name in re.findall(r"\$\{([A-Z_]+)\}", path.read_text()):
@@ -235,7 +319,7 @@ def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
             assert all(a.split(":", 1)[1] != "*" for a in as_list(st["Action"])), st["Sid"]
         assert destructive_wildcards(policy) == [], path.name
 
-    permissions = {st["Sid"]: st for st in load_policy(IAM_DIR / "airflow-permissions-policy.json")["Statement"]}
+    permissions = {st["Sid"]: st for st in load_policy(IAM_DIR / "airflow-worker-permissions-policy.json")["Statement"]}
     terminate = [st for st in permissions.values()
                  if "autoscaling:TerminateInstanceInAutoScalingGroup" in as_list(st["Action"])]
     assert len(terminate) == 1
@@ -244,14 +328,37 @@ def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
     assert len(create) == 1 and EXAMPLE_VALUES["FSX_FILE_SYSTEM_ARN"] in create[0]["Resource"]
     assert not [r for r in as_list(create[0]["Resource"]) if r.endswith(":file-system/*")]
 
-    # Both trust policies admit exactly the two Airflow service accounts the kit's RBAC binds.
-    irsa = load_policy(IAM_DIR / "airflow-trust-policy-irsa.json")["Statement"][0]
-    subjects = irsa["Condition"]["StringEquals"][f"{EXAMPLE_VALUES['OIDC_PROVIDER']}:sub"]
-    assert subjects == [f"system:serviceaccount:{AIRFLOW_NAMESPACE}:{sa}" for sa in AIRFLOW_SAS]
-    pod_identity = load_policy(IAM_DIR / "airflow-trust-policy-pod-identity.json")["Statement"][0]
-    condition = pod_identity["Condition"]["StringEquals"]
-    assert condition["aws:RequestTag/kubernetes-service-account"] == list(AIRFLOW_SAS)
-    assert condition["aws:RequestTag/kubernetes-namespace"] == AIRFLOW_NAMESPACE
+    # Each role's trust policies admit exactly its own service account.
+    for who, service_account in (("worker", WORKER[0]), ("triggerer", TRIGGERER[0])):
+        irsa = load_policy(IAM_DIR / f"airflow-{who}-trust-policy-irsa.json")["Statement"]
+        assert len(irsa) == 1
+        subject = irsa[0]["Condition"]["StringEquals"][f"{EXAMPLE_VALUES['OIDC_PROVIDER']}:sub"]
+        assert subject == f"system:serviceaccount:{AIRFLOW_NAMESPACE}:{service_account}"
+        pod_identity = load_policy(IAM_DIR / f"airflow-{who}-trust-policy-pod-identity.json")["Statement"]
+        assert len(pod_identity) == 1
+        condition = pod_identity[0]["Condition"]["StringEquals"]
+        assert condition["aws:RequestTag/kubernetes-service-account"] == service_account
+        assert condition["aws:RequestTag/kubernetes-namespace"] == AIRFLOW_NAMESPACE
+
+
+#: What the triggerer's deferred triggers call on AWS, and nothing more: FsxDataRepositoryTaskTrigger
+#: (describe_task), the progress watch over the S3 export (fsx_staging.S3CheckpointProgress: list +
+#: get), and EksHook when Airflow builds its kubeconfig from the cluster (FSDP_EKS_CLUSTER_NAME).
+TRIGGERER_ACTIONS = {"fsx:DescribeDataRepositoryTasks", "s3:ListBucket", "s3:GetObject", "eks:DescribeCluster"}
+
+
+def test_the_triggerers_iam_role_only_describes_and_reads():
+    triggerer = load_policy(IAM_DIR / "airflow-triggerer-permissions-policy.json")["Statement"]
+    actions = {a for st in triggerer for a in as_list(st["Action"])}
+    assert actions == TRIGGERER_ACTIONS
+    assert all(re.match(r"^(Describe|Get|List)", a.split(":", 1)[1]) for a in actions)
+    # Reads are scoped as narrowly as the worker's: the same cluster, bucket and export prefix.
+    worker = {a: st for st in load_policy(IAM_DIR / "airflow-worker-permissions-policy.json")["Statement"]
+              for a in as_list(st["Action"])}
+    for st in triggerer:
+        for action in as_list(st["Action"]):
+            assert st["Resource"] == worker[action]["Resource"], action
+            assert st.get("Condition") == worker[action].get("Condition"), action
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,13 +408,16 @@ def test_helm_values_mount_fsx_in_workers_and_triggerer_and_set_the_connections(
     assert aws.conn_type == "aws" and aws.extra_dejson["region_name"] and not (aws.login or aws.password)
 
     claims = by_kind(built[EXAMPLE], "PersistentVolumeClaim")
+    roles = {}
     for component in ("workers", "triggerer"):
         pod, sa = chart_pod(values, component)
-        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
-        kubernetes_validate.validate(sa, K8S_VERSION, strict=True)
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(pod, version, strict=True)
+            kubernetes_validate.validate(sa, version, strict=True)
         assert sa["metadata"]["name"] in AIRFLOW_SAS
         role_arn = sa["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
         assert re.fullmatch(r"arn:aws:iam::\d{12}:role/[\w+=,.@-]+", role_arn), role_arn
+        roles[component] = role_arn
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         for mount in pod["spec"]["containers"][0]["volumeMounts"]:
             if mount["mountPath"] == FSX_MOUNT:
@@ -316,6 +426,18 @@ def test_helm_values_mount_fsx_in_workers_and_triggerer_and_set_the_connections(
                 break
         else:
             pytest.fail(f"{component} does not mount FSx at {FSX_MOUNT}")
+    assert roles["workers"] != roles["triggerer"], "the triggerer has its own (describe-only) IAM role"
+
+
+def test_airflow_and_training_pods_share_the_uid_that_owns_the_run_dirs():
+    from fsdp_resilience.backends import eks_manifests
+
+    settings = eks_manifests.PodTemplateSettings(image="x")
+    values = yaml.safe_load(HELM_VALUES.read_text())
+    # The chart runs every Airflow pod as uid:gid; the official image needs group 0.
+    assert (values["uid"], values["gid"]) == (settings.run_as_user, 0)
+    assert image_user(AIRFLOW_DOCKERFILE) == f"{values['uid']}:{values['gid']}"
+    assert image_user(TRAINING_DOCKERFILE) == f"{settings.run_as_user}:{settings.run_as_group}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,6 +467,32 @@ def args(path: Path) -> dict[str, str]:
 
 def expand(text: str, variables: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}", lambda m: variables.get(m.group(1), m.group(0)), text)
+
+
+#: ``<repository>:<tag>@sha256:<64 hex>``: a base image by digest.
+_BY_DIGEST = re.compile(r"^(?P<reference>[^@\s]+:[^@:\s]+)@sha256:[0-9a-f]{64}$")
+
+
+def base_image(dockerfile: Path) -> str:
+    """The base image's ``repository:tag`` (its default, by digest), or a failure if the base is
+    not taken by digest, or if a build could pass a tag alone without being stopped."""
+    ops = instructions(dockerfile)
+    froms = [a for op, a in ops if op == "FROM"]
+    assert froms == ["${BASE_IMAGE}"], f"{dockerfile}: one stage, FROM ${{BASE_IMAGE}} expected, got {froms}"
+    default = args(dockerfile)["BASE_IMAGE"]
+    match = _BY_DIGEST.match(default)
+    assert match, f"{dockerfile}: BASE_IMAGE={default} is not an image by digest"
+    # An override is checked too: a RUN after FROM stops the build when BASE_IMAGE has no digest.
+    after_from = ops[[op for op, _ in ops].index("FROM") + 1:]
+    assert ("ARG", "BASE_IMAGE") in after_from
+    assert any(op == "RUN" and re.search(r'case "\$\{BASE_IMAGE\}" in \*@sha256:\*\) ;;.*exit 1', a)
+               for op, a in after_from), f"{dockerfile}: no RUN refuses a BASE_IMAGE without a digest"
+    return match["reference"]
+
+
+def image_user(dockerfile: Path) -> str:
+    """The image's last USER, build-arg defaults filled in."""
+    return expand([a for op, a in instructions(dockerfile) if op == "USER"][-1], args(dockerfile))
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -387,12 +535,12 @@ def test_dockerfiles_pass_hadolint():
 
 
 def test_airflow_image_pins_agree_with_pyproject_and_the_constraints():
-    variables = args(AIRFLOW_DOCKERFILE)
-    base = expand(next(a for op, a in instructions(AIRFLOW_DOCKERFILE) if op == "FROM"), variables)
+    base = base_image(AIRFLOW_DOCKERFILE)
     declared = {a for op, a in instructions(AIRFLOW_DOCKERFILE) if op == "ARG" and a.startswith("AIRFLOW_VERSION=")}
     assert len(declared) == 1, f"AIRFLOW_VERSION is declared with different defaults: {declared}"
     installed = pins(AIRFLOW_DOCKERFILE)
     wanted, constraints = pyproject_requirements("orchestration"), constraint_pins("constraints-airflow.txt")
+    assert args(AIRFLOW_DOCKERFILE)["PYTHON_VERSION"] == "3.12"
     assert base == f"apache/airflow:{installed['apache-airflow']}-python3.12"
     for name in ("apache-airflow", "apache-airflow-providers-cncf-kubernetes", "apache-airflow-providers-amazon"):
         assert installed[name] == constraints[name], f"{name}: image {installed[name]}, constraints {constraints[name]}"
@@ -406,7 +554,7 @@ def test_airflow_image_pins_agree_with_pyproject_and_the_constraints():
 def test_training_image_pins_agree_with_pyproject_and_the_constraints():
     variables = args(TRAINING_DOCKERFILE)
     wanted, constraints = pyproject_requirements("training"), constraint_pins("constraints.txt")
-    base = expand(next(a for op, a in instructions(TRAINING_DOCKERFILE) if op == "FROM"), variables)
+    base = base_image(TRAINING_DOCKERFILE)
     repository, _, tag = base.rpartition(":")
     assert repository == "nvcr.io/nvidia/pytorch" and re.fullmatch(r"\d\d\.\d\d-py3", tag), base
     # torch comes from the base (its CUDA build); it must be the series the CPU tests run.
@@ -423,6 +571,51 @@ def test_training_image_pins_agree_with_pyproject_and_the_constraints():
     assert (nvrx.major, nvrx.minor) == (0, 7) and wanted["nvidia-resiliency-ext"].specifier.contains(str(nvrx))
     assert Version(constraints["nvidia-resiliency-ext"]) <= nvrx
     assert installed["crc32c"] == constraints["crc32c"] and wanted["crc32c"].specifier.contains(installed["crc32c"])
+
+
+def test_training_image_checks_the_efa_installer_against_a_required_sha256():
+    ops = instructions(TRAINING_DOCKERFILE)
+    assert not [a for op, a in ops if op == "ADD"], "downloads go through a RUN that checks them"
+    declared = [a for op, a in ops if op == "ARG"]
+    assert "EFA_INSTALLER_SHA256" in declared, "the checksum is a build arg without a default"
+    run = next(a for op, a in ops if op == "RUN" and "efa-installer.amazonaws.com" in a)
+    download, check, unpack = (run.index(k) for k in ("urlretrieve", "sha256sum --check", "tar -xzf"))
+    assert download < check < unpack, "checked after the download, before anything in it is unpacked or run"
+    # ${VAR:?...}: the shell stops the build with the message when the build arg is empty.
+    assert re.search(r"\$\{EFA_INSTALLER_SHA256:\?[^}]*README", run)
+
+
+def test_airflow_image_installs_under_airflows_constraints_file():
+    variables = args(AIRFLOW_DOCKERFILE)
+    url = expand(variables["AIRFLOW_CONSTRAINTS_URL"], variables)
+    assert url == ("https://raw.githubusercontent.com/apache/airflow/constraints-"
+                   f"{variables['AIRFLOW_VERSION']}/constraints-{variables['PYTHON_VERSION']}.txt")
+    run = next(a for op, a in instructions(AIRFLOW_DOCKERFILE) if op == "RUN" and "pip install" in a)
+    assert "--constraint /tmp/constraints.txt" in run and "${AIRFLOW_CONSTRAINTS_URL}" in run
+    # Only the packages the image pins itself are dropped from Airflow's constraints.
+    dropped = set(re.search(r"grep -v -E '\^\(([^)]*)\)=='", run).group(1).split("|"))
+    assert dropped == set(pins(AIRFLOW_DOCKERFILE)) - {"apache-airflow"}
+
+
+def test_the_checkov_exceptions_each_name_a_check_resources_and_a_reason():
+    from deploy.scan import load_exceptions
+
+    exceptions = load_exceptions()
+    assert exceptions, "an empty list: delete the file, or say what checkov accepts"
+    for exception in exceptions:
+        assert re.fullmatch(r"CKV2?_[A-Z0-9]+_\d+", exception.check), exception.check
+        assert len(exception.reason.split()) >= 8, f"{exception.check}: say why, not just that"
+        assert "*" != "".join(exception.resources), f"{exception.check}: name the resources it applies to"
+    assert len({(e.check, e.resources) for e in exceptions}) == len(exceptions)
+    # The scan runs in make lint-deploy, which make test runs.
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^test:.*\blint-deploy\b", makefile, re.M)
+    assert "deploy/scan.py" in makefile and "requirements/checkov.txt" in makefile
+    # checkov and every package it pulls in are pinned exactly, so CI scans with the same rules.
+    pins = [line for line in (REPO / "requirements" / "checkov.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\],]+==[\w.+!-]+", line) for line in pins), pins
+    assert any(re.fullmatch(r"checkov==[\d.]+", line) for line in pins)
 
 
 def test_airflow_image_copies_only_the_control_plane_and_installs_no_torch():
@@ -501,11 +694,10 @@ print(json.dumps(result))
 
 def test_training_image_runs_training_launch_from_its_workdir(tmp_path):
     ops = instructions(TRAINING_DOCKERFILE)
-    variables = args(TRAINING_DOCKERFILE)
     assert not [a for op, a in ops if op == "HEALTHCHECK"]
     # The base's entrypoint is reset, and nothing else may wrap the Job's command.
     assert [a for op, a in ops if op == "ENTRYPOINT"] == ["[]"]
-    user = expand([a for op, a in ops if op == "USER"][-1], variables)
+    user = image_user(TRAINING_DOCKERFILE)
     assert re.fullmatch(r"\d+:\d+", user) and int(user.split(":")[0]) != 0, f"USER {user} is not a non-root uid"
     workdir = [a for op, a in ops if op == "WORKDIR"][-1]
     copies = [a.split() for op, a in ops if op == "COPY"]
