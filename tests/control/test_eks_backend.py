@@ -657,3 +657,19 @@ def test_without_ipc_lock_the_pods_pass_pod_security_restricted(cluster, tmp_pat
     backend = backend_for(tmp_path, pod={"efa_ipc_lock": False})
     handle = backend.submit(run_config(tmp_path, run_id="no-ipc-lock", nodes=1), "0")
     assert [p["status"]["phase"] for p in cluster.pods(NS, handle.job_name)] == ["Running"]
+
+
+def test_a_cluster_without_the_kits_service_account_or_claim_is_refused_before_any_job(cluster, tmp_path):
+    """The pods name a ServiceAccount and the FSx claim: without them the Job controller would
+    retry pod creation forever (or the pods stay Pending) until the stall timeout, so submit checks
+    them first and says what to apply."""
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+    cfg = run_config(tmp_path)
+    for pod in ({"fsx_claim": "fsx-elsewhere"}, {"service_account": "someone-else"}):
+        backend = backend_for(tmp_path, pod=pod)
+        with pytest.raises(BackendError, match="apply the deploy kit") as refused:
+            backend.submit(cfg, "0")
+        assert next(iter(pod.values())) in str(refused.value)
+        assert launch_objects(cluster, tmp_path) == {"jobs": [], "services": [], "networkpolicies": []}
+    assert backend_for(tmp_path).submit(cfg, "0").job_name  # with the kit's names it launches

@@ -491,6 +491,7 @@ class EksBackend(TrainingBackend):
                             f"run {cfg.run_id} needs {cfg.nodes} healthy node(s) in the pool {self.pool_selector}; "
                             f"{capacity.healthy} of {capacity.total} are (out of service: {capacity.quarantined}). "
                             "Wait for replacements to join, or scale the node group up")
+                self._check_references(kube)
                 existing = kube.create_job(job)  # suspended: no pod starts yet
             elif (existing["metadata"].get("labels") or {}).get(LABEL_RUN) != cfg.run_id:
                 raise JobConflictError(f"job {job_name} exists but belongs to run "
@@ -520,6 +521,24 @@ class EksBackend(TrainingBackend):
             raise BackendError(f"image {image!r} is not under the image allowlist {allowlist}: use an image from "
                                "one of those registries/repositories, or add its repository to "
                                "FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) where Airflow runs")
+
+    def _check_references(self, kube: "_Kube") -> None:
+        """The objects the pods name must exist, or the Job controller retries pod creation forever
+        (a missing ServiceAccount: FailedCreate events) or the pods stay Pending (a missing claim),
+        and the launch only fails at its stall timeout. Checked before the Job is created, so the
+        error comes at once and says what to apply. (A ``priority_class`` is the user's own
+        setting and not checked: that would need a cluster-wide grant.)"""
+        s = self.settings
+        missing = []
+        if kube.get_service_account(s.service_account) is None:
+            missing.append(f"ServiceAccount {s.service_account}")
+        if kube.get_claim(s.fsx_claim) is None:
+            missing.append(f"PersistentVolumeClaim {s.fsx_claim} (the FSx for Lustre volume)")
+        if missing:
+            raise BackendError(f"the training pods need {', '.join(missing)} in namespace {self.namespace}, which "
+                               "the cluster lacks: apply the deploy kit (kubectl apply -k deploy/overlays/<yours>, "
+                               "README 'Deploy on EKS'), or set FSDP_EKS_POD's service_account / fsx_claim / "
+                               "priority_class to objects that exist")
 
     def _check_no_other_launch(self, kube: "_Kube", run_id: str, job_name: str) -> None:
         for other in kube.list_jobs(f"{LABEL_RUN}={run_id},{LABEL_COMPONENT}={COMPONENT_TRAINING}"):
@@ -893,6 +912,15 @@ class _Kube:
         name = body["metadata"]["name"]
         return self.get_service(name) or self._create(f"create service {name}", self.core.create_namespaced_service,
                                                       body, self.get_service)
+
+    # serviceaccounts, persistentvolumeclaims: get
+    def get_service_account(self, name: str) -> dict[str, Any] | None:
+        return self._or_none(f"read service account {name}", self.core.read_namespaced_service_account, name,
+                             self.namespace)
+
+    def get_claim(self, name: str) -> dict[str, Any] | None:
+        return self._or_none(f"read persistent volume claim {name}",
+                             self.core.read_namespaced_persistent_volume_claim, name, self.namespace)
 
     # networkpolicies.networking.k8s.io: get, create
     def get_network_policy(self, name: str) -> dict[str, Any] | None:
