@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import os
 import pickle
 import shutil
 import signal
-import socket
 import statistics
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,8 +22,8 @@ from typing import Any
 import psutil
 import pytest
 import torch
-import torch.multiprocessing as mp
 from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+from shared import run_on_two_ranks
 
 from training.checkpoint import (
     _BUCKETS_IN_WRITER,
@@ -105,12 +102,6 @@ def test_load_latest_with_nothing_committed(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _build_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
@@ -154,17 +145,8 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _scenario(rank: int, port: int, tmp: str) -> None:
-    """Everything one rank does; results go to <tmp>/rank<r>.json (errors to rank<r>.error)."""
-    try:
-        results = _run_scenario(rank, port, Path(tmp))
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
-    except BaseException:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-
-
 def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
+    """Everything one rank does, phase by phase; returns what each phase saw."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -367,25 +349,7 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("ckpt")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    began = time.monotonic()
-    procs = [ctx.Process(target=_scenario, args=(r, port, str(tmp))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=max(1.0, 240 - (time.monotonic() - began)))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = "\n".join(f.read_text() for f in sorted(tmp.glob("rank*.error")))
-    assert all(p.exitcode == 0 for p in procs), f"ranks exited {[p.exitcode for p in procs]}:\n{errors}"
-    out = {"tmp": tmp, "wall_s": time.monotonic() - began}
-    for r in range(2):
-        out[r] = json.loads((tmp / f"rank{r}.json").read_text())
-    print(f"\n[checkpoint scenario] 2 ranks, {out['wall_s']:.1f}s")
-    return out
+    return {"tmp": tmp, **run_on_two_ranks(_run_scenario, tmp, timeout_s=240)}
 
 
 @pytest.mark.slow

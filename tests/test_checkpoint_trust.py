@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,8 @@ import psutil
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_checkpoint import _flat, _free_port, _mismatches, _running
+from shared import run_on_two_ranks
+from test_checkpoint import _flat, _mismatches, _running
 
 from training.checkpoint import (
     CheckpointMismatchError,
@@ -145,16 +145,8 @@ def _region(step_dir: Path, fqn_prefix: str, file_name: str) -> tuple[str, int]:
     raise AssertionError(f"no {fqn_prefix}* item in {file_name}")
 
 
-def _scenario(rank: int, port: int, tmp: str) -> None:
-    try:
-        results = _run_scenario(rank, port, Path(tmp))
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
-    except BaseException:
-        Path(tmp, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-
-
 def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
+    """Everything one rank does, phase by phase; returns what each phase saw."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -358,25 +350,7 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("trust")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    began = time.monotonic()
-    procs = [ctx.Process(target=_scenario, args=(r, port, str(tmp))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=max(1.0, 420 - (time.monotonic() - began)))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = "\n".join(f.read_text() for f in sorted(tmp.glob("rank*.error")))
-    assert all(p.exitcode == 0 for p in procs), f"ranks exited {[p.exitcode for p in procs]}:\n{errors}"
-    out = {"tmp": tmp, "layout": RunDir(tmp / "run")}
-    for r in range(2):
-        out[r] = json.loads((tmp / f"rank{r}.json").read_text())
-    print(f"\n[trust scenario] 2 ranks, {time.monotonic() - began:.1f}s")
-    return out
+    return {"tmp": tmp, "layout": RunDir(tmp / "run"), **run_on_two_ranks(_run_scenario, tmp, timeout_s=420)}
 
 
 def _quarantined(scenario) -> dict[int, dict]:

@@ -2,6 +2,10 @@
 
 Every test runs `python -m training.launch` as a pod would, and judges it by its exit code, the
 run dir and events.jsonl, as the control plane does. No mocks.
+
+The clean and the faulty run train the dropout preset: their randomness then includes dropout
+masks, so their bitwise equal losses and weights also show that each rank saves and restores its
+own RNG state. The faulty run meets a fault in every layer, each checked by a test of its own.
 """
 
 from __future__ import annotations
@@ -10,24 +14,47 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import REPO, launch, run_training, write_config
-from training.contract import CheckpointCatalog, ExitCode, final_status, read_events, read_stop
+from conftest import REPO, Run, checkpoint_tensors, free_port, launch, run_config, run_training, write_config
+from training.contract import (
+    CheckpointCatalog,
+    ExitCode,
+    RunConfig,
+    final_status,
+    read_events,
+    read_stop,
+    verify_checkpoint,
+)
 
 pytestmark = pytest.mark.slow
 
 STEPS = 12
+MODEL = "tiny-dropout"
 
 
 @pytest.fixture(scope="module")
-def clean_run(tmp_path_factory, dataset):
-    return run_training(tmp_path_factory.mktemp("clean"), dataset, "clean", steps=STEPS)
+def clean_run(tmp_path_factory, dataset) -> Run:
+    return run_training(tmp_path_factory.mktemp("clean"), dataset, "clean", model=MODEL, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def faulty_run(tmp_path_factory, dataset) -> Run:
+    """One fault per restart layer, a checkpoint writer that dies mid-save, and, in the second
+    launcher round, one that freezes mid-save."""
+    return run_training(tmp_path_factory.mktemp("faulty"), dataset, "faulty", model=MODEL, steps=STEPS, faults=[
+        {"kind": "exception", "step": 4, "rank": 1},         # in-process
+        {"kind": "checkpoint_crash", "step": 6, "rank": 0},  # writer dies mid-save: torn, in-process
+        {"kind": "sigkill", "step": 8, "rank": 1},           # in-job
+        {"kind": "writer_hang", "step": 9, "rank": 0, "attempt": 1},  # writer SIGSTOPped: replaced, in-process
+    ])
 
 
 def train_begins(run, rank):
@@ -49,15 +76,22 @@ def test_clean_run_trains_commits_and_succeeds(clean_run):
     assert {r["step"] for r in run.of("checkpoint_commit")} == {3, 6, 9, 12}
 
 
-def test_faults_in_every_layer_recover_with_bitwise_identical_losses(clean_run, tmp_path, dataset):
-    run = run_training(tmp_path, dataset, "faulty", steps=STEPS, faults=[
-        {"kind": "exception", "step": 4, "rank": 1},         # in-process
-        {"kind": "checkpoint_crash", "step": 6, "rank": 0},  # writer dies mid-save: torn, in-process
-        {"kind": "sigkill", "step": 8, "rank": 1},           # in-job
-    ])
+def final_model(cfg: RunConfig, tmp_path: Path) -> dict[str, torch.Tensor]:
+    final = CheckpointCatalog(cfg.run_dir).latest()
+    assert final is not None and final.step == cfg.steps
+    return {k: t for k, t in checkpoint_tensors(final.path, tmp_path / f"{cfg.run_id}-final.pt").items()
+            if k.startswith(("model.", "optim."))}
+
+
+def test_faults_in_every_layer_recover_bitwise_identical(clean_run, faulty_run, tmp_path):
+    run = faulty_run
     assert run.rc == ExitCode.SUCCESS, run.output[-3000:]
-    # Resuming from checkpoints replays exactly: the same loss at every step, bit for bit.
+    # Resuming from checkpoints replays exactly: the same loss at every step, bit for bit, and
+    # the same final weights and optimizer state.
     assert run.losses() == clean_run.losses()
+    a, b = final_model(clean_run.cfg, tmp_path), final_model(run.cfg, tmp_path)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+        [k for k in a if not torch.equal(a[k], b[k])][:5]
 
     # exception -> in-process: rank 1 re-entered training in the same process
     rank1 = train_begins(run, 1)
@@ -65,18 +99,69 @@ def test_faults_in_every_layer_recover_with_bitwise_identical_losses(clean_run, 
     # sigkill -> in-job: ft_launcher started new processes (attempt 1)
     assert rank1[-1]["attempt"] == 1 and rank1[-1]["pid"] != rank1[0]["pid"]
     layers = [r["layer"] for r in run.of("restart_end")]
-    assert layers.count("inprocess") == 2 and layers.count("injob") == 1, run.of("restart_end")
+    assert layers.count("inprocess") == 3 and layers.count("injob") == 1, run.of("restart_end")
     assert all(r["latency_s"] > 0 for r in run.of("restart_end"))
 
     # the writer crash: detected (not a hang), its torn save skipped, training resumed from the
     # newest committed checkpoint before it, and the step saved again later
     # (the drill kills the writer right after save(6) returns; the next poll, at step 7, finds it
     # on every rank at once, so no rank waits in a collective for a peer that will never come)
-    assert {r["step"] for r in run.of("fault_detected") if r["kind"] == "CheckpointWriterError"} == {7}
+    assert {r["step"] for r in run.of("fault_detected")
+            if r["kind"] == "CheckpointWriterError" and r["attempt"] == 0} == {7}
     after_crash = [r for r in train_begins(run, 0) if r["iteration"] == 2][0]
     assert after_crash["resumed_from"] == "step_00000003"
     assert "step_00000006" in {r["checkpoint_id"] for r in run.of("checkpoint_skip")}
     assert [c.step for c in CheckpointCatalog(run.cfg.run_dir).committed()] == [6, 9, 12]
+
+
+def test_a_frozen_checkpoint_writer_is_replaced(faulty_run):
+    run = faulty_run
+    assert run.rc == ExitCode.SUCCESS, run.output[-3000:]
+    assert [r["kind"] for r in run.of("fault_injected") if r["kind"] == "writer_hang"] == ["writer_hang"]
+    # The checkpointer gave up on the frozen writer within its stall bound: killed and replaced
+    # it, and failed the save it held (left uncommitted) on every rank at once.
+    stalled = [r for r in run.of("fault_detected") if r["kind"] == "CheckpointWriterError" and r["attempt"] == 1]
+    assert {r["rank"] for r in stalled} == {0, 1}, stalled
+    mine = next(r for r in stalled if r["rank"] == 0)
+    assert "made no progress" in mine["error"] and "killed and replaced" in mine["error"], mine
+    assert "step_00000009 is left uncommitted" in mine["error"]
+    # One in-process restart for it (and one for the crashed writer before), from the newest
+    # commit before it; no layer waited on it twice
+    over_writer = [r for r in run.of("restart_begin") if "CheckpointWriterError" in r["reason"]]
+    assert [r["layer"] for r in over_writer] == ["inprocess", "inprocess"], run.of("restart_begin")
+    after = [r for r in run.of("train_begin") if r["ts"] > mine["ts"]]
+    assert {r["resumed_from"] for r in after} == {"step_00000006"}
+    # step 9 saved again, by a fresh writer; what is committed verifies
+    assert [c.step for c in CheckpointCatalog(run.cfg.run_dir).committed()] == [6, 9, 12]
+    for c in CheckpointCatalog(run.cfg.run_dir).committed():
+        assert verify_checkpoint(c.path) is None, c.checkpoint_id
+
+
+def test_each_rank_saves_and_restores_its_own_rng_state(faulty_run, tmp_path):
+    ckpt = CheckpointCatalog(faulty_run.cfg.run_dir).latest().path
+    rng = {k: t for k, t in checkpoint_tensors(ckpt, tmp_path / "rng.pt").items() if k.startswith("trainer.rng.")}
+    assert sorted(rng) == ["trainer.rng.rank_00000.cpu", "trainer.rng.rank_00001.cpu"], sorted(rng)
+    assert not torch.equal(rng["trainer.rng.rank_00000.cpu"], rng["trainer.rng.rank_00001.cpu"])
+    begins = faulty_run.of("train_begin")
+    assert {r["rng"] for r in begins if r["resumed_from"] is None} == {"seeded"}
+    resumed = [r for r in begins if r["resumed_from"] is not None]
+    assert {r["rng"] for r in resumed} == {"restored"}
+    # the in-process restarts after the writer crash and the in-job restart's new processes
+    # resumed (the first in-process restart did too when step 3 was committed before the fault:
+    # that depends on how fast the writers were)
+    assert {(r["iteration"], r["attempt"]) for r in resumed} >= {(2, 0), (0, 1)}, resumed
+
+
+def test_a_resume_on_another_world_size_reseeds_every_rank(faulty_run, tmp_path):
+    """No saved RNG state belongs to a rank of another world size: each re-seeds
+    deterministically, and training goes on."""
+    run_dir = tmp_path / faulty_run.cfg.run_id
+    shutil.copytree(faulty_run.cfg.run_dir, run_dir, symlinks=True)
+    narrower = run_config(tmp_path, faulty_run.cfg.replace(run_dir=str(run_dir), procs_per_node=1,
+                                                           steps=STEPS + 2, faults=(), rdzv_port=free_port()))
+    assert narrower.rc == ExitCode.SUCCESS, narrower.output[-3000:]
+    last = [r for r in narrower.last_launch() if r["event"] == "train_begin"]
+    assert [(r["resumed_from"], r["rng"], r["world_size"]) for r in last] == [("step_00000012", "reseeded", 1)]
 
 
 def wait_for_lock_free(path, timeout):

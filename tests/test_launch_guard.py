@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launch, write_config
+from conftest import REPO, launch, launch_processes, wait_until_no_process_of, write_config
 from training.contract import (
     CheckpointCatalog,
     Event,
@@ -32,43 +32,9 @@ from training.contract import (
     read_events,
     verify_checkpoint,
 )
-from training.faults import LAUNCH_PID_ENV, descendants
+from training.faults import descendants
 
 # -------------------------------------------------------------------------------- helpers
-
-
-def launch_processes(launch_pid: int) -> list[tuple[int, str]]:
-    """Every live process of the launch started by training.launch ``launch_pid``, found by the
-    mark it gives them all (TRAINING_LAUNCH_PID in their environment, inherited by ranks, NVRx's
-    helpers and daemons, whatever session or parent they end up with), with its command line."""
-    mark = f"{LAUNCH_PID_ENV}={launch_pid}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    continue  # exited; only its parent's bookkeeping is left
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        found.append((int(entry), cmdline))
-    return found
-
-
-def wait_until_no_process_of(launch_pid: int, timeout: float = 120) -> list[tuple[int, str]]:
-    """Wait (bounded) until no process of the launch is left; returns what is left at the end."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = launch_processes(launch_pid)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.5)
 
 
 def wait_for_event(cfg, predicate, proc: subprocess.Popen, timeout: float = 300) -> dict:
@@ -132,35 +98,62 @@ def one_line(stderr: str) -> str:
     return lines[0]
 
 
-# -------------------------------------------------------------------------------- one launch per run per node
+# -------------------------------------------------------------------------------- one launch, in phases
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, dataset) -> dict:
+    """One launch, in phases (starting a launch is what costs time; each test checks a phase):
+
+    1. the run dir holds a storage stop from an earlier launch, and takes writes again: the
+       launcher clears the stop and trains;
+    2. while it trains, a second launcher of the run is refused, and the first trains on;
+    3. the first launcher is SIGKILLed: every process of the launch goes with it."""
+    tmp = tmp_path_factory.mktemp("guarded")
+    cfg = write_config(tmp, dataset, "guarded", steps=400)
+    cfg_path = tmp / "guarded.json"
+    cfg.layout.create()
+    assert declare_stop(cfg.layout, FailureClass.STORAGE_ERROR, rank=1, step=9, error="[Errno 28] No space left")
+    proc = launch(cfg, cfg_path)
+    seen = {"cfg": cfg, "pid": proc.pid}
+    try:
+        wait_for_event(cfg, lambda r: r["event"] == "step" and r["step"] >= 2, proc)
+        seen["second"] = run_launch(cfg_path)
+        refused_at = time.time()
+        wait_for_event(cfg, lambda r: r["event"] == "step" and r["ts"] > refused_at, proc)
+
+        seen["tree"] = [(pid, start_time(pid)) for pid in descendants(proc.pid)]
+        seen["marked"] = launch_processes(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        seen["rc"] = proc.wait(timeout=60)
+        seen["left"] = wait_until_no_process_of(proc.pid)
+    finally:
+        proc.kill()
+        end_leftovers(proc.pid)
+    return seen
 
 
 @pytest.mark.slow
-def test_a_second_launcher_of_the_run_is_refused_at_once_and_changes_nothing(tmp_path, dataset):
-    cfg = write_config(tmp_path, dataset, "twice", steps=12)
-    cfg_path = tmp_path / "twice.json"
-    first = launch(cfg, cfg_path)
-    try:
-        wait_for_event(cfg, lambda r: r["event"] == "step", first)  # training under the first launcher
+def test_a_storage_stop_is_cleared_once_the_run_dir_takes_writes_again(guarded):
+    layout = guarded["cfg"].layout
+    assert not layout.stop_marker.exists()
+    assert [json.loads(p.read_text())["failure_class"] for p in layout.control.glob("STOP.cleared.*.json")] \
+        == ["storage_error"]
+    assert {r["rank"] for r in read_events(layout.events, Event.TRAIN_BEGIN)} == {0, 1}
 
-        second = run_launch(cfg_path)
-        assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
-        line = one_line(second.stderr)
-        lock = cfg.layout.launch_lock(0)
-        assert str(lock) in line and f"pid {first.pid}" in line, line
-        assert second.stdout == ""
 
-        rc = first.wait(timeout=300)
-    finally:
-        first.kill()
-        end_leftovers(first.pid)
-    log = (tmp_path / "twice.node0.log").read_text()
-    assert rc == ExitCode.SUCCESS, log[-3000:]
+@pytest.mark.slow
+def test_a_second_launcher_of_the_run_is_refused_at_once_and_changes_nothing(guarded):
+    cfg, first = guarded["cfg"], guarded["pid"]
+    second = guarded["second"]
+    assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
+    line = one_line(second.stderr)
+    assert str(cfg.layout.launch_lock(0)) in line and f"pid {first}" in line, line
+    assert second.stdout == ""
+    # The refused launcher wrote nothing (one launch_begin, from the first; no final: the first
+    # was SIGKILLed), and the first trained on (the fixture waited for a step after the refusal).
     events = read_events(cfg.layout.events)
-    # The refused launcher wrote nothing: one launch_begin, one final, all from the first.
-    assert [r["pid"] for r in events if r["event"] in ("launch_begin", "final")] == [first.pid, first.pid]
-    assert final_status(cfg.run_dir)["failure_class"] == "success"
-    assert wait_until_no_process_of(first.pid) == []
+    assert [r["pid"] for r in events if r["event"] in ("launch_begin", "final")] == [first]
 
 
 def test_dry_run_takes_no_lock(tmp_path, dataset):
@@ -229,41 +222,17 @@ def test_a_declared_stop_ends_the_launch_with_its_class_and_no_relaunch_trains(t
     assert "not launching again" in final_status(cfg.run_dir)["message"]
 
 
-@pytest.mark.slow
-def test_a_storage_stop_is_cleared_once_the_run_dir_takes_writes_again(tmp_path, dataset):
-    cfg = write_config(tmp_path, dataset, "freed", steps=3)
-    cfg.layout.create()
-    assert declare_stop(cfg.layout, FailureClass.STORAGE_ERROR, rank=1, step=9, error="[Errno 28] No space left")
-    out = run_launch(tmp_path / "freed.json", timeout=300)
-    assert out.returncode == ExitCode.SUCCESS, out.stdout[-3000:] + out.stderr[-3000:]
-    assert not cfg.layout.stop_marker.exists()
-    assert [json.loads(p.read_text())["failure_class"] for p in cfg.layout.control.glob("STOP.cleared.*.json")] \
-        == ["storage_error"]
-    assert final_status(cfg.run_dir)["failure_class"] == "success"
-
-
 # -------------------------------------------------------------------------------- no orphans
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_launcher_takes_every_process_of_the_launch_with_it(tmp_path, dataset):
-    cfg = write_config(tmp_path, dataset, "orphans", steps=400)
-    cfg_path = tmp_path / "orphans.json"
-    proc = launch(cfg, cfg_path)
-    try:
-        wait_for_event(cfg, lambda r: r["event"] == "step" and r["step"] >= 2, proc)
-        tree = [(pid, start_time(pid)) for pid in descendants(proc.pid)]
-        marked = launch_processes(proc.pid)
-        ranks = [pid for pid, cmd in marked if "training.train" in cmd]
-        assert len(ranks) >= 2, marked  # ranks, their writers and NVRx's helpers among them
-        assert set(ranks) <= {pid for pid, _ in tree}
-
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=60) == -signal.SIGKILL
-        left = wait_until_no_process_of(proc.pid)
-    finally:
-        proc.kill()
-        end_leftovers(proc.pid)
+def test_sigkill_of_the_launcher_takes_every_process_of_the_launch_with_it(guarded):
+    cfg, marked, tree = guarded["cfg"], guarded["marked"], guarded["tree"]
+    ranks = [pid for pid, cmd in marked if "training.train" in cmd]
+    assert len(ranks) >= 2, marked  # ranks, their writers and NVRx's helpers among them
+    assert set(ranks) <= {pid for pid, _ in tree}
+    assert guarded["rc"] == -signal.SIGKILL
+    left = guarded["left"]
     assert left == [], "left running after training.launch was SIGKILLed:\n" + "\n".join(f"{p} {c}" for p, c in left)
     assert not [pid for pid, started in tree if start_time(pid) == started], "a process of the tree lives on"
     # ... and the launch lock went with them: the run can be launched again.

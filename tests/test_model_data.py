@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # so `pytest` works without installing the package
     sys.path.insert(0, str(ROOT))
 
+from shared import free_port  # noqa: E402
 from training.data import BatchSampler, DatasetError, TokenShards, validation_batches  # noqa: E402
 from training.model import GPT, PRESETS, build_model, cross_entropy_loss, param_count  # noqa: E402
 from training.parallelize import Precision, backend_for, choose_device  # noqa: E402
@@ -361,12 +361,7 @@ def _fsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_di
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.one_lane  # torch's FSDP2 alone: no NVRx, no code of training/ that restarts or checkpoints
 def test_fsdp2_two_ranks_gloo_trains_and_inits_like_one_rank(dataset, tmp_path):
     import torch.multiprocessing as mp
 
@@ -429,6 +424,7 @@ def _hsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_di
 
 
 @pytest.mark.slow
+@pytest.mark.one_lane  # torch's FSDP2 and DCP alone: no NVRx, no code of training/ that restarts or checkpoints
 def test_hsdp_over_two_nodes_trains_like_fsdp_and_its_checkpoint_reshards(dataset, tmp_path):
     """Multi-node runs shard within a node and replicate across nodes (HSDP): the same maths as
     FSDP over every rank, and its checkpoint loads into any other mesh."""

@@ -23,7 +23,9 @@
 # - Environment that belongs to this lane only, not to product code:
 #   - USE_LIBUV=0, because Debian's torch is built without libuv;
 #   - NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1, because local multi-node tests start several
-#     ft_launchers on one host.
+#     ft_launchers on one host;
+#   - TRAINING_TESTS_LANE=nvrx07, so tests marked one_lane (NVRx-independent: they would only
+#     repeat the .venv lane's run on Debian's torch) are skipped here.
 # shellcheck disable=SC2329  # unmount_all, end_leftovers and cleanup run from traps
 set -euo pipefail
 
@@ -134,7 +136,7 @@ inside() {
             PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             VIRTUAL_ENV=/opt/venv
             PYTHONDONTWRITEBYTECODE=1                # no Python 3.14 bytecode left in the repo
-            USE_LIBUV=0 NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1)
+            USE_LIBUV=0 NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1 TRAINING_TESTS_LANE=nvrx07)
         if [ -n "${PYTEST_ADDOPTS:-}" ]; then env+=("PYTEST_ADDOPTS=$PYTEST_ADDOPTS"); fi
         # One line with what this lane runs, then the tests. With no paths in ARGS, pytest takes
         # testpaths (tests) from pyproject.toml.
