@@ -722,11 +722,10 @@ def _owner_reference(owner: Any, job_name: str) -> dict[str, Any]:
             "controller": True, "blockOwnerDeletion": False}
 
 
-def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
-                       owner: dict[str, Any] | None = None, airflow_run_id: str | None = None) -> dict[str, Any]:
-    """The headless Service named like the launch's Job: it gives pod ``<job>-0`` the DNS name
-    ``rendezvous_host(job, namespace)``. With ``owner`` (the created Job), deleting the Job
-    (or its TTL expiring) deletes the Service too."""
+def _launch_object_metadata(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings,
+                            owner: dict[str, Any] | None, airflow_run_id: str | None) -> tuple[str, dict[str, Any]]:
+    """The name (the Job's) and metadata of an object that belongs to one launch's Job; with
+    ``owner`` (the created Job), owned by it, so it goes when the Job goes."""
     settings.validate()
     _check_ids(launch_id, airflow_run_id)
     name = job_name_for(cfg.run_id, launch_id)
@@ -734,6 +733,15 @@ def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSett
                          _annotations(launch_id, airflow_run_id))
     if owner is not None:
         metadata["ownerReferences"] = [_owner_reference(owner, name)]
+    return name, metadata
+
+
+def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
+                       owner: dict[str, Any] | None = None, airflow_run_id: str | None = None) -> dict[str, Any]:
+    """The headless Service named like the launch's Job: it gives pod ``<job>-0`` the DNS name
+    ``rendezvous_host(job, namespace)``. With ``owner`` (the created Job), deleting the Job
+    (or its TTL expiring) deletes the Service too."""
+    name, metadata = _launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -758,13 +766,7 @@ def rendezvous_network_policy(cfg: RunConfig, launch_id: str, settings: PodTempl
     launches of the same run, are refused (the kit also denies all other ingress to the training
     namespace). EFA traffic is OS-bypass and never meets the CNI's policy. Egress is not limited
     (FSx, the registry, S3). With ``owner`` (the created Job), it goes with the Job."""
-    settings.validate()
-    _check_ids(launch_id, airflow_run_id)
-    name = job_name_for(cfg.run_id, launch_id)
-    metadata = _metadata(name, settings.namespace, _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id),
-                         _annotations(launch_id, airflow_run_id))
-    if owner is not None:
-        metadata["ownerReferences"] = [_owner_reference(owner, name)]
+    name, metadata = _launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
     launch_pods = {"matchLabels": {LABEL_JOB: name}}
     return {
         "apiVersion": "networking.k8s.io/v1",
