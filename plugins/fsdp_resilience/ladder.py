@@ -25,7 +25,7 @@ from typing import Any
 from training.contract import ConfigError, Event, EventLog, FailureClass, RunConfig
 
 from fsdp_resilience import settings
-from fsdp_resilience.backends import JobHandle, get_backend, what_to_do
+from fsdp_resilience.backends import BackendError, JobHandle, get_backend, what_to_do
 from fsdp_resilience.trusted_checkpoint import CheckpointChoice, choose_checkpoint
 
 #: The graph holds this many escalation rungs; the max_node_replacements param picks how many run.
@@ -74,27 +74,13 @@ def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
     except ValueError as e:  # FSDP_EKS_* settings that do not parse
         raise ConfigError(f"backend settings: {e}") from None
     if backend["name"] == "eks" and backend.get("image"):  # no image at all: submit says what to set
-        # Whoever can trigger the DAG must not bring an arbitrary image to the shared FSx: the image
-        # must be under FSDP_EKS_IMAGE_ALLOWLIST (the backend refuses it again at submit).
-        from fsdp_resilience.backends.eks_manifests import image_allowed
-
-        image, allowlist = backend["image"], backend.get("image_allowlist") or []
-        if not image_allowed(image, allowlist):
-            allowed = ", ".join(allowlist) or "nothing (FSDP_EKS_IMAGE_ALLOWLIST and FSDP_EKS_IMAGE are unset)"
-            raise ConfigError(f"image {image!r} is not allowed: images must come from {allowed} (whole path "
-                              "components; a valid reference with :tag and/or @sha256:digest). Use an image from "
-                              "there, or have an administrator add its registry/repository to "
-                              "FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) in Airflow's environment")
-        # What the backend would refuse at submit (pod settings, paths outside the FSx mount, more
-        # processes than GPUs per pod), refused now: the same builder, nothing is sent.
-        from fsdp_resilience.backends.eks_manifests import PodTemplateSettings, training_job
-
+        # What submit would refuse before calling the cluster (an image outside
+        # FSDP_EKS_IMAGE_ALLOWLIST, pod settings, paths outside the FSx mount, more processes than
+        # GPUs per pod), refused now: the backend's own check, nothing is sent.
         try:
-            pods = PodTemplateSettings.from_dict({**(backend.get("pod") or {}), "image": image,
-                                                  "namespace": backend["namespace"]})
-            training_job(cfg, "0", pods)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"the EKS pods of this run: {e}") from None
+            get_backend(**backend).check_launch(cfg)
+        except BackendError as e:
+            raise ConfigError(str(e)) from None
     return {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": max_replacements,
             "airflow_run_id": dag_run_id}
 

@@ -471,14 +471,7 @@ class EksBackend(TrainingBackend):
     def submit(self, cfg: RunConfig, launch_id: str, *, airflow_run_id: str | None = None) -> JobHandle:
         if not isinstance(launch_id, str) or not launch_id.strip() or len(launch_id) > 200:
             raise ValueError(f"launch_id={launch_id!r} must be a non-empty string of at most 200 characters")
-        if not self.image:
-            raise BackendError("the EKS backend needs a training image: set the DAG's `image` param or "
-                               "FSDP_EKS_IMAGE (see images/training/Dockerfile)")
-        self.check_image(self.image)
-        try:
-            job = training_job(cfg, launch_id, self.settings, airflow_run_id=airflow_run_id)
-        except ValueError as e:
-            raise BackendError(f"cannot launch run {cfg.run_id} on EKS: {e}") from e
+        job = self.check_launch(cfg, launch_id, airflow_run_id=airflow_run_id)
         job_name = job["metadata"]["name"]
         with self._kube() as kube:
             existing = kube.get_job(job_name)
@@ -508,9 +501,24 @@ class EksBackend(TrainingBackend):
                                    "this is fixed, retrying the launch task finishes the launch") from e
         return self._handle(cfg, launch_id, existing)
 
+    def check_launch(self, cfg: RunConfig, launch_id: str = "0", *,
+                     airflow_run_id: str | None = None) -> dict[str, Any]:
+        """The launch's Job, or BackendError for what would make submit refuse it before calling
+        the cluster: no image, an image outside the allowlist, pod settings or a run config the Job
+        cannot be built for (paths outside the FSx mount, more processes than GPUs per pod).
+        validate_config calls it too, so bad input fails before anything starts."""
+        if not self.image:
+            raise BackendError("the EKS backend needs a training image: set the DAG's `image` param or "
+                               "FSDP_EKS_IMAGE (see images/training/Dockerfile)")
+        self.check_image(self.image)
+        try:
+            return training_job(cfg, launch_id, self.settings, airflow_run_id=airflow_run_id)
+        except ValueError as e:
+            raise BackendError(f"cannot launch run {cfg.run_id} on EKS: {e}") from e
+
     def check_image(self, image: str) -> None:
-        """Refuse an image outside the allowlist (BackendError); the DAG checks the same in
-        validate_config, this is the second line."""
+        """Refuse an image outside the allowlist (BackendError): whoever can trigger the DAG must
+        not bring an arbitrary image to the shared FSx."""
         allowlist = self.image_allowlist
         if allowlist is None:
             try:
@@ -518,9 +526,12 @@ class EksBackend(TrainingBackend):
             except ValueError as e:
                 raise BackendError(f"the EKS backend's image: {e}") from None
         if not image_allowed(image, allowlist):
-            raise BackendError(f"image {image!r} is not under the image allowlist {allowlist}: use an image from "
-                               "one of those registries/repositories, or add its repository to "
-                               "FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) where Airflow runs")
+            allowed = ", ".join(allowlist) or "nothing (FSDP_EKS_IMAGE_ALLOWLIST and FSDP_EKS_IMAGE are unset)"
+            raise BackendError(f"image {image!r} is not allowed: images must come from {allowed} (whole path "
+                               "components; a valid reference with :tag and/or @sha256:digest). It is not under the "
+                               "image allowlist: use an image from there, or have an administrator add its "
+                               "registry/repository to FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) in "
+                               "Airflow's environment")
 
     def _check_references(self, kube: "_Kube") -> None:
         """The objects the pods name must exist, or the Job controller retries pod creation forever
