@@ -5,6 +5,13 @@
   FSDP_DATA_ROOT      staged datasets; default <runs root>/data
   FSDP_LOCAL_SLOTS    "nodes" of the local backend; default 4
   TRAINING_PYTHON     the training venv's python (local backend); default <repo>/.venv/bin/python
+  FSDP_SOURCE_ROOT    folders stage_dataset may read text from (local backend); default <runs root>/sources
+  FSDP_DEFAULT_BACKEND  the backend a DAG run uses when its `backend` param is empty: local (default)
+                      or eks (deploy/helm/airflow-values.yaml sets eks: the Airflow image has no
+                      training environment)
+  FSDP_QUARANTINE_COOLDOWN_S  unset or 0 (default): a quarantined node stays out of service until a
+                      person returns it; N > 0: the node_maintenance DAG returns nodes quarantined for
+                      longer than N seconds, recording why
 
 The EKS backend (``backend_config("eks")``; see README "Run on EKS"):
   FSDP_EKS_IMAGE                 the training image (the DAG's `image` param overrides it)
@@ -49,6 +56,48 @@ def runs_root() -> Path:
 
 def data_root() -> Path:
     return Path(os.environ.get("FSDP_DATA_ROOT", runs_root() / "data")).resolve()
+
+
+def source_root() -> Path:
+    return Path(os.environ.get("FSDP_SOURCE_ROOT", runs_root() / "sources")).resolve()
+
+
+#: The backends a DAG run may pick.
+BACKENDS = ("local", "eks")
+
+
+def default_backend() -> str:
+    """FSDP_DEFAULT_BACKEND: the backend of a DAG run whose `backend` param is empty."""
+    name = os.environ.get("FSDP_DEFAULT_BACKEND", "").strip() or "local"
+    if name not in BACKENDS:
+        raise ValueError(f"FSDP_DEFAULT_BACKEND={name!r} is not a backend; use one of {', '.join(BACKENDS)}")
+    return name
+
+
+def quarantine_cooldown_s() -> float:
+    """FSDP_QUARANTINE_COOLDOWN_S: after how long a quarantined node returns to service by itself
+    (0: never; the default)."""
+    text = os.environ.get("FSDP_QUARANTINE_COOLDOWN_S", "").strip() or "0"
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"FSDP_QUARANTINE_COOLDOWN_S={text!r} is not a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"FSDP_QUARANTINE_COOLDOWN_S={text!r} must be 0 (off) or a positive number of seconds")
+    return value
+
+
+def under_root(root: Path, *parts: str, what: str) -> Path:
+    """``root / parts``, resolved (symlinks followed), refused unless it stays inside ``root``:
+    a user's name for a dataset or run can never pick a path elsewhere, by ``..``, by an absolute
+    path, or by a symlink placed under the root. Raises ValueError naming ``what``."""
+    root = root.resolve()
+    path = root.joinpath(*parts)
+    resolved = path.resolve()
+    if root not in resolved.parents:
+        raise ValueError(f"{what} {'/'.join(parts)!r} resolves to {resolved}, outside its root {root}: "
+                         "give a name of a folder under the root (no '..', no absolute path, no symlink out)")
+    return resolved
 
 
 def training_python() -> str:
