@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import getpass
 import hashlib
 import importlib
 import math
+import os
 import re
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -261,6 +265,46 @@ class Capacity(_Serializable):
         return self.provisions_on_demand or self.healthy >= nodes
 
 
+@dataclass(frozen=True)
+class ServiceReturn(_Serializable):
+    """What ``return_nodes`` did: nodes back in service, nodes that were not quarantined (left as
+    they are), nodes that no longer exist (EKS: replaced by their Auto Scaling group or Karpenter;
+    nothing to return), and a line saying so."""
+
+    returned: list[str] = field(default_factory=list)
+    not_quarantined: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
+    message: str = ""
+
+
+def require_reason(reason: str | None) -> str:
+    """The reason a node returns to service, stripped; refused when empty, because the record is
+    what the next person to see the node relies on."""
+    text = reason.strip() if isinstance(reason, str) else ""
+    if not text:
+        raise BackendError(f"returning nodes to service needs a reason, got {reason!r}: say what was checked or "
+                           "fixed, e.g. --reason 'GPU reseated, dcgmi diag -r 3 passed'")
+    return text
+
+
+def current_operator() -> str:
+    """Who is returning nodes, for the record when the caller does not say: user@host."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container user with no passwd entry and no $USER
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
+
+
+def service_return_message(returned: list[str], not_quarantined: list[str], gone: list[str], reason: str) -> str:
+    parts = [f"returned to service: {returned} ({reason})"] if returned else []
+    if not_quarantined:
+        parts.append(f"not quarantined, left as they are: {not_quarantined}")
+    if gone:
+        parts.append(f"gone (no such node any more; replaced, nothing to return): {gone}")
+    return "; ".join(parts) or "nothing to return"
+
+
 # --------------------------------------------------------------------------------------------
 # The share rule for node replacement
 # --------------------------------------------------------------------------------------------
@@ -361,6 +405,56 @@ class TrainingBackend(abc.ABC):
     @abc.abstractmethod
     def capacity(self) -> Capacity:
         """The node pool now. Cheap: the DAG polls it while waiting for capacity."""
+
+    def check_launch(self, cfg: RunConfig) -> Any:
+        """Raise BackendError for what would make ``submit`` refuse ``cfg`` before anything starts
+        (a missing training environment, an image outside the allowlist, ...). validate_config
+        calls it, so bad input fails before anything expensive starts."""
+
+    def check_capacity(self, cfg: RunConfig) -> Capacity:
+        """Raise InsufficientCapacityError when the pool can never hold ``cfg`` as it is (more
+        nodes than it has); a pool that is only busy, or whose bad nodes are being replaced, is
+        waited for. Returns the capacity it saw."""
+        capacity = self.capacity()
+        if not capacity.provisions_on_demand and cfg.nodes > capacity.total:
+            raise InsufficientCapacityError(
+                f"run {cfg.run_id} needs {cfg.nodes} node(s) but the {self.name} backend's pool has {capacity.total}: "
+                "lower nodes, or grow the pool")
+        return capacity
+
+    # -- quarantine: the way back -----------------------------------------------------------------
+    def quarantined_nodes(self) -> list[dict[str, Any]]:
+        """The nodes ``replace_nodes`` took out of service that are still out: one dict each with
+        ``node_id``, ``reason``, ``since`` (epoch seconds, None when unknown) and what else the
+        platform knows (EKS: ``ready``, ``instance_id``). Oldest first."""
+        raise BackendError(f"the {self.name} backend keeps no quarantine it could list")
+
+    def return_nodes(self, node_ids: list[str], reason: str, *, by: str | None = None,
+                     quarantined_before: float | None = None) -> ServiceReturn:
+        """Return quarantined nodes to service, recording ``reason`` (required), who (``by``,
+        default user@host) and when. Only nodes this project quarantined are touched; with
+        ``quarantined_before``, only those quarantined before that time (epoch seconds)."""
+        raise BackendError(f"the {self.name} backend keeps no quarantine to return nodes from")
+
+    def return_to_service(self, node_ids: list[str], reason: str, *, by: str | None = None) -> list[str]:
+        """``return_nodes``; returns the nodes it changed."""
+        return self.return_nodes(node_ids, reason, by=by).returned
+
+    def return_expired(self, cooldown_s: float, now: float | None = None) -> list[str]:
+        """Return the nodes quarantined for longer than ``cooldown_s`` (FSDP_QUARANTINE_COOLDOWN_S),
+        with the reason "automatic return after cool-down of Ns". Returns those changed."""
+        if isinstance(cooldown_s, bool) or not isinstance(cooldown_s, (int, float)) or not cooldown_s > 0:
+            raise BackendError(f"cooldown_s={cooldown_s!r}: the cool-down must be a positive number of seconds "
+                               "(0 means automatic return is off)")
+        now = time.time() if now is None else float(now)
+        cutoff = now - cooldown_s
+        expired = [q["node_id"] for q in self.quarantined_nodes()
+                   if q.get("since") is not None and q["since"] <= cutoff]
+        if not expired:
+            return []
+        # quarantined_before: a node quarantined again since the list was read keeps its new quarantine.
+        return self.return_nodes(expired, f"automatic return after cool-down of {cooldown_s:g}s",
+                                 by="cool-down (FSDP_QUARANTINE_COOLDOWN_S)", quarantined_before=cutoff).returned
 
     @abc.abstractmethod
     def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,

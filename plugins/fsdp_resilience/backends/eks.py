@@ -66,9 +66,13 @@ from fsdp_resilience.backends.base import (
     JobStatus,
     NodeStatus,
     Replacement,
+    ServiceReturn,
     TrainingBackend,
+    current_operator,
     most_telling_failure,
     plan_replacement,
+    require_reason,
+    service_return_message,
     what_to_do,
 )
 from fsdp_resilience.backends.eks_manifests import (
@@ -98,6 +102,8 @@ REPLACEMENT_MODES = ("asg", "karpenter", "cordon")
 QUARANTINE_TAINT = "fsdp-resilience/quarantined"
 #: The full reason and time, on the node.
 QUARANTINE_ANNOTATION = "fsdp-resilience/quarantine-reason"
+#: On a node returned to service (return_nodes): when, by whom, why, and the quarantine it ended.
+RETURN_ANNOTATION = "fsdp-resilience/return-reason"
 #: On a Job the control plane stopped: the verdict (failure class, message) and its nodes.
 CANCEL_ANNOTATION = "fsdp-resilience/cancel"
 #: Auto Scaling groups whose instances the backend may terminate carry this tag = "true" (the
@@ -364,6 +370,25 @@ def node_problems(node: dict[str, Any]) -> list[str]:
 def out_of_service(node: dict[str, Any]) -> bool:
     spec = node.get("spec") or {}
     return bool(spec.get("unschedulable")) or any(t.get("key") == QUARANTINE_TAINT for t in spec.get("taints") or [])
+
+
+def quarantined_by_us(node: dict[str, Any]) -> bool:
+    """Whether this project quarantined the node (its taint or its reason annotation): only such a
+    node may be returned to service; a node someone cordoned by hand stays theirs."""
+    annotations = (node.get("metadata") or {}).get("annotations") or {}
+    return QUARANTINE_ANNOTATION in annotations or \
+        any(t.get("key") == QUARANTINE_TAINT for t in (node.get("spec") or {}).get("taints") or [])
+
+
+def quarantine_record(node: dict[str, Any]) -> tuple[float | None, str]:
+    """(since, reason) from the quarantine annotation ("<RFC 3339 time> <reason>"); since is None
+    when the annotation is missing or has no time (the taint alone carries no time)."""
+    note = ((node.get("metadata") or {}).get("annotations") or {}).get(QUARANTINE_ANNOTATION) or ""
+    stamp, _, reason = note.partition(" ")
+    if re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", stamp):
+        return _ts(stamp), reason
+    taint = next((t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") == QUARANTINE_TAINT), {})
+    return None, note or taint.get("value", "")
 
 
 def instance_id_of(node: dict[str, Any]) -> str | None:
@@ -756,6 +781,37 @@ class EksBackend(TrainingBackend):
                 notes.append(f"{name}: cordoned, tainted {QUARANTINE_TAINT}, evicted {evicted}; {how}")
         return Replacement(done, refused, "; ".join(notes) or "nothing to replace")
 
+    def quarantined_nodes(self) -> list[dict[str, Any]]:
+        """The pool's nodes this project quarantined that still exist. Under replacement=asg or
+        karpenter such a node is usually on its way out (``ready`` False once its instance
+        stops); under cordon it waits for a person."""
+        with self._kube() as kube:
+            pool = self._pool(kube)
+        out = []
+        for node in pool:
+            if not quarantined_by_us(node):
+                continue
+            since, reason = quarantine_record(node)
+            out.append({"node_id": node["metadata"]["name"], "reason": reason, "since": since,
+                        "ready": not node_problems(node), "instance_id": instance_id_of(node)})
+        return sorted(out, key=lambda q: (q["since"] is None, q["since"] or 0, q["node_id"]))
+
+    def return_nodes(self, node_ids: list[str], reason: str, *, by: str | None = None,
+                     quarantined_before: float | None = None) -> ServiceReturn:
+        """Uncordon each node this project quarantined, remove its quarantine taint and reason
+        annotation, and record the return in RETURN_ANNOTATION. Other taints stay. A node that
+        no longer exists (its Auto Scaling group or Karpenter replaced it) is reported as gone;
+        a node not quarantined by this project is left as it is."""
+        reason = require_reason(reason)
+        by = by or current_operator()
+        returned, not_quarantined, gone = [], [], []
+        with self._kube() as kube:
+            for name in dict.fromkeys(node_ids):
+                outcome = kube.return_node(name, reason, by, quarantined_before)
+                {"returned": returned, "not_quarantined": not_quarantined, "gone": gone}[outcome].append(name)
+        return ServiceReturn(returned, not_quarantined, gone,
+                             service_return_message(returned, not_quarantined, gone, reason))
+
     def _replace_instance(self, kube: "_Kube", node: dict[str, Any]) -> str:
         name = node["metadata"]["name"]
         if self.replacement == "cordon":
@@ -1012,6 +1068,34 @@ class _Kube:
                     raise BackendError(f"node {name} is gone (deleted while it was being cordoned)") from None
         raise BackendError(f"node {name} kept changing while it was being cordoned and tainted "
                            f"({self.PATCH_TRIES} tries got 409 Conflict); retry the task")
+
+    def return_node(self, name: str, reason: str, by: str, quarantined_before: float | None = None) -> str:
+        """Return node ``name`` to service if this project quarantined it (before
+        ``quarantined_before``, when given): "returned", "not_quarantined" or "gone" (404). As in
+        quarantine_node, the taint list goes whole with the resourceVersion it came from, and a
+        409 means read again, so a taint another controller added meanwhile is kept."""
+        node = self.get_node(name)
+        for _ in range(self.PATCH_TRIES):
+            if node is None:
+                return "gone"
+            since, _ = quarantine_record(node)
+            if not quarantined_by_us(node) or (quarantined_before is not None and
+                                               (since is None or since > quarantined_before)):
+                return "not_quarantined"
+            note = json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "by": by, "reason": reason,
+                               "quarantine": (node["metadata"].get("annotations") or {}).get(QUARANTINE_ANNOTATION)})
+            taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != QUARANTINE_TAINT]
+            try:
+                self._call(f"return node {name} to service (uncordon, remove taint {QUARANTINE_TAINT})",
+                           self.core.patch_node, name, {
+                               "metadata": {"resourceVersion": node["metadata"].get("resourceVersion"),
+                                            "annotations": {QUARANTINE_ANNOTATION: None, RETURN_ANNOTATION: note}},
+                               "spec": {"unschedulable": None, "taints": taints}}, ok=(404, 409))
+                return "returned"
+            except self.ApiException as e:
+                node = None if e.status == 404 else self.get_node(name)
+        raise BackendError(f"node {name} kept changing while it was being returned to service "
+                           f"({self.PATCH_TRIES} tries got 409 Conflict); run the return again")
 
     # karpenter.sh nodeclaims: list, delete
     def list_nodeclaims(self) -> list[dict[str, Any]]:

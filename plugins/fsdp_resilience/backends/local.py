@@ -7,7 +7,8 @@ another process submitted and then left::
 
     <state_dir>/
       .lock                         flock(2) around every read-modify-write of the files below
-      slots.json                    per slot: healthy | quarantined, reason, since
+      slots.json                    per slot: healthy | quarantined, reason, since (a slot returned to
+                                    service: who returned it and the quarantine it ended)
       jobs/<job_name>.json          per node: slot, command, log path, pid, pgid, start time,
                                     exit code; cancel and failure-policy marks
       jobs/<job_name>.supervisor.log
@@ -68,10 +69,14 @@ from fsdp_resilience.backends.base import (
     JobStatus,
     NodeStatus,
     Replacement,
+    ServiceReturn,
     TrainingBackend,
+    current_operator,
     job_name_for,
     most_telling_failure,
     plan_replacement,
+    require_reason,
+    service_return_message,
     what_to_do,
 )
 from fsdp_resilience.backends.evidence import blame_from_events, final_events, verdict_at_cancel
@@ -87,6 +92,8 @@ TRAINING_PYTHON_ENV = "TRAINING_PYTHON"
 SLOT_PREFIX = "slot-"
 RECORD_VERSION = 1
 SUPERVISOR_POLL_S = 0.5
+#: Training processes per CPU past which a local run only thrashes (gloo on CPU; tests run 2 per core).
+MAX_PROCS_PER_CPU = 4
 _HAVE_PROC = Path("/proc/self/stat").exists()
 
 
@@ -147,7 +154,7 @@ class LocalProcessBackend(TrainingBackend):
         existing = self._store.read_job(job_name)
         if existing is not None:
             return self._existing(existing, cfg, launch_id)
-        self._check_training_python()
+        self.check_training_environment()
         if cfg.nodes > self.slots:
             raise InsufficientCapacityError(
                 f"run {cfg.run_id} needs {cfg.nodes} nodes but this machine has only {self.slots} slot(s); "
@@ -210,11 +217,33 @@ class LocalProcessBackend(TrainingBackend):
                                 "config_path": record["config_path"],
                                 "node_ids": [n["node_id"] for n in record["nodes"]]})
 
-    def _check_training_python(self) -> None:
+    def check_training_environment(self) -> None:
         if not os.access(self.training_python, os.X_OK):
-            raise BackendError(f"training_python {self.training_python} is not an executable Python; set "
-                               f"{TRAINING_PYTHON_ENV} or pass training_python= (the training venv: `make setup` "
-                               f"creates {self.repo_root / '.venv'})")
+            raise BackendError(f"the local backend needs a training environment, and training_python "
+                               f"{self.training_python} is not an executable Python: set {TRAINING_PYTHON_ENV} or "
+                               f"run `make setup` (it creates {self.repo_root / '.venv'}). An Airflow deployment "
+                               "without one (the images/airflow image) trains on EKS: backend=eks, or "
+                               "FSDP_DEFAULT_BACKEND=eks in its environment")
+
+    def check_launch(self, cfg: RunConfig) -> None:
+        self.check_training_environment()
+
+    def check_capacity(self, cfg: RunConfig) -> Capacity:
+        """Local slots are not replaced: a quarantined one is gone until someone returns it. And
+        the processes share this machine's CPUs: past a few per core, a run only thrashes."""
+        capacity = super().check_capacity(cfg)
+        if cfg.nodes > capacity.healthy:
+            raise InsufficientCapacityError(
+                f"run {cfg.run_id} needs {cfg.nodes} node(s); of {capacity.total} local slots, "
+                f"{len(capacity.quarantined)} are quarantined {capacity.quarantined} and {capacity.healthy} healthy. "
+                "Lower nodes, or return repaired slots to service (README: \"Quarantined nodes\")")
+        max_procs = MAX_PROCS_PER_CPU * (os.cpu_count() or 1)
+        if cfg.world_size > max_procs:
+            raise InsufficientCapacityError(
+                f"run {cfg.run_id} asks for {cfg.world_size} training processes (nodes {cfg.nodes} x procs_per_node "
+                f"{cfg.procs_per_node}); this machine has {os.cpu_count()} CPU(s), which run at most {max_procs} "
+                "usefully: lower nodes or procs_per_node")
+        return capacity
 
     def _supersede_failed_launches(self, run_id: str, launch_id: str) -> None:
         """A failed launch whose other nodes are still stopping holds slots and the run's rendezvous
@@ -459,23 +488,47 @@ class LocalProcessBackend(TrainingBackend):
             parts.append(note)
         return Replacement(replace, refused, "; ".join(parts) or "nothing to replace")
 
-    def return_to_service(self, node_ids: list[str]) -> list[str]:
-        """Mark quarantined slots healthy again (after a human looked at them). Returns those changed."""
+    def quarantined_nodes(self) -> list[dict[str, Any]]:
+        slots = self._store.read_slots()
+        out = [{"node_id": s, "reason": slots[s].get("reason", ""), "since": slots[s].get("since")}
+               for s in self.slot_ids if slots.get(s, {}).get("state") == "quarantined"]
+        return sorted(out, key=lambda q: q["since"] or 0)
+
+    def return_nodes(self, node_ids: list[str], reason: str, *, by: str | None = None,
+                     quarantined_before: float | None = None) -> ServiceReturn:
+        """Mark quarantined slots healthy again. slots.json keeps why and by whom, and the
+        quarantine it ended. A name that is not a slot of this backend is refused before anything
+        changes (a typo must not pass for a return)."""
+        reason = require_reason(reason)
+        wanted = list(dict.fromkeys(node_ids))
+        unknown = [n for n in wanted if n not in self.slot_ids]
+        if unknown:
+            raise BackendError(f"unknown local node(s) {unknown}: this backend's slots are {self.slot_ids} "
+                               f"(state dir {self.state_dir}); list the quarantined ones with "
+                               "`python -m fsdp_resilience.quarantine list`")
+        by = by or current_operator()
         with self._store.locked():
             slots = self._store.read_slots()
-            changed = [s for s in node_ids if slots.get(s, {}).get("state") == "quarantined"]
-            for slot in changed:
-                slots[slot] = {"state": "healthy", "reason": "returned to service", "since": time.time()}
-            if changed:
+            now = time.time()
+            returned = [s for s in wanted if slots.get(s, {}).get("state") == "quarantined"
+                        and (quarantined_before is None or (slots[s].get("since") or 0) <= quarantined_before)]
+            for slot in returned:
+                old = slots[slot]
+                slots[slot] = {"state": "healthy", "reason": f"returned to service: {reason}", "since": now,
+                               "returned_by": by, "quarantine_reason": old.get("reason", ""),
+                               "quarantined_since": old.get("since")}
+            if returned:
                 self._store.write_slots(slots)
-        return changed
+        not_quarantined = [s for s in wanted if s not in returned]
+        return ServiceReturn(returned, not_quarantined, [],
+                             service_return_message(returned, not_quarantined, [], reason))
 
     # -- evaluation ---------------------------------------------------------------------------
     def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
                        timeout_s: float = 3600.0) -> dict[str, Any]:
         """``python -m training.evaluate`` in the training venv (this process never imports torch)."""
         cfg = self._absolute(cfg)
-        self._check_training_python()
+        self.check_training_environment()
         command = [self.training_python, "-m", "training.evaluate", "--config", str(cfg.layout.config)]
         if checkpoint_id is not None:
             command += ["--checkpoint", checkpoint_id]
