@@ -51,17 +51,20 @@ def latest_checkpoint(run_dir: str, checkpoints_s3: str | None = None, aws_conn_
 def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str, final_step: int,
                    stall_timeout_s: float, launched_at: float, now: float | None = None,
                    checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Progress:
-    """One look at a launch: its newest committed checkpoint, then its job's state."""
+    """One look at a launch: its job's state, then its newest committed checkpoint."""
+    status = backend.status(handle)
     latest = latest_checkpoint(run_dir, checkpoints_s3, aws_conn_id)
-    return judge_progress(backend.status(handle), latest, handle, final_step=final_step,
+    return judge_progress(status, latest, handle, final_step=final_step,
                           stall_timeout_s=stall_timeout_s, launched_at=launched_at, now=now)
 
 
 def judge_progress(status: JobStatus, latest: Any, handle: JobHandle, *, final_step: int, stall_timeout_s: float,
                    launched_at: float, now: float | None = None) -> Progress:
     """The verdict from a job's state and its run's newest committed checkpoint (``latest``: what
-    ``CheckpointCatalog.latest()`` returns, or None). Read the checkpoint first: a job seen done
-    after it has committed everything it ever will."""
+    ``CheckpointCatalog.latest()`` returns, or None). Read the job's state first, then the
+    checkpoint: a job seen done has committed everything it ever will, so the checkpoint read after
+    it sees the final commit (read the other way round, a commit landing between the two reads
+    would make a finished run look short)."""
     now = time.time() if now is None else now
     step = latest.step if latest else 0
     checkpoint_id = latest.checkpoint_id if latest else None

@@ -47,10 +47,11 @@ class TrainingProgressTrigger(BaseTrigger):
         backend = get_backend(**self.backend)
         handle = JobHandle.from_dict(self.handle)
         while True:
-            # The checkpoint first (a file or S3 read: off the event loop), then the job's state
-            # (the backend's async client where it has one: the EKS backend's AsyncKubernetesHook).
-            latest = await asyncio.to_thread(latest_checkpoint, self.run_dir, self.checkpoints_s3, self.aws_conn_id)
+            # The job's state first (the backend's async client where it has one: the EKS
+            # backend's AsyncKubernetesHook), then the checkpoint (a file or S3 read: off the event
+            # loop); judge_progress says why in that order.
             status = await backend.status_async(handle)
+            latest = await asyncio.to_thread(latest_checkpoint, self.run_dir, self.checkpoints_s3, self.aws_conn_id)
             progress = judge_progress(status, latest, handle, final_step=self.final_step,
                                       stall_timeout_s=self.stall_timeout_s, launched_at=self.launched_at)
             if progress.outcome is not None:
