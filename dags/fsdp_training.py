@@ -15,8 +15,15 @@ elsewhere plan_export says why it is skipped.
 Each escalation rung runs only when the launch before it failed with a retryable class and the
 run's max_node_replacements allows it; otherwise its tasks show as skipped, with the reason in the
 log. user_error, storage_error, non_finite and already_running never climb: resolve_outcome fails
-the run with what to do. The heavy lifting lives in plugins/fsdp_resilience (no torch is imported
-here).
+the run with what to do.
+
+Parameters a run cannot be started with (a dataset or run name that is not a folder under its root,
+path fields in run_config, a drill on a rank that does not exist, more nodes than the backend has)
+fail validate_config with the reason before anything is created; every task after it shows
+upstream_failed (not skipped: Airflow would call a run whose last tasks skipped a success).
+Every task pulls the run config from validate_config itself, so the graph is one line.
+
+The heavy lifting lives in plugins/fsdp_resilience (no torch is imported here).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import os
 from airflow.sdk import Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from fsdp_resilience import ladder
+from fsdp_resilience import ladder, settings
 from fsdp_resilience.backends import BackendError
 from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
 from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
@@ -44,36 +51,64 @@ def schedule_from_env():
     return [DATASET] if value == "asset" else value
 
 
+#: The trigger form's sections, in the order the form shows them.
+TRAIN, RESTARTS, PLACEMENT, DRILLS = ("What to train", "Restarts and escalation", "Where it runs",
+                                      "Drills and other settings")
+
 PARAMS = {
     "run_name": Param(None, type=["null", "string"], pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
-                      description="Run id (DNS-1123). Empty: derived from the DAG run, stable across retries."),
-    "dataset": Param("python-stdlib", type="string", minLength=1,
-                     description="A dataset staged by the stage_dataset DAG (a folder under the data root)."),
-    "model": Param("tiny", enum=list(MODEL_PRESETS), description="Model preset: tiny (CPU) ... 8b (p5)."),
-    "nodes": Param(1, type="integer", minimum=1, maximum=64, description="Nodes (pods / local slots)."),
-    "procs_per_node": Param(2, type="integer", minimum=1, maximum=8,
-                            description="Training processes per node (8 GPUs per p5.48xlarge)."),
-    "steps": Param(60, type="integer", minimum=1, maximum=10_000_000, description="Training steps."),
-    "checkpoint_interval": Param(10, type="integer", minimum=1, maximum=100_000,
-                                 description="Steps between asynchronous checkpoints."),
-    "restart_mode": Param("layered", enum=list(RESTART_MODES),
+                      title="Run name", section=TRAIN,
+                      description="Run id (DNS-1123: lowercase letters, digits, '-'). Empty: derived from the DAG "
+                                  "run, stable across retries. The run dir is <FSDP_RUNS_ROOT>/<run name>."),
+    "dataset": Param("python-stdlib", type="string", pattern=ladder.NAME_PATTERN, title="Dataset", section=TRAIN,
+                     description="Name of a dataset staged by the stage_dataset DAG (a folder under the data root; "
+                                 "a name, not a path)."),
+    "model": Param("tiny", enum=list(MODEL_PRESETS), title="Model preset", section=TRAIN,
+                   description="tiny (CPU) ... 8b (p5)."),
+    "steps": Param(60, type="integer", minimum=1, maximum=10_000_000, title="Steps", section=TRAIN,
+                   description="Training steps."),
+    "checkpoint_interval": Param(10, type="integer", minimum=1, maximum=100_000, title="Checkpoint interval",
+                                 section=TRAIN, description="Steps between asynchronous checkpoints."),
+    "restart_mode": Param("layered", enum=list(RESTART_MODES), title="Restart mode", section=RESTARTS,
                           description="layered: in-process + in-job restarts (recommended)."),
-    "max_restarts": Param(2, type="integer", minimum=0, maximum=20,
-                          description="In-job restarts before the job fails with restarts_exhausted."),
+    "max_restarts": Param(2, type="integer", minimum=0, maximum=20, title="In-job restarts", section=RESTARTS,
+                          description="In-job restarts before the launch fails with restarts_exhausted."),
     "max_node_replacements": Param(1, type="integer", minimum=0, maximum=ladder.MAX_RUNGS,
-                                   description="Node replacements + relaunches the DAG may do."),
-    "stall_timeout_s": Param(1800, type="integer", minimum=10, maximum=86_400,
-                             description="No new committed checkpoint this long: no_progress."),
-    "backend": Param("local", enum=["local", "eks"], description="Where training runs."),
-    "image": Param(None, type=["null", "string"],
-                   description="Training image (EKS backend); empty: the deployment's FSDP_EKS_IMAGE."),
-    "namespace": Param("fsdp-training", type="string", pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
-                       description="Kubernetes namespace (EKS backend)."),
-    "fault_drill": Param(None, type=["null", "object"],
+                                   title="Node replacements", section=RESTARTS,
+                                   description="Node replacements + relaunches the DAG may do (escalation rungs)."),
+    "stall_timeout_s": Param(1800, type="integer", minimum=10, maximum=86_400, title="Stall timeout (s)",
+                             section=RESTARTS, description="No new committed checkpoint this long: no_progress."),
+    "backend": Param(None, type=["null", "string"], enum=[None, *settings.BACKENDS], title="Backend",
+                     section=PLACEMENT,
+                     description="local (processes on the Airflow worker) or eks. Empty: the deployment's "
+                                 "FSDP_DEFAULT_BACKEND (default local)."),
+    "nodes": Param(1, type="integer", minimum=1, maximum=64, title="Nodes", section=PLACEMENT,
+                   description="Nodes (pods / local slots)."),
+    "procs_per_node": Param(2, type="integer", minimum=1, maximum=8, title="Processes per node", section=PLACEMENT,
+                            description="Training processes per node (8 GPUs per p5.48xlarge)."),
+    "image": Param(None, type=["null", "string"], maxLength=512, title="Training image", section=PLACEMENT,
+                   description="EKS only. Empty: the deployment's FSDP_EKS_IMAGE; anything else must be under "
+                               "FSDP_EKS_IMAGE_ALLOWLIST."),
+    "namespace": Param(None, type=["null", "string"], pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+                       title="Namespace", section=PLACEMENT,
+                       description="EKS only. Empty: the deployment's FSDP_EKS_NAMESPACE; anything else must be in "
+                                   "FSDP_EKS_NAMESPACES."),
+    "fault_drill": Param(None, type=["null", "object"], title="Fault drill", section=DRILLS,
                          description='Optional fault drill, e.g. {"kind": "exception", "step": 15, "rank": 1}.'),
-    "run_config": Param({}, type="object",
-                        description="Other run config fields (training/contract.py RunConfig), e.g. timeouts."),
+    "run_config": Param({}, type="object", title="Other run config fields", section=DRILLS,
+                        # Where a run reads and writes is the control plane's to say: refused by the
+                        # schema (400 through the REST API) and again by name in validate_config.
+                        propertyNames={"not": {"enum": list(ladder.PLACEMENT_FIELDS)}},
+                        description="Other fields of training/contract.py RunConfig, e.g. timeouts or lr. Not "
+                                    f"{', '.join(ladder.PLACEMENT_FIELDS)}: the control plane sets those."),
 }
+
+
+def run_of_this_dag() -> dict:
+    """validate_config's result: the run config and backend. Tasks pull it themselves rather than
+    take it as an argument, so the graph keeps one line instead of an edge from validate_config to
+    every task."""
+    return get_current_context()["ti"].xcom_pull(task_ids="validate_config")
 
 
 @dag(dag_id="fsdp_training", schedule=schedule_from_env(), catchup=False, params=PARAMS, max_active_runs=4,
@@ -85,10 +120,13 @@ def fsdp_training():
         try:
             return ladder.build_run_config(dict(context["params"]), context["dag_run"].run_id)
         except (ConfigError, ladder.EscalationError) as e:
-            raise AirflowFailException(f"invalid run parameters: {e}") from None
+            raise AirflowFailException(f"invalid run parameters: {e}; nothing was launched") from None
 
+    # When validate_config fails, every task after it ends upstream_failed, with no message of its
+    # own. Not skipped: a run whose last tasks are skipped ends as a success in Airflow.
     @task
-    def stage_data(run: dict) -> dict:
+    def stage_data() -> dict:
+        run = run_of_this_dag()
         try:
             index = read_dataset_index(run["config"]["dataset_dir"])
         except ConfigError as e:
@@ -96,18 +134,20 @@ def fsdp_training():
         return {"dataset_dir": run["config"]["dataset_dir"], "train_tokens": sum(s["tokens"] for s in index["train"])}
 
     @task
-    def launch_training(run: dict, staged: dict) -> dict:
-        return ladder.launch(run, launch_no=0)
+    def launch_training(staged: dict) -> dict:
+        return ladder.launch(run_of_this_dag(), launch_no=0)
 
-    run = validate_config()
-    first = launch_training(run, stage_data(run))
+    staged = stage_data()
+    validate_config() >> staged
+    first = launch_training(staged)
     watches = [CheckpointProgressSensor(task_id="watch_checkpoints", launch=first)]
     previous = watches[0]
 
     for rung in range(1, ladder.MAX_RUNGS + 1):
         with TaskGroup(group_id=f"escalation_{rung}") as group:
             @task(trigger_rule="none_failed")
-            def decide(run: dict, rung: int = rung, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
+            def decide(rung: int = rung, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
+                run = run_of_this_dag()
                 outcomes = get_current_context()["ti"].xcom_pull(task_ids=list(watched))
                 outcome = ladder.latest_outcome(outcomes if isinstance(outcomes, list) else [outcomes])
                 climb, why = ladder.should_escalate(outcome, rung, run["max_node_replacements"])
@@ -117,55 +157,57 @@ def fsdp_training():
                 return outcome
 
             @task
-            def diagnose_and_replace(run: dict, outcome: dict, rung: int = rung) -> dict:
+            def diagnose_and_replace(outcome: dict, rung: int = rung) -> dict:
                 try:
-                    return ladder.diagnose_and_replace(run, outcome, rung)
+                    return {**ladder.diagnose_and_replace(run_of_this_dag(), outcome, rung), "outcome": outcome}
                 except ladder.EscalationError as e:
                     raise AirflowFailException(str(e)) from None
 
             @task
-            def relaunch(run: dict, outcome: dict, replaced: dict) -> dict:
-                return ladder.launch(run, launch_no=ladder.next_launch_no(outcome))
+            def relaunch(capacity: dict, rung: int = rung) -> dict:
+                replaced = get_current_context()["ti"].xcom_pull(task_ids=f"escalation_{rung}.diagnose_and_replace")
+                return ladder.launch(run_of_this_dag(), launch_no=ladder.next_launch_no(replaced["outcome"]))
 
-            outcome = decide(run)
-            replaced = diagnose_and_replace(run, outcome)
-            relaunched = relaunch(run, outcome, replaced)
-            replaced >> NodeCapacitySensor(task_id="wait_for_capacity", run=run) >> relaunched
-            watch = CheckpointProgressSensor(task_id="watch", launch=relaunched)
+            capacity = NodeCapacitySensor(task_id="wait_for_capacity", run_from="validate_config")
+            diagnose_and_replace(decide()) >> capacity
+            watch = CheckpointProgressSensor(task_id="watch", launch=relaunch(capacity.output))
         previous >> group
         watches.append(watch)
         previous = group
 
-    @task(trigger_rule="all_done")
-    def resolve_outcome(run: dict, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
-        outcomes = get_current_context()["ti"].xcom_pull(task_ids=list(watched))
-        outcome = ladder.latest_outcome(outcomes)
+    # none_failed: after a task that failed (bad params, a launch or escalation that could not go
+    # on), the run has already failed there with the reason; nothing here would add to it.
+    @task(trigger_rule="none_failed")
+    def resolve_outcome(watched: tuple = tuple(w.task_id for w in watches)) -> dict:
+        run = run_of_this_dag()
+        outcome = ladder.latest_outcome(get_current_context()["ti"].xcom_pull(task_ids=list(watched)))
         if outcome["outcome"] != "success":
             ladder.stop_launch(run, outcome)  # a stalled launch is still running: free its nodes
             raise AirflowFailException(ladder.failure_message(run, outcome))
         return outcome
 
     @task
-    def evaluate(run: dict, outcome: dict) -> dict:
+    def evaluate(outcome: dict) -> dict:
         # The newest checkpoint that verifies, evaluated in the training environment (torch), where
         # the run trained: this process never imports it.
         try:
-            return ladder.evaluate(run)
+            return ladder.evaluate(run_of_this_dag())
         except (BackendError, NoTrustedCheckpoint, ladder.EscalationError) as e:
             raise AirflowFailException(str(e)) from None
 
     @task
-    def build_report(run: dict, evaluation: dict) -> dict:
+    def build_report(evaluation: dict) -> dict:
         from fsdp_resilience.report import build_report as build
 
-        paths = build(run["config"]["run_dir"])
+        paths = build(run_of_this_dag()["config"]["run_dir"])
         print(f"run report: {paths.to_dict()}")
         return paths.to_dict()
 
     @task.branch
-    def plan_export(run: dict, evaluation: dict, report: dict) -> str:
+    def plan_export(report: dict) -> str:
+        evaluation = get_current_context()["ti"].xcom_pull(task_ids="evaluate")
         try:
-            plan, why = ladder.export_plan(run, evaluation)
+            plan, why = ladder.export_plan(run_of_this_dag(), evaluation)
         except ladder.EscalationError as e:
             raise AirflowFailException(str(e)) from None
         print(why)
@@ -175,17 +217,19 @@ def fsdp_training():
         return "export_to_s3" if plan else "publish"
 
     @task(outlets=[MODEL_CHECKPOINT, MODEL_EVALUATION], trigger_rule="none_failed_min_one_success")
-    def publish(run: dict, evaluation: dict, report: dict) -> dict:
+    def publish() -> dict:
+        context = get_current_context()
+        evaluation, report = context["ti"].xcom_pull(task_ids=["evaluate", "build_report"])
         # The newest checkpoint that verifies now, whatever was true when the run ended.
         try:
-            published = ladder.publish(run, evaluation)
+            published = ladder.publish(run_of_this_dag(), evaluation)
         except (NoTrustedCheckpoint, ladder.EscalationError) as e:
             raise AirflowFailException(str(e)) from None
         for skip in published["skipped"]:
             print(f"not published: {skip['checkpoint_id']}: {skip['reason']}")
         print(f"publishing {published['checkpoint']} ({published['verified']} verified)"
               + (f"; {published['note']}" if published.get("note") else ""))
-        outlet_events = get_current_context()["outlet_events"]
+        outlet_events = context["outlet_events"]
         outlet_events[MODEL_CHECKPOINT].extra = {
             "run_id": published["run_id"], "path": published["checkpoint"], "step": published["step"],
             "checkpoint_id": published["checkpoint_id"], "verified": published["verified"],
@@ -194,17 +238,15 @@ def fsdp_training():
                                                  "report": report.get("markdown")}
         return {**published, "evaluation": evaluation, "report": report}
 
-    outcome = resolve_outcome(run)
+    outcome = resolve_outcome()
     previous >> outcome
-    evaluation = evaluate(run, outcome)
-    report = build_report(run, evaluation)
-    exported = plan_export(run, evaluation, report)
+    exported = plan_export(build_report(evaluate(outcome)))
     _plan = "ti.xcom_pull(task_ids='plan_export', key='plan')"
     export_to_s3 = FsxDataRepositoryTaskOperator(
         task_id="export_to_s3", kind="export", file_system_id=f"{{{{ {_plan}['file_system_id'] }}}}",
         paths=exported["paths"], aws_conn_id=f"{{{{ {_plan}['aws_conn_id'] }}}}")
     exported >> export_to_s3
-    [exported, export_to_s3] >> publish(run, evaluation, report)
+    [exported, export_to_s3] >> publish()  # a branch skips export_to_s3 and goes straight to publish
 
 
 fsdp_training()

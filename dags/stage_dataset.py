@@ -3,8 +3,10 @@
 validate_source -> choose_staging -> prepare_shards | import_to_fsx -> verify_dataset
                                                                       (outlet: the fsdp_dataset Asset)
 
-backend=local: staging turns a folder of text files into byte-level token shards under the data
-root (``python -m training.prepare_data``, run in the training environment).
+backend=local: staging turns a folder of text files under FSDP_SOURCE_ROOT (default
+<FSDP_RUNS_ROOT>/sources), or the Python standard library's sources ("stdlib"), into byte-level
+token shards under the data root (``python -m training.prepare_data``, run in the training
+environment). Nothing outside those two roots is read or written, whatever the params say.
 
 backend=eks: the source is the ``s3://`` URI of an already-prepared dataset (index.json and the
 shards that prepare_data writes) under a data repository association of the FSx for Lustre file
@@ -24,25 +26,28 @@ from pathlib import Path
 from airflow.sdk import Param, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from fsdp_resilience import settings
+from fsdp_resilience import ladder, settings
 from fsdp_resilience.assets import DATASET
+from fsdp_resilience.backends import BackendError, get_backend
 from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
 from training.contract import ConfigError, read_dataset_index
 
 PARAMS = {
-    "source": Param("stdlib", type="string", minLength=1,
-                    description='backend=local: a folder of text files, or "stdlib" for the Python standard library '
-                                "sources. backend=eks: the s3:// URI of a prepared dataset (index.json and shards "
-                                "from python -m training.prepare_data) under a data repository association."),
-    "dataset": Param("python-stdlib", type="string", pattern=r"^[a-z0-9][-a-z0-9_.]{0,62}$",
+    "source": Param("stdlib", type="string", minLength=1, maxLength=1024, title="Source",
+                    description='backend=local: "stdlib" (the Python standard library sources), or a folder of text '
+                                "files under FSDP_SOURCE_ROOT (its name, or its path there). backend=eks: the s3:// "
+                                "URI of a prepared dataset (index.json and shards from python -m "
+                                "training.prepare_data) under a data repository association."),
+    "dataset": Param("python-stdlib", type="string", pattern=ladder.NAME_PATTERN, title="Dataset name",
                      description="backend=local: name of the staged dataset (a folder under the data root). "
                                  "backend=eks: unused; the dataset is the folder the association maps the URI to."),
-    "max_bytes": Param(8 << 20, type="integer", minimum=1024, maximum=1 << 40,
+    "max_bytes": Param(8 << 20, type="integer", minimum=1024, maximum=1 << 40, title="Max bytes",
                        description="backend=local: read at most this many bytes of text."),
-    "val_fraction": Param(0.05, type="number", exclusiveMinimum=0, maximum=0.5,
+    "val_fraction": Param(0.05, type="number", exclusiveMinimum=0, maximum=0.5, title="Validation fraction",
                           description="backend=local: share of files held out for validation."),
-    "backend": Param("local", enum=["local", "eks"],
-                     description="Where the data is staged: local folders, or FSx for Lustre on EKS."),
+    "backend": Param(None, type=["null", "string"], enum=[None, *settings.BACKENDS], title="Backend",
+                     description="Where the data is staged: local folders, or FSx for Lustre on EKS. Empty: the "
+                                 "deployment's FSDP_DEFAULT_BACKEND (default local)."),
 }
 
 #: The plan's fields, as templates for the FSx import (rendered when import_to_fsx runs).
@@ -53,12 +58,26 @@ def _local_plan(params: dict) -> dict:
     source = params["source"]
     if source.startswith("s3://"):
         raise AirflowFailException(f"source {source} is in S3: staging from S3 needs backend=eks")
-    if source == "stdlib":
-        import sysconfig
-        source = sysconfig.get_paths()["stdlib"]
+    try:
+        # Only the standard library or a folder under the source root is read; only a folder under
+        # the data root is written (".." and symlinks out are refused).
+        if source == "stdlib":
+            import sysconfig
+            source = sysconfig.get_paths()["stdlib"]
+        else:
+            source = str(settings.under_root(settings.source_root(), source, what="source"))
+        dst = settings.under_root(settings.data_root(), params["dataset"], what="dataset")
+    except ValueError as e:
+        raise AirflowFailException(f"{e} (FSDP_SOURCE_ROOT={settings.source_root()}, "
+                                   f"FSDP_DATA_ROOT={settings.data_root()})") from None
     if not Path(source).is_dir():
-        raise AirflowFailException(f"source {source} is not a folder on this machine; give a folder of text files")
-    return {"backend": "local", "source": source, "dst": str(settings.data_root() / params["dataset"]),
+        raise AirflowFailException(f"source {source} is not a folder; put the text files in a folder under "
+                                   f"FSDP_SOURCE_ROOT={settings.source_root()} and give its name")
+    try:  # prepare_data runs in the training environment: a deployment without one says so now
+        get_backend(**settings.backend_config("local")).check_training_environment()
+    except BackendError as e:
+        raise AirflowFailException(str(e)) from None
+    return {"backend": "local", "source": source, "dst": str(dst),
             "max_bytes": params["max_bytes"], "val_fraction": params["val_fraction"]}
 
 
@@ -90,7 +109,11 @@ def stage_dataset():
     @task
     def validate_source() -> dict:
         params = get_current_context()["params"]
-        return _local_plan(params) if params["backend"] == "local" else _fsx_plan(params)
+        try:
+            backend = params["backend"] or settings.default_backend()
+        except ValueError as e:
+            raise AirflowFailException(str(e)) from None
+        return _local_plan(params) if backend == "local" else _fsx_plan(params)
 
     @task.branch
     def choose_staging(plan: dict) -> str:

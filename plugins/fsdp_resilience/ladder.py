@@ -25,7 +25,7 @@ from typing import Any
 from training.contract import ConfigError, Event, EventLog, FailureClass, RunConfig
 
 from fsdp_resilience import settings
-from fsdp_resilience.backends import BackendError, JobHandle, get_backend, what_to_do
+from fsdp_resilience.backends import BackendError, InsufficientCapacityError, JobHandle, get_backend, what_to_do
 from fsdp_resilience.trusted_checkpoint import CheckpointChoice, choose_checkpoint
 
 #: The graph holds this many escalation rungs; the max_node_replacements param picks how many run.
@@ -34,6 +34,14 @@ MAX_RUNGS = 3
 #: Run config fields the DAG's form sets directly; the rest can come through ``run_config``.
 FORM_FIELDS = ("model", "nodes", "procs_per_node", "steps", "checkpoint_interval", "restart_mode",
                "max_restarts", "stall_timeout_s")
+
+#: Run config fields only the control plane sets: where the run reads and writes (under the
+#: configured roots), what it is called, and its rendezvous port. ``run_config`` may not set them:
+#: whoever can trigger the DAG must not pick a path on the workers' or the pods' disks.
+PLACEMENT_FIELDS = ("run_id", "run_dir", "dataset_dir", "rdzv_port")
+
+#: A dataset or run name: one folder under its root, never a path.
+NAME_PATTERN = r"^[a-z0-9][-a-z0-9_.]{0,62}$"
 
 
 class EscalationError(RuntimeError):
@@ -56,33 +64,69 @@ def rdzv_port_for(run_id: str) -> int:
 
 
 def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
-    """The validated run config (raises ``ConfigError`` naming the bad field) and where it runs."""
+    """The validated run config and where it runs, or ``ConfigError`` naming the bad field: paths
+    resolve under the configured roots, the backend accepts the launch (image, training
+    environment) and its pool can hold it. Nothing is started."""
     run_id = run_id_for(dag_run_id, params.get("run_name"))
+    overrides = params.get("run_config") or {}
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"run_config must be a JSON object of run config fields, got {overrides!r}")
+    placed = sorted(set(overrides) & set(PLACEMENT_FIELDS))
+    if placed:
+        raise ConfigError(f"run_config may not set {', '.join(placed)}: the control plane places every run under "
+                          f"FSDP_RUNS_ROOT and FSDP_DATA_ROOT. Name the run with run_name and the dataset with dataset")
+    dataset = params.get("dataset")
+    if not isinstance(dataset, str) or not re.match(NAME_PATTERN, dataset):
+        raise ConfigError(f"dataset={dataset!r} must be the name of a staged dataset (a folder under the data "
+                          f"root: lowercase letters, digits, '-', '_', '.'), not a path")
     fields = {name: params[name] for name in FORM_FIELDS if params.get(name) is not None}
-    fields.update(params.get("run_config") or {})
-    if params.get("fault_drill"):
-        fields["faults"] = [params["fault_drill"]]
-    fields.setdefault("rdzv_port", rdzv_port_for(run_id))
+    fields.update(overrides)
+    if params.get("fault_drill"):  # the form's one drill, after any run_config lists
+        fields["faults"] = [*(fields.get("faults") or []), params["fault_drill"]]
     cfg = RunConfig.from_dict({"run_id": run_id, "run_dir": str(settings.runs_root() / run_id),
-                               "dataset_dir": str(settings.data_root() / params["dataset"]), **fields})
+                               "dataset_dir": str(settings.data_root() / dataset),
+                               "rdzv_port": rdzv_port_for(run_id), **fields})
+    try:  # the folders as the launchers will open them: a symlink placed under a root is followed
+        cfg = cfg.replace(run_dir=str(settings.under_root(settings.runs_root(), run_id, what="run")),
+                          dataset_dir=str(settings.under_root(settings.data_root(), dataset, what="dataset")))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     max_replacements = int(params.get("max_node_replacements", 1))
     if not 0 <= max_replacements <= MAX_RUNGS:
         raise EscalationError(f"max_node_replacements={max_replacements} must be between 0 and {MAX_RUNGS}")
     try:
-        backend = settings.backend_config(params.get("backend", "local"), **{
-            k: params[k] for k in ("image", "namespace") if params.get(k) and params.get("backend") == "eks"})
-    except ValueError as e:  # FSDP_EKS_* settings that do not parse
+        name = params.get("backend") or settings.default_backend()
+        if name not in settings.BACKENDS:
+            raise ValueError(f"backend={name!r} is not a backend; use one of {', '.join(settings.BACKENDS)}")
+        namespace = params.get("namespace")
+        if namespace and name == "eks" and namespace not in settings.allowed_namespaces():
+            raise ValueError(f"namespace {namespace!r} is not one this deployment trains in "
+                             f"({', '.join(settings.allowed_namespaces())}): leave it empty, or have an administrator "
+                             "apply the kit there and add it to FSDP_EKS_NAMESPACES")
+        backend = settings.backend_config(name, **{
+            k: params[k] for k in ("image", "namespace") if params.get(k) and name == "eks"})
+    except ValueError as e:  # FSDP_* settings that do not parse
         raise ConfigError(f"backend settings: {e}") from None
-    if backend["name"] == "eks" and backend.get("image"):  # no image at all: submit says what to set
-        # What submit would refuse before calling the cluster (an image outside
-        # FSDP_EKS_IMAGE_ALLOWLIST, pod settings, paths outside the FSx mount, more processes than
-        # GPUs per pod), refused now: the backend's own check, nothing is sent.
-        try:
-            get_backend(**backend).check_launch(cfg)
-        except BackendError as e:
-            raise ConfigError(str(e)) from None
+    check_backend(backend, cfg)
     return {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": max_replacements,
             "airflow_run_id": dag_run_id}
+
+
+def check_backend(backend: dict[str, Any], cfg: RunConfig) -> None:
+    """What submit would refuse, refused now (``ConfigError``), before anything starts: the
+    backend's own checks (the local training environment; on EKS the image allowlist, pod settings,
+    paths outside the FSx mount, more processes than GPUs per pod), then whether its pool can ever
+    hold the run. A pool that cannot be asked (an API error) raises BackendError, and the task's
+    retry asks again."""
+    instance = get_backend(**backend)
+    try:
+        instance.check_launch(cfg)
+    except BackendError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        instance.check_capacity(cfg)
+    except InsufficientCapacityError as e:
+        raise ConfigError(f"capacity: {e}") from None
 
 
 def launch(run: dict[str, Any], launch_no: int) -> dict[str, Any]:

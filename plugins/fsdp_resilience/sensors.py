@@ -60,31 +60,42 @@ class CheckpointProgressSensor(BaseSensorOperator):
 
 class NodeCapacitySensor(BaseSensorOperator):
     """Waits, deferred, until the run's backend can place ``cfg.nodes`` nodes (after a node was
-    replaced: until its replacement has joined). Fails after ``timeout_s`` with what it saw."""
+    replaced: until its replacement has joined). Fails after ``timeout_s`` with what it saw.
+
+    The run (config and backend) is ``run``, or the XCom of task ``run_from`` (validate_config's),
+    pulled when the sensor runs."""
 
     template_fields = ("run",)
 
-    def __init__(self, *, run: dict[str, Any] | str, timeout_s: float = 1800.0, poll_interval_s: float = 10.0,
-                 **kwargs: Any):
+    def __init__(self, *, run: dict[str, Any] | str | None = None, run_from: str | None = None,
+                 timeout_s: float = 1800.0, poll_interval_s: float = 10.0, **kwargs: Any):
         super().__init__(poke_interval=poll_interval_s, timeout=timeout_s, **kwargs)
-        self.run = run  # validate_config's XCom: config, backend
+        if (run is None) == (run_from is None):
+            raise ValueError("NodeCapacitySensor needs one of run (the run dict) or run_from (a task id)")
+        self.run = run
+        self.run_from = run_from
         self.timeout_s = timeout_s
         self.poll_interval_s = poll_interval_s
 
+    def _run(self, context: Any) -> dict[str, Any]:
+        return self.run if self.run is not None else context["ti"].xcom_pull(task_ids=self.run_from)
+
     def execute(self, context: Any) -> Any:
-        self.defer(trigger=NodeCapacityTrigger(backend=self.run["backend"], nodes=self.run["config"]["nodes"],
+        run = self._run(context)
+        self.defer(trigger=NodeCapacityTrigger(backend=run["backend"], nodes=run["config"]["nodes"],
                                                timeout_s=self.timeout_s, started_at=time.time(),
                                                poll_interval_s=self.poll_interval_s),
                    method_name="execute_complete")
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         capacity = event["capacity"]
+        nodes = self._run(context)["config"]["nodes"]
         summary = (f"{capacity['healthy']} of {capacity['total']} node(s) healthy, out of service "
                    f"{capacity['quarantined']}, after {event['waited_s']}s")
         if not event["ready"]:
             from airflow.sdk.exceptions import AirflowFailException
 
-            raise AirflowFailException(f"not enough healthy nodes for {self.run['config']['nodes']} node(s) within "
+            raise AirflowFailException(f"not enough healthy nodes for {nodes} node(s) within "
                                        f"{self.timeout_s:.0f}s: {summary}; scale the node group up or lower nodes")
         self.log.info("capacity: %s", summary)
         return event

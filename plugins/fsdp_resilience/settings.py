@@ -20,7 +20,9 @@ The EKS backend (``backend_config("eks")``; see README "Run on EKS"):
                                  and "...@sha256:...", never ".../fsdp-training-evil"); default: the
                                  repository of FSDP_EKS_IMAGE. The `image` param is refused in
                                  validate_config outside it, and the backend refuses it again at submit
-  FSDP_EKS_NAMESPACE             where jobs run; default fsdp-training (the `namespace` param overrides)
+  FSDP_EKS_NAMESPACE             where jobs run; default fsdp-training
+  FSDP_EKS_NAMESPACES            comma-separated namespaces the `namespace` param may pick (each needs
+                                 the kit's Role and claim); default: FSDP_EKS_NAMESPACE alone
   FSDP_EKS_CLUSTER_NAME          set: kubeconfig from EksHook + the AWS connection; unset: the
                                  Kubernetes connection (in-cluster or its kubeconfig)
   FSDP_KUBERNETES_CONN_ID        default kubernetes_default
@@ -167,6 +169,14 @@ def image_allowlist() -> list[str]:
         return [image_repository(image)]
     except ValueError as e:
         raise ValueError(f"FSDP_EKS_IMAGE: {e}") from None
+
+
+def allowed_namespaces() -> list[str]:
+    """The namespaces a DAG run's `namespace` param may pick: FSDP_EKS_NAMESPACES, else the
+    deployment's FSDP_EKS_NAMESPACE alone."""
+    text = os.environ.get("FSDP_EKS_NAMESPACES", "").strip()
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return names or [os.environ.get("FSDP_EKS_NAMESPACE", "fsdp-training")]
 
 
 def eks_backend_config() -> dict[str, Any]:

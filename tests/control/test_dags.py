@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ def test_dags_parse_without_torch_and_fast():
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["errors"] == {}
-    assert result["dags"] == ["fsdp_training", "stage_dataset"]
+    assert {"fsdp_training", "stage_dataset"} <= set(result["dags"])
     assert "fsdp_resilience.backends.local" in result["modules"] and "fsdp_resilience.report" in result["modules"]
     MEASURED.append(f"DAG parse of dags/ with torch blocked: {result['seconds']:.2f}s "
                     f"(after {result['airflow_import']:.2f}s importing Airflow)")
@@ -57,7 +58,7 @@ def _dag(dag_id):
     return DagBag(dag_folder=str(REPO / "dags")).dags[dag_id]
 
 
-@pytest.mark.parametrize("dag_id", ["fsdp_training", "stage_dataset"])
+@pytest.mark.parametrize("dag_id", ["fsdp_training", "stage_dataset", "node_maintenance"])
 def test_every_param_has_a_type_bounds_and_a_description(dag_id):
     for name, param in _dag(dag_id).params.items():
         schema = param.schema
@@ -71,25 +72,68 @@ def test_the_training_graph_reads_top_to_bottom():
     dag = _dag("fsdp_training")
     assert dag.schedule is None  # no schedule unless FSDP_TRAINING_SCHEDULE says so
     order = ["validate_config", "stage_data", "launch_training", "watch_checkpoints",
-             "escalation_1.decide", "escalation_1.diagnose_and_replace", "escalation_1.relaunch",
-             "escalation_1.watch", "escalation_2.decide", "escalation_3.watch", "resolve_outcome",
-             "evaluate", "build_report", "plan_export", "export_to_s3", "publish"]
+             "escalation_1.decide", "escalation_1.diagnose_and_replace", "escalation_1.wait_for_capacity",
+             "escalation_1.relaunch", "escalation_1.watch", "escalation_2.decide", "escalation_3.watch",
+             "resolve_outcome", "evaluate", "build_report", "plan_export", "export_to_s3", "publish"]
     for upstream, downstream in zip(order, order[1:]):
         assert upstream in dag.get_task(downstream).get_flat_relative_ids(upstream=True), (upstream, downstream)
+    # One line at the default zoom: tasks pull the run config themselves, so no bundle of edges
+    # fans out of validate_config; the only task with two edges out is the export branch.
+    fan_out = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks if len(t.downstream_task_ids) > 1}
+    assert fan_out == {"plan_export": ["export_to_s3", "publish"]}, fan_out
 
 
-def test_stage_dataset_stages_a_folder_and_announces_it(tmp_path, monkeypatch):
-    src = tmp_path / "text"
-    src.mkdir()
+def test_the_training_form_submits_with_its_defaults_and_reads_in_sections():
+    params = _dag("fsdp_training").params
+    # A field the UI treats as required is one whose default is empty and whose type has no null.
+    for name, param in params.items():
+        default, types = param.value, param.schema.get("type")
+        types = types if isinstance(types, list) else [types]
+        assert default not in (None, "") or "null" in types, f"{name}: an empty default must be nullable"
+        assert param.schema.get("title") and param.schema.get("section"), f"{name} has no title or section"
+    params.validate()  # the defaults themselves pass the schema
+    sections = list(dict.fromkeys(p.schema["section"] for p in params.values()))
+    assert sections == ["What to train", "Restarts and escalation", "Where it runs", "Drills and other settings"]
+
+
+@pytest.mark.parametrize("conf", [
+    {"nodes": 0}, {"nodes": -1}, {"model": "70b-unknown"}, {"dataset": "../x"}, {"dataset": "/etc"},
+    {"run_name": "Bad_Name"}, {"run_config": {"run_dir": "/tmp/x"}}, {"run_config": {"run_id": "other"}},
+    {"run_config": {"dataset_dir": "/etc"}}, {"run_config": {"rdzv_port": 22}}, {"backend": "slurm"},
+])
+def test_the_form_schema_refuses_what_it_can_express(conf):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    # What a trigger does with a conf: each value resolved against its param's schema.
+    params = copy.deepcopy(_dag("fsdp_training").params)
+    with pytest.raises(ParamValidationError, match=f"Invalid input for param {next(iter(conf))}"):
+        params.update(conf)
+
+
+def test_stage_dataset_stages_a_folder_under_the_source_root_and_announces_it(tmp_path, monkeypatch):
+    sources = tmp_path / "sources"
+    src = sources / "text"
+    src.mkdir(parents=True)
     for i in range(6):
         (src / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 200)
     monkeypatch.setenv("FSDP_DATA_ROOT", str(tmp_path / "data"))
+    monkeypatch.setenv("FSDP_SOURCE_ROOT", str(sources))
     from airflow.dag_processing.dagbag import DagBag
 
     dag = DagBag(dag_folder=str(REPO / "dags")).dags["stage_dataset"]
-    dr = dag.test(run_conf={"source": str(src), "dataset": "tiny-text", "val_fraction": 0.3})
+    dr = dag.test(run_conf={"source": "text", "dataset": "tiny-text", "val_fraction": 0.3})
     assert str(dr.state) == "success"
     index = json.loads((tmp_path / "data" / "tiny-text" / "index.json").read_text())
     assert index["train"] and index["val"]
-    bad = dag.test(run_conf={"source": str(tmp_path / "missing"), "dataset": "nothing"})
-    assert str(bad.state) == "failed" and not (tmp_path / "data" / "nothing").exists()
+    # Nothing outside the two roots is read or written: a missing folder, a path outside the
+    # source root (absolute, by "..", by a symlink), a dataset name that is a symlink out.
+    (sources / "escape").symlink_to(tmp_path)
+    (tmp_path / "data" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    for conf in ({"source": "missing", "dataset": "nothing"}, {"source": str(tmp_path), "dataset": "abs"},
+                 {"source": "../", "dataset": "dotdot"}, {"source": "escape", "dataset": "symlinked"},
+                 {"source": "text", "dataset": "linked"}):
+        bad = dag.test(run_conf=conf)
+        states = {ti.task_id: str(ti.state) for ti in bad.get_task_instances()}
+        assert str(bad.state) == "failed" and states["validate_source"] == "failed", (conf, states)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["linked", "tiny-text"]
+    assert not (tmp_path / "elsewhere").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -58,28 +59,9 @@ def base_conf(run_name: str, **overrides) -> dict:
     return conf
 
 
-def test_faults_inside_the_job_are_recovered_and_the_run_is_evaluated_and_published(roots):
-    conf = base_conf("happy", run_config={**FAST, "faults": [
-        {"kind": "exception", "step": 4, "rank": 1},   # in-process
-        {"kind": "sigkill", "step": 8, "rank": 0},     # in-job
-    ]})
-    dr = trigger(conf)
-    st = states(dr)
-    assert str(dr.state) == "success", st
-    assert st["watch_checkpoints"] == "success" and st["publish"] == "success"
-    assert all(st[f"escalation_{k}.decide"] == "skipped" for k in (1, 2, 3))
-    run_dir = roots / "happy"
-    events = read_events(run_dir / "events.jsonl")
-    layers = [r["layer"] for r in events if r["event"] == "restart_end"]
-    assert "inprocess" in layers and "injob" in layers
-    assert not [r for r in events if r["event"] == "escalation"]
-    assert json.loads((run_dir / "eval.json").read_text())["step"] == 12
-    assert (run_dir / "report" / "report.md").exists()
-    # Published: the final checkpoint, every byte checked against its commit's CRC32C.
-    published = xcom(dr, "publish")
-    assert (published["checkpoint_id"], published["verified"], published["skipped"]) == (
-        "step_00000012", "checksums", [])
-    assert published["checkpoint"] == str(run_dir / "checkpoints" / "step_00000012")
+# A good run with an in-process and an in-job fault, evaluated and published, is the deployment
+# test's (test_deployment.py: the real scheduler, triggerer and PostgreSQL); dag.test() keeps the
+# ladder's other outcomes.
 
 
 def test_restarts_exhausted_replaces_the_slot_and_resumes(roots):
@@ -148,13 +130,67 @@ def test_a_stall_ends_as_no_progress(roots):
     assert latest is None or latest.step < 12
 
 
-def test_invalid_params_are_rejected_before_anything_launches(roots):
+def test_invalid_params_are_rejected_before_anything_launches(roots, capfd):
     from airflow.sdk.exceptions import ParamValidationError
 
     with pytest.raises(ParamValidationError):
         trigger(base_conf("bad-form", nodes=0))
-    dr = trigger(base_conf("bad-config", fault_drill={"kind": "meteor", "step": 1}))
-    st = states(dr)
-    assert str(dr.state) == "failed" and st["validate_config"] == "failed"
-    assert st["launch_training"] == "upstream_failed"
-    assert not (roots / "bad-config").exists()
+    # What the form's schema cannot express, validate_config refuses; the run fails there, once,
+    # with the reason; the rest shows upstream_failed, and nothing fails with another message.
+    data = Path(os.environ["FSDP_DATA_ROOT"])
+    (data / "escape").symlink_to(roots.parent, target_is_directory=True)
+    refused = {
+        "missing-rank": ({"fault_drill": {"kind": "exception", "step": 2, "rank": 7}}, r"rank=7 must be a global rank"),
+        "symlinked-dataset": ({"dataset": "escape"}, "outside its root"),
+    }
+    for name, (overrides, reason) in refused.items():
+        capfd.readouterr()
+        dr = trigger(base_conf(name, **overrides))
+        assert re.search(f"invalid run parameters: .*{reason}", capfd.readouterr().out), name
+        st = states(dr)
+        assert str(dr.state) == "failed" and st["validate_config"] == "failed", (name, st)
+        assert {s for t, s in st.items() if t != "validate_config"} == {"upstream_failed"}, (name, st)
+        assert not [t for t, state in st.items() if state == "failed" and t != "validate_config"], (name, st)
+        assert not (roots / name).exists()
+    assert not (roots / ".local-backend" / "jobs").exists() or not list((roots / ".local-backend" / "jobs").iterdir())
+
+
+def test_no_param_places_a_run_outside_its_roots(roots, monkeypatch):
+    """Straight through the ladder (the schema's refusals aside): every path field by name, '..',
+    absolute paths and symlinks are refused before anything is created."""
+    from fsdp_resilience import ladder
+    from training.contract import ConfigError
+
+    def build(**params):
+        return ladder.build_run_config({"dataset": "python-stdlib", **params}, "manual__x")
+
+    good = build(run_name="fine")
+    assert good["config"]["run_dir"] == str(roots.resolve() / "fine")
+    assert good["config"]["dataset_dir"] == str(Path(os.environ["FSDP_DATA_ROOT"]).resolve() / "python-stdlib")
+    for field in ladder.PLACEMENT_FIELDS:
+        with pytest.raises(ConfigError, match=f"run_config may not set {field}"):
+            build(run_name="sneaky", run_config={field: "/tmp/x" if field != "rdzv_port" else 2222})
+    for dataset in ("../python-stdlib", "/etc", "..", "a/b", "", None):
+        with pytest.raises(ConfigError, match="dataset"):
+            build(dataset=dataset)
+    roots.mkdir(parents=True, exist_ok=True)
+    (roots / "linked-run").symlink_to(roots.parent, target_is_directory=True)
+    with pytest.raises(ConfigError, match="outside its root"):
+        build(run_name="linked-run")
+    for run_name in ("../up", "/abs", "UPPER"):
+        with pytest.raises(ConfigError, match="run_id"):
+            build(run_name=run_name)
+    # The backend's checks come before anything starts: slots quarantined for good leave too few.
+    backend = get_backend(**settings.backend_config("local"))
+    backend.replace_nodes(["slot-0"], reason="test")
+    backend.replace_nodes(["slot-1"], reason="test")
+    with pytest.raises(ConfigError, match="capacity: .* 2 are quarantined"):
+        build(run_name="crowded", nodes=3)
+    monkeypatch.setenv("TRAINING_PYTHON", str(roots / "no-such-python"))
+    with pytest.raises(ConfigError, match="needs a training environment"):
+        build(run_name="no-env")
+    # A deployment whose default backend is EKS (the Airflow image) never falls back to local.
+    monkeypatch.setenv("FSDP_DEFAULT_BACKEND", "eks")
+    monkeypatch.delenv("FSDP_EKS_IMAGE", raising=False)
+    with pytest.raises(ConfigError, match="the EKS backend needs a training image"):
+        build(run_name="deployed")

@@ -11,7 +11,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from fsdp_resilience import ladder
+from fsdp_resilience import ladder, settings
 from fsdp_resilience.report import build_report
 from fsdp_resilience.trusted_checkpoint import CHECKSUMS, SIZES, NoTrustedCheckpoint
 from saved_checkpoints import flip_bytes, save_checkpoint
@@ -27,7 +27,10 @@ def runs_root(tmp_path, monkeypatch) -> Path:
 
 
 def run_for(name: str, backend: str = "local") -> dict:
-    return ladder.build_run_config({"run_name": name, "dataset": "c4", "backend": backend}, dag_run_id=name)
+    """A run as validate_config builds it, placed on ``backend`` (the checkpoint checks never call
+    the backend, so an EKS run needs no cluster here)."""
+    run = ladder.build_run_config({"run_name": name, "dataset": "c4", "backend": "local"}, dag_run_id=name)
+    return {**run, "backend": settings.backend_config(backend)}
 
 
 def damaged_run(run_dir: Path) -> None:
