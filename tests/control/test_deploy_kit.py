@@ -391,7 +391,7 @@ def test_helm_values_mount_fsx_in_workers_and_triggerer_and_set_the_connections(
     from fsdp_resilience import fsx
 
     values = yaml.safe_load(HELM_VALUES.read_text())
-    env = {e["name"]: e["value"] for e in values["env"]}
+    env = {e["name"]: e["value"] for e in values["env"] + yaml.safe_load(values["extraEnv"])}
     assert values["airflowVersion"] == values["defaultAirflowTag"] == pins(AIRFLOW_DOCKERFILE)["apache-airflow"]
     assert env["FSDP_RUNS_ROOT"] == f"{FSX_MOUNT}/runs" and env["FSDP_DATA_ROOT"] == f"{FSX_MOUNT}/datasets"
     assert env["FSDP_FSX_MOUNT_PATH"] == FSX_MOUNT
@@ -430,6 +430,32 @@ def test_helm_values_mount_fsx_in_workers_and_triggerer_and_set_the_connections(
         else:
             pytest.fail(f"{component} does not mount FSx at {FSX_MOUNT}")
     assert roles["workers"] != roles["triggerer"], "the triggerer has its own (describe-only) IAM role"
+
+
+def test_helm_values_work_with_their_defaults_on_the_image_the_readme_builds():
+    """The Airflow image has no training environment: the values make EKS the default backend, pin
+    the chart, give the log volumes a storage class, and tag both images with the commit the
+    README builds (one --set)."""
+    from fsdp_resilience.backends.eks_manifests import image_repository
+
+    values = yaml.safe_load(HELM_VALUES.read_text())
+    env = {e["name"]: e["value"] for e in values["env"]}
+    assert env["FSDP_DEFAULT_BACKEND"] == "eks"
+    chart = re.search(r"--version (\d+\.\d+\.\d+)", HELM_VALUES.read_text()).group(1)
+    docs = DOCS.read_text()
+    installs = [cmd.replace("\\\n", " ") for cmd in
+                re.findall(r"helm upgrade --install airflow apache-airflow/airflow(?:\\\n|[^\n])*", docs)]
+    assert installs and all(f"--version {chart}" in cmd and "images.airflow.tag=$TAG" in cmd for cmd in installs), installs
+    assert "TAG=$(git rev-parse --short HEAD)" in docs
+    for component in ("workers", "triggerer"):
+        persistence = values[component]["persistence"]
+        assert persistence["enabled"] and persistence["storageClassName"], component
+    # The training image is the Airflow image's tag (the chart renders extraEnv with tpl).
+    extra = {e["name"]: e["value"] for e in yaml.safe_load(values["extraEnv"])}
+    image = extra["FSDP_EKS_IMAGE"]
+    assert image.endswith(":{{ .Values.images.airflow.tag }}") and "FSDP_EKS_IMAGE" not in env
+    rendered = image.replace("{{ .Values.images.airflow.tag }}", "0a1b2c3")
+    assert image_repository(rendered).endswith("/fsdp-resilience/training")
 
 
 def test_airflow_and_training_pods_share_the_uid_that_owns_the_run_dirs():
