@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 
 $(AFSTAMP): pyproject.toml requirements/constraints-airflow.txt
 	$(PYTHON) -m venv $(AFVENV)
-	$(AFBIN)/$(PIP) -c requirements/constraints-airflow.txt -e '.[orchestration,dev,test-eks]'
+	$(AFBIN)/$(PIP) -c requirements/constraints-airflow.txt -e '.[orchestration,dev,test-eks,test-deployment]'
 	touch $(AFSTAMP)
 
 $(CKSTAMP): requirements/checkov.txt

@@ -20,11 +20,11 @@ def test_quick_control_plane_bench_and_summary(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads((tmp_path / "control_plane.quick.json").read_text())
     parse = result["parse"]
-    assert parse["dags"] == ["fsdp_training", "stage_dataset"] and parse["torch_blocked"]
+    assert parse["dags"] == ["fsdp_training", "node_maintenance", "stage_dataset"] and parse["torch_blocked"]
     for mode in ("fresh_imports", "pre_imported"):
         stats = parse[mode]["dagbag_s"]
         assert stats["n"] == 2 and 0 < stats["min"] <= stats["median"] <= stats["max"]
-        assert set(parse[mode]["per_file_s"]) == {"fsdp_training.py", "stage_dataset.py"}
+        assert set(parse[mode]["per_file_s"]) == {"fsdp_training.py", "node_maintenance.py", "stage_dataset.py"}
     watch = result["watch"]
     seen = watch["commit_to_trigger_event_s"]
     assert seen["n"] == watch["trials"] == 3
