@@ -3,8 +3,8 @@ triggerer as separate processes (tests/control/airflow_stack.py), driven as a us
 the REST API v2 with a JWT, and through the trigger form in headless Chromium.
 
 One stack for the module, and as few launches as possible: one good training run carries the
-fault drill, the deferred watch and the triggerer restart; the refused confs run in
-validate_config alongside it. Without PostgreSQL, psycopg2, Chromium or Playwright the tests skip
+fault drills, the deferred watch and the triggerer restart; a user bug and a diverging run train
+alongside it, and the refused confs run in validate_config while the dataset stages. Without PostgreSQL, psycopg2, Chromium or Playwright the tests skip
 with one line saying what to install; with CI set they fail instead.
 """
 
@@ -21,7 +21,7 @@ import pytest
 
 from airflow_stack import CHROMIUM, REPO, AirflowStack, missing_for_browser, missing_for_stack, wait_for
 from shared import FAST_RUN
-from training.contract import read_events
+from training.contract import CheckpointCatalog, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -176,6 +176,18 @@ def test_validate_config_refuses_and_nothing_launches(stack, refused_runs, name)
 # A good run: stage a dataset, train with a fault drill, kill the triggerer mid-watch.
 
 
+#: Runs that fail for a reason that is not the machine's: the ladder never climbs, no node is
+#: quarantined, resolve_outcome fails with the class. Overrides, and the failure class and exit code.
+FAILING_RUNS = {
+    "deploy-userbug": ({"fault_drill": {"kind": "user_bug", "step": 5, "rank": 1}}, "user_error"),
+    # rank 1's loss turns NaN at step 5 on every pass: rolled back max_nonfinite_rollbacks times,
+    # then the run ends non_finite; no checkpoint holds state from after the NaN.
+    "deploy-diverges": ({"max_node_replacements": 2,
+                         "run_config": {**FAST_RUN, "faults": [{"kind": "nan", "step": 5, "rank": 1, "attempt": None}]}},
+                        "non_finite"),
+}
+
+
 @dataclass
 class GoodRun:
     stage_run: str
@@ -189,6 +201,8 @@ class GoodRun:
     killed_triggerer_job: int | None = None
     killed_triggerer_pid: int | None = None
     new_triggerer_pid: int | None = None
+    #: the dag run id of each of FAILING_RUNS, by run name
+    failing: dict[str, str] = field(default_factory=dict)
 
 
 def ti_of(stack: AirflowStack, run_id: str, task_id: str) -> dict:
@@ -212,6 +226,11 @@ def good_run(stack, refused_runs) -> GoodRun:
                                                 {"kind": "sigkill", "step": 8, "rank": 0}]}))
     assert response.status_code in (200, 201), response.text
     record = GoodRun(stage_run=stage_run, run_id=response.json()["dag_run_id"])
+    # Two runs that must fail without the ladder climbing, alongside it (4 slots; each takes one).
+    for name, (overrides, _) in FAILING_RUNS.items():
+        response = stack.trigger(TRAINING, conf(name, **overrides))
+        assert response.status_code in (200, 201), response.text
+        record.failing[name] = response.json()["dag_run_id"]
 
     # Poll the watch until it is deferred and a triggerer has taken its trigger.
     def deferred_and_taken():
@@ -298,6 +317,27 @@ def test_a_killed_triggerer_is_replaced_and_the_watch_resumes(stack, good_run):
     # ... and the run went on to the end with its one launch.
     assert good_run.states["watch_checkpoints"] == "success" and good_run.state == "success", good_run.states
     assert [r["launch_id"] for r in job_records(stack) if r["run_id"] == GOOD] == ["0"]
+
+
+@pytest.mark.parametrize("name", FAILING_RUNS)
+def test_a_user_bug_or_a_diverging_run_fails_without_replacing_a_node(stack, good_run, name):
+    failure_class = FAILING_RUNS[name][1]
+    run_id = good_run.failing[name]
+    assert stack.wait_for_run(TRAINING, run_id, TRAIN_TIMEOUT_S) == "failed"
+    st = stack.task_states(TRAINING, run_id)
+    assert st["watch_checkpoints"] == "success" and st["resolve_outcome"] == "failed", st
+    assert all(st[f"escalation_{k}.decide"] == "skipped" for k in (1, 2, 3)), st
+    assert st["evaluate"] == st["publish"] == "upstream_failed", st
+    assert stack.xcom(TRAINING, run_id, "watch_checkpoints")["failure_class"] == failure_class
+    assert failure_class in stack.task_log(TRAINING, run_id, "resolve_outcome")
+    events = read_events(stack.runs_root / name / "events.jsonl")
+    assert not [e for e in events if e["event"] == "escalation"]
+    assert any(e["event"] == "final" and e["failure_class"] == failure_class for e in events)
+    slots_file = stack.runs_root / ".local-backend" / "slots.json"
+    slots = json.loads(slots_file.read_text()) if slots_file.exists() else {}
+    assert not [s for s, v in slots.items() if v.get("state") == "quarantined"], slots
+    if failure_class == "non_finite":
+        assert all(c.step < 5 for c in CheckpointCatalog(stack.runs_root / name).committed())
 
 
 # ---------------------------------------------------------------------------------------------
