@@ -46,16 +46,15 @@ PARAMS = {
                     description="Required when nodes are given: what was checked or fixed. Recorded with the "
                                 "node's return, with who triggered this run and when."),
     "backend": Param(None, type=["null", "string"], enum=[None, *settings.BACKENDS], title="Backend",
-                     description="The backend whose nodes to act on; empty: FSDP_DEFAULT_BACKEND "
-                                 f"(here: {settings.default_backend()})."),
+                     description="The backend whose nodes to act on; empty: the deployment's "
+                                 "FSDP_DEFAULT_BACKEND (local unless set)."),
 }
 
 
 def _backend():
-    from fsdp_resilience.backends import get_backend
+    from fsdp_resilience.quarantine import build_backend
 
-    name = get_current_context()["params"].get("backend") or settings.default_backend()
-    return get_backend(**settings.backend_config(name))
+    return build_backend(get_current_context()["params"].get("backend"))
 
 
 @dag(dag_id="node_maintenance", schedule=SCHEDULE, start_date=datetime.datetime(2025, 1, 1), catchup=False,

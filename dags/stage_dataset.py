@@ -110,7 +110,7 @@ def stage_dataset():
     def validate_source() -> dict:
         params = get_current_context()["params"]
         try:
-            backend = params["backend"] or settings.default_backend()
+            backend = settings.backend_name(params["backend"])
         except ValueError as e:
             raise AirflowFailException(str(e)) from None
         return _local_plan(params) if backend == "local" else _fsx_plan(params)

@@ -95,9 +95,7 @@ def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
     if not 0 <= max_replacements <= MAX_RUNGS:
         raise EscalationError(f"max_node_replacements={max_replacements} must be between 0 and {MAX_RUNGS}")
     try:
-        name = params.get("backend") or settings.default_backend()
-        if name not in settings.BACKENDS:
-            raise ValueError(f"backend={name!r} is not a backend; use one of {', '.join(settings.BACKENDS)}")
+        name = settings.backend_name(params.get("backend"))
         namespace = params.get("namespace")
         if namespace and name == "eks" and namespace not in settings.allowed_namespaces():
             raise ValueError(f"namespace {namespace!r} is not one this deployment trains in "

@@ -25,7 +25,7 @@ from fsdp_resilience.backends.base import BackendError, ServiceReturn, TrainingB
 
 
 def build_backend(name: str | None) -> TrainingBackend:
-    return get_backend(**settings.backend_config(name or settings.default_backend()))
+    return get_backend(**settings.backend_config(settings.backend_name(name)))
 
 
 def _age(seconds: float) -> str:

@@ -76,6 +76,15 @@ def default_backend() -> str:
     return name
 
 
+def backend_name(requested: str | None = None) -> str:
+    """The backend a run or command uses: ``requested`` (a DAG param, a CLI flag), else
+    FSDP_DEFAULT_BACKEND. ValueError for a name that is not a backend."""
+    name = requested or default_backend()
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not a backend; use one of {', '.join(BACKENDS)}")
+    return name
+
+
 def quarantine_cooldown_s() -> float:
     """FSDP_QUARANTINE_COOLDOWN_S: after how long a quarantined node returns to service by itself
     (0: never; the default)."""

@@ -224,7 +224,7 @@ def test_replace_nodes_quarantines_slots_and_refuses_above_the_share(tmp_path):
     assert slots["slot-2"]["state"] == "quarantined" and slots["slot-2"]["reason"] == "restarts exhausted twice"
     # another process sees the same pool
     assert LocalProcessBackend(tmp_path / "state", slots=4).capacity().quarantined == ["slot-2"]
-    assert b.return_to_service(["slot-2"], reason="test: slot checked") == ["slot-2"] and b.capacity().healthy == 4
+    assert b.return_nodes(["slot-2"], reason="test: slot checked").returned == ["slot-2"] and b.capacity().healthy == 4
 
     strict = LocalProcessBackend(tmp_path / "strict", slots=4, max_unhealthy_share=0.2)  # EKS's default
     assert strict.replace_nodes(["slot-0", "slot-1"], reason="x").refused == ["slot-0", "slot-1"]

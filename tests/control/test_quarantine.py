@@ -21,6 +21,7 @@ from test_eks_backend import backend_for
 from fsdp_resilience import settings
 from fsdp_resilience.backends import BackendError, get_backend
 from fsdp_resilience.backends.eks import QUARANTINE_ANNOTATION, QUARANTINE_TAINT, RETURN_ANNOTATION
+from fsdp_resilience.quarantine import format_return
 
 
 @pytest.fixture()
@@ -74,7 +75,7 @@ def test_a_return_without_a_reason_or_of_an_unknown_node_is_refused_and_changes_
     empty = cli("return", "slot-0", "--reason", "  ")
     assert empty.returncode == 2 and "--reason is empty" in empty.stderr
     with pytest.raises(BackendError, match="needs a reason"):
-        local.return_to_service(["slot-0"], reason="")
+        local.return_nodes(["slot-0"], reason="")
     unknown = cli("return", "slot-9", "slot-0", "--reason", "typo")
     assert unknown.returncode == 1
     assert "unknown local node(s) ['slot-9']" in unknown.stderr and "slot-3" in unknown.stderr
@@ -213,7 +214,7 @@ def test_an_eks_node_that_is_gone_is_reported_and_an_expired_one_returns(cluster
     backend.replace_nodes(["gpu-3"], reason="no progress")
     cluster.remove_node("gpu-1")  # its Auto Scaling group replaced it
     result = backend.return_nodes(["gpu-1"], reason="repaired")
-    assert result.gone == ["gpu-1"] and result.returned == [] and "gone" in result.message
+    assert result.gone == ["gpu-1"] and result.returned == [] and "gone" in format_return(result)
     assert [q["node_id"] for q in backend.quarantined_nodes()] == ["gpu-3"]
     assert backend.return_expired(3600) == []
     assert backend.return_expired(3600, now=time.time() + 3700) == ["gpu-3"]
@@ -227,7 +228,7 @@ def test_the_triggerer_cannot_return_an_eks_node(cluster, tmp_path):
     backend = backend_for(tmp_path, replacement="cordon")
     backend.replace_nodes(["gpu-0"], reason="lost")
     with acting_as(cluster, TRIGGERER), pytest.raises(BackendError, match=r"forbidden .*airflow-triggerer lacks"):
-        backend.return_to_service(["gpu-0"], reason="not the triggerer's call")
+        backend.return_nodes(["gpu-0"], reason="not the triggerer's call")
     node = cluster.node("gpu-0")
     assert node["spec"]["unschedulable"] is True and any(t["key"] == QUARANTINE_TAINT for t in node["spec"]["taints"])
     assert not [r for r in cluster.requests if r.user == TRIGGERER and r.verb == "patch"]

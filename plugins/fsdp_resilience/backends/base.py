@@ -269,12 +269,11 @@ class Capacity(_Serializable):
 class ServiceReturn(_Serializable):
     """What ``return_nodes`` did: nodes back in service, nodes that were not quarantined (left as
     they are), nodes that no longer exist (EKS: replaced by their Auto Scaling group or Karpenter;
-    nothing to return), and a line saying so."""
+    nothing to return). ``fsdp_resilience.quarantine.format_return`` says it in words."""
 
     returned: list[str] = field(default_factory=list)
     not_quarantined: list[str] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
-    message: str = ""
 
 
 def require_reason(reason: str | None) -> str:
@@ -294,15 +293,6 @@ def current_operator() -> str:
     except (KeyError, OSError):  # a container user with no passwd entry and no $USER
         user = f"uid {os.getuid()}"
     return f"{user}@{socket.gethostname()}"
-
-
-def service_return_message(returned: list[str], not_quarantined: list[str], gone: list[str], reason: str) -> str:
-    parts = [f"returned to service: {returned} ({reason})"] if returned else []
-    if not_quarantined:
-        parts.append(f"not quarantined, left as they are: {not_quarantined}")
-    if gone:
-        parts.append(f"gone (no such node any more; replaced, nothing to return): {gone}")
-    return "; ".join(parts) or "nothing to return"
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,10 +425,6 @@ class TrainingBackend(abc.ABC):
         default user@host) and when. Only nodes this project quarantined are touched; with
         ``quarantined_before``, only those quarantined before that time (epoch seconds)."""
         raise BackendError(f"the {self.name} backend keeps no quarantine to return nodes from")
-
-    def return_to_service(self, node_ids: list[str], reason: str, *, by: str | None = None) -> list[str]:
-        """``return_nodes``; returns the nodes it changed."""
-        return self.return_nodes(node_ids, reason, by=by).returned
 
     def return_expired(self, cooldown_s: float, now: float | None = None) -> list[str]:
         """Return the nodes quarantined for longer than ``cooldown_s`` (FSDP_QUARANTINE_COOLDOWN_S),

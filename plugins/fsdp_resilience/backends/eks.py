@@ -72,7 +72,6 @@ from fsdp_resilience.backends.base import (
     most_telling_failure,
     plan_replacement,
     require_reason,
-    service_return_message,
     what_to_do,
 )
 from fsdp_resilience.backends.eks_manifests import (
@@ -809,8 +808,7 @@ class EksBackend(TrainingBackend):
             for name in dict.fromkeys(node_ids):
                 outcome = kube.return_node(name, reason, by, quarantined_before)
                 {"returned": returned, "not_quarantined": not_quarantined, "gone": gone}[outcome].append(name)
-        return ServiceReturn(returned, not_quarantined, gone,
-                             service_return_message(returned, not_quarantined, gone, reason))
+        return ServiceReturn(returned, not_quarantined, gone)
 
     def _replace_instance(self, kube: "_Kube", node: dict[str, Any]) -> str:
         name = node["metadata"]["name"]

@@ -76,7 +76,6 @@ from fsdp_resilience.backends.base import (
     most_telling_failure,
     plan_replacement,
     require_reason,
-    service_return_message,
     what_to_do,
 )
 from fsdp_resilience.backends.evidence import blame_from_events, final_events, verdict_at_cancel
@@ -520,8 +519,7 @@ class LocalProcessBackend(TrainingBackend):
             if returned:
                 self._store.write_slots(slots)
         not_quarantined = [s for s in wanted if s not in returned]
-        return ServiceReturn(returned, not_quarantined, [],
-                             service_return_message(returned, not_quarantined, [], reason))
+        return ServiceReturn(returned, not_quarantined, [])
 
     # -- evaluation ---------------------------------------------------------------------------
     def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
