@@ -64,7 +64,7 @@ from bench.common import (
 plugins_on_path()
 
 from bench.drive import drive, relaunch_trials  # noqa: E402
-from fsdp_resilience.report import build_report, goodput  # noqa: E402
+from fsdp_resilience.report import build_report, goodput, save_windows, step_executions  # noqa: E402
 from training.contract import RunConfig, read_events  # noqa: E402
 
 #: Job-level MTBF of Llama 3 405B pre-training: 54 days, 419 unexpected interruptions.
@@ -107,8 +107,12 @@ def calibration(args: argparse.Namespace, work: Path, dataset: Path) -> dict[str
     cadence = step_cadence(events)
     if rc != 0 or cadence is None or not blocking:
         raise RuntimeError(f"the calibration run failed (exit {rc}); see {work / 'calibration.log'}")
+    # A save costs the loop its blocking time and its writer's interference with the steps.
+    costs = save_costs(events, goodput(events))
+    save_cost = statistics.median(blocking) + costs["interference_per_save_s"]
     return {**cal, "source": f"calibration run ({CALIBRATION_STEPS} steps, no faults)",
-            "step_time_s": args.step_time_s or cadence, "save_cost_s": args.save_cost_s or statistics.median(blocking)}
+            "step_time_s": args.step_time_s or cadence, "save_cost_s": args.save_cost_s or save_cost,
+            "calibration_save_costs": costs}
 
 
 def plan(args: argparse.Namespace, cal: dict[str, Any]) -> dict[str, Any]:
@@ -154,30 +158,25 @@ def stop_when_done(cfg: RunConfig, duration_s: float, n_faults: int, limit_s: fl
     return stop
 
 
-def save_costs(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a checkpoint costs, measured in this run: the blocking time per save (the loop stops:
-    badput), the slow-down of the steps that ran while a save was being written (the writer
-    shares the CPU; those steps still count as productive time, so ETTR does not show it), and
-    the commit latency (save begins -> committed)."""
-    begins = {(r.get("launch_id"), r.get("attempt"), r["step"]): r for r in events if r.get("event") == "checkpoint_begin"}
+def save_costs(events: list[dict[str, Any]], accounting: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint costs, measured in this run: the blocking time per save (the loop stops),
+    the interference per save (steps slower than usual while the background writer shares the
+    CPU: the report's ``checkpoint_interference``, badput like the blocking time), and the commit
+    latency (save begins -> committed)."""
+    windows = save_windows(events)
+    blocking = [r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin" and r.get("blocking_s") is not None]
     commits = [r for r in events if r.get("event") == "checkpoint_commit"]
-    windows = []
-    for c in commits:
-        b = begins.get((c.get("launch_id"), c.get("attempt"), c["step"]))
-        if b is not None:
-            windows.append((b["ts"], c["ts"]))
-    steps = [r for r in events if r.get("event") == "step" and r.get("step_s") is not None]
-    during, outside = [], []
-    for r in steps:
-        (during if any(lo < r["ts"] <= hi for lo, hi in windows) else outside).append(r["step_s"])
-    blocking = [r["blocking_s"] for r in begins.values() if r.get("blocking_s") is not None]
-    slowdown = (statistics.median(during) - statistics.median(outside)) if during and outside else 0.0
-    interference = max(0.0, slowdown) * len(during) / max(1, len(windows))
+    executions = [e for e in step_executions(events) if not e.replayed]
+    during = [e.end - e.start for e in executions if any(e.start < hi and lo < e.end for lo, hi in windows)]
+    interference = accounting["badput_s"].get("checkpoint_interference", 0.0) / max(1, len(windows))
     block = statistics.median(blocking) if blocking else 0.0
+    usual = accounting.get("usual_step_s")
     return {"blocking_s": summarize(blocking), "commit_s": summarize(c.get("save_s") for c in commits),
-            "steps_during_a_save": len(during), "step_s_during_a_save": summarize(during),
-            "step_s_otherwise": summarize(outside), "interference_per_save_s": round(interference, 4),
-            "blocking_median_s": round(block, 4), "blocking_plus_interference_s": round(block + interference, 4)}
+            "saves_committed": len(windows), "steps_during_a_save": len(during),
+            "step_s_during_a_save": summarize(during), "step_s_otherwise_median": usual,
+            "interference_ratio": round(statistics.median(during) / usual, 3) if during and usual else None,
+            "interference_per_save_s": round(interference, 4), "blocking_median_s": round(block, 4),
+            "blocking_plus_interference_s": round(block + interference, 4)}
 
 
 def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -207,26 +206,27 @@ def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], arg
     restart_s = sum(v for k, v in b.items() if k.startswith("restart_")) + b.get("startup_restore", 0.0)
     lost = b.get("lost_progress", 0.0)
     per_fault = (restart_s + lost) / n if n else None
-    costs = save_costs(events)
+    costs = save_costs(events, whole)
     cadence = step_cadence(events) or planned["interval_s_target"] / planned["interval_steps"]
     interval_s = planned["interval_steps"] * cadence
     loop_overhead = b.get("other", 0.0) / steady["wall_s"] if steady["wall_s"] else 0.0
     restart_per_fault = restart_s / n if n else 0.0
-    # The save cost ETTR sees is the blocking time (interference slows productive steps instead).
+    # What a save costs the training loop: its blocking time and the interference of its writer.
     delta = costs["blocking_median_s"]
+    interference = costs["interference_per_save_s"]
     commit = costs["commit_s"].get("median") or 0.0
     realised_mtbf = steady["wall_s"] / n if n else math.inf
 
     def model(interval: float, mtbf: float) -> float:
-        return round(ettr_model(interval, save_cost_s=delta, mtbf_s=mtbf, restart_s=restart_per_fault,
+        return round(ettr_model(interval, save_cost_s=delta + interference, mtbf_s=mtbf, restart_s=restart_per_fault,
                                 commit_s=commit, loop_overhead=loop_overhead), 4)
 
     young_daly = []
     for label, mtbf in (("this run (realised)", realised_mtbf), ("target: one fault per 10 min", args.target_mtbf_s),
                         ("Llama 3 405B job (54 d, 419 faults)", LLAMA3_MTBF_S)):
-        tau = young_interval(delta, mtbf)
+        tau = young_interval(delta + interference, mtbf)
         young_daly.append({"mtbf": label, "mtbf_s": round(mtbf, 1), "young_interval_s": round(tau, 3),
-                           "daly_interval_s": round(daly_interval(delta, mtbf), 3),
+                           "daly_interval_s": round(daly_interval(delta + interference, mtbf), 3),
                            "interval_steps": max(1, round(tau / cadence)),
                            "ettr": {"half": model(tau / 2, mtbf), "young_daly": model(tau, mtbf), "double": model(2 * tau, mtbf)}})
     target_row = young_daly[1]
@@ -251,13 +251,14 @@ def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], arg
         "recovery_by_kind_s": {k: summarize(v) for k, v in sorted(by_kind.items())},
         "relaunches": rungs, "launches": driven["launches"], "rungs": driven["rungs"],
         "save_costs": costs, "step_cadence_s": round(cadence, 4), "interval_s": round(interval_s, 3),
-        "model": {"formula": "ETTR = (1 - loop_overhead - C/T) * (1 - (R + T/2 + W)/MTBF)",
-                  "C_save_cost_s": delta, "R_restart_per_fault_s": round(restart_per_fault, 3),
+        "model": {"formula": "ETTR = (1 - loop_overhead - (C + I)/T) * (1 - (R + T/2 + W)/MTBF)",
+                  "C_save_cost_s": delta, "I_interference_per_save_s": interference, "R_restart_per_fault_s": round(restart_per_fault, 3),
                   "W_commit_s": commit, "loop_overhead": round(loop_overhead, 4),
                   "check": {"measured_ettr_steady": round(steady["ettr"], 4) if steady["ettr"] else None,
                             "model_at_this_run": model(interval_s, realised_mtbf)}},
         "young_daly": young_daly,
-        "targets": {"ETTR >= 0.97 at one fault per 10 min (modeled, Young/Daly interval)": target_row["ettr"]["young_daly"] >= 0.97,
+        "targets": {"ETTR >= 0.85 at one fault per minute (measured, whole run)": (whole["ettr"] or 0.0) >= 0.85,
+                    "ETTR >= 0.97 at one fault per 10 min (modeled, Young/Daly interval)": target_row["ettr"]["young_daly"] >= 0.97,
                     "<= 10 s lost per fault (measured)": per_fault is not None and per_fault <= 10.0},
     }
 

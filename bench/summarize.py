@@ -136,6 +136,8 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     chaos = summary.get("chaos")
     if chaos:
         target = chaos["young_daly"][1]
+        rows.append((f"goodput: measured ETTR of the chaos run, one fault per ~{chaos['mtbf_s']:.0f} s (Llama 3 mix; "
+                     "interference counted as badput)", "≥ 0.85", f"{chaos['ettr']:.3f}", chaos["ettr"] >= 0.85))
         rows.append(("goodput: ETTR at one fault per 10 min, Young/Daly interval (model fed with measured costs)",
                      "≥ 0.97", f"{target['ettr']['young_daly']:.3f}", target["ettr"]["young_daly"] >= 0.97))
         rows.append((f"goodput: time lost per fault (measured, {chaos['faults_injected']} faults)", "≤ 10 s",
@@ -272,17 +274,19 @@ def render_markdown(summary: dict[str, Any]) -> str:
         c = chaos["save_costs"]
         m = chaos["model"]
         lines += [f"Measured save cost: blocking {_stat(c['blocking_s'])} per save; save → committed "
-                  f"{_stat(c['commit_s'])}. Not in ETTR: while the background writer runs, steps take "
-                  f"{_s(c['step_s_during_a_save'].get('median'))} instead of {_s(c['step_s_otherwise'].get('median'))} "
-                  f"(the writer shares the 2 cores with the 2 ranks), {_s(c['interference_per_save_s'])} more per save. "
-                  f"Model: {m['formula']}, with C = {_s(m['C_save_cost_s'])}, R = {_s(m['R_restart_per_fault_s'])} "
+                  f"{_stat(c['commit_s'])}. Interference (badput, the `checkpoint interference` row): while the "
+                  f"background writer runs, steps take {_s(c['step_s_during_a_save'].get('median'))} instead of "
+                  f"{_s(c['step_s_otherwise_median'])} (ratio {c['interference_ratio']}; the writer shares the 2 cores "
+                  f"with the 2 ranks), {_s(c['interference_per_save_s'])} more per save. "
+                  f"Model: {m['formula']}, with C = {_s(m['C_save_cost_s'])}, I = {_s(m['I_interference_per_save_s'])}, "
+                  f"R = {_s(m['R_restart_per_fault_s'])} "
                   f"per fault, W = {_s(m['W_commit_s'])}, loop overhead {100 * m['loop_overhead']:.1f} %; at this run's "
                   f"interval and fault rate it gives {m['check']['model_at_this_run']:.3f} against the measured "
                   f"{m['check']['measured_ettr_steady']:.3f} (without start-up and shutdown).", ""]
         rows = [(y["mtbf"], _s(y["mtbf_s"]), f"{_s(y['young_interval_s'])} ({y['interval_steps']} steps)",
                  f"{y['ettr']['half']:.3f}", f"**{y['ettr']['young_daly']:.3f}**", f"{y['ettr']['double']:.3f}")
                 for y in chaos["young_daly"]]
-        lines += ["Checkpoint interval by Young/Daly (sqrt(2·C·MTBF)) and the ETTR the model gives there, at half "
+        lines += ["Checkpoint interval by Young/Daly (sqrt(2·(C + I)·MTBF)) and the ETTR the model gives there, at half "
                   "and at twice that interval (modeled, not measured: three more 10-minute runs do not fit the "
                   "30-minute budget):", ""]
         lines += _table(("MTBF", "", "Young/Daly interval", "ETTR at ½×", "ETTR at 1×", "ETTR at 2×"), rows)

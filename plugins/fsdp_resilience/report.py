@@ -36,19 +36,21 @@ REPORT_DIRNAME = "report"
 
 PRODUCTIVE = "productive"
 CHECKPOINT_BLOCKING = "checkpoint_blocking"
+CHECKPOINT_INTERFERENCE = "checkpoint_interference"
 STARTUP_RESTORE = "startup_restore"
 LOST_PROGRESS = "lost_progress"
 OTHER = "other"
 
 #: Which category an instant covered by several intervals belongs to: the first one listed.
 #: Measured intervals (checkpoint stalls, step executions) win over the windows that contain them.
-_PRIORITY = (CHECKPOINT_BLOCKING, PRODUCTIVE, LOST_PROGRESS, STARTUP_RESTORE,
+_PRIORITY = (CHECKPOINT_BLOCKING, CHECKPOINT_INTERFERENCE, PRODUCTIVE, LOST_PROGRESS, STARTUP_RESTORE,
              *(f"restart_{layer}" for layer in RESTART_LAYERS))
 
 _LAYER_COLORS = {"inprocess": "tab:orange", "injob": "tab:red", "relaunch": "tab:purple"}
 _CATEGORY_COLORS = {
     PRODUCTIVE: "tab:green",
     CHECKPOINT_BLOCKING: "tab:blue",
+    CHECKPOINT_INTERFERENCE: "tab:pink",
     STARTUP_RESTORE: "tab:cyan",
     LOST_PROGRESS: "tab:brown",
     **{f"restart_{layer}": color for layer, color in _LAYER_COLORS.items()},
@@ -135,6 +137,43 @@ def step_executions(events: Iterable[dict[str, Any]]) -> list[StepExecution]:
     return [dataclasses.replace(run, replayed=True) if run.end < last_end[run.step] else run for run in runs]
 
 
+def save_windows(events: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
+    """``(begin, committed)`` of each save that committed: from its ``checkpoint_begin`` to its
+    ``checkpoint_commit`` (same launch, launcher attempt and step), the time its background writer
+    shared the machine with the training loop. A save that never committed has no end to take."""
+    begins: dict[tuple[Any, Any, int], float] = {}
+    windows = []
+    for record in _timed(events):
+        kind, step = record.get("event"), _int(record, "step")
+        if step is None:
+            continue
+        key = (record.get("launch_id"), record.get("attempt"), step)
+        if kind == Event.CHECKPOINT_BEGIN.value:
+            begins[key] = record["ts"]
+        elif kind == Event.CHECKPOINT_COMMIT.value and key in begins:
+            windows.append((begins.pop(key), record["ts"]))
+    return windows
+
+
+def _steps_during_saves(executions: list[StepExecution], windows: list[tuple[float, float]]
+                        ) -> tuple[float | None, list[StepExecution]]:
+    """The usual step time (median of the last executions that overlap no save window) and the
+    last executions that overlap one."""
+    slowed, others = [], []
+    for run in executions:
+        if not run.replayed:
+            if any(run.start < hi and lo < run.end for lo, hi in windows):
+                slowed.append(run)
+            else:
+                others.append(run.end - run.start)
+    others.sort()
+    if not others:
+        return None, slowed
+    mid = len(others) // 2
+    usual = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+    return usual, slowed
+
+
 def _startup_spans(timed: list[dict[str, Any]]) -> list[tuple[float, float]]:
     """From each launcher start (``launch_begin``) or in-process restart (``restart_begin``) to
     the ``train_begin`` it led to: process start, process-group init, model build, restore.
@@ -195,17 +234,22 @@ def goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
 
       1. ``checkpoint_blocking``: the training loop stopped for a save,
          ``[ts - blocking_s, ts]`` of each ``checkpoint_begin``.
-      2. ``productive``: the *last* execution of each step, ``[ts - step_s, ts]`` of its ``step``
+      2. ``checkpoint_interference``: how much longer than usual a step took while a save was
+         being written in the background (``save_windows``: ``checkpoint_begin`` → its
+         ``checkpoint_commit``) — the writer shares the machine with the training loop. For each
+         last execution of a step that overlaps a save window, the part beyond the usual step time
+         (the median of the steps that overlap none, ``usual_step_s``).
+      3. ``productive``: the *last* execution of each step, ``[ts - step_s, ts]`` of its ``step``
          record (so a step replayed after a restart counts once).
-      3. ``lost_progress``: every earlier execution of a step that was executed again later —
+      4. ``lost_progress``: every earlier execution of a step that was executed again later —
          work a restart threw away.
-      4. ``startup_restore``: from a ``launch_begin`` (or an in-process ``restart_begin``) to the
+      5. ``startup_restore``: from a ``launch_begin`` (or an in-process ``restart_begin``) to the
          ``train_begin`` it led to: starting processes, building the model, loading the checkpoint.
-      5. ``restart_<layer>`` (``inprocess``, ``injob``, ``relaunch``): the rest of each recovery
+      6. ``restart_<layer>`` (``inprocess``, ``injob``, ``relaunch``): the rest of each recovery
          window ``[ts - latency_s, ts]`` of a ``restart_end`` (fault → training resumed) — fault
          detection, teardown, and for in-job restarts (which log no process start) the start-up
          of the new processes too.
-      6. ``other``: everything else — launcher shutdown, time before a fault that was never
+      7. ``other``: everything else — launcher shutdown, time before a fault that was never
          recovered, steps not logged before a crash, loop overhead between steps.
 
     - **ETTR** (effective training time ratio) = productive / wall (None while wall is 0).
@@ -213,7 +257,8 @@ def goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
     A step's last execution is provisional while the run goes on: a later restart may replay it.
 
     Returns a JSON-serialisable dict: ``wall_s``, ``productive_s``, ``ettr``, ``badput_s`` (every
-    category but productive, seconds), ``start_ts``, ``end_ts``, ``steps_completed`` (distinct
+    category but productive, seconds), ``usual_step_s`` (None without a step outside a save),
+    ``steps_during_saves``, ``start_ts``, ``end_ts``, ``steps_completed`` (distinct
     steps executed), ``last_step``, ``step_executions``, ``replayed_steps`` (step numbers run more
     than once) and ``restarts`` (one ``{layer, latency_s, step, ts}`` per ``restart_end``).
     """
@@ -228,6 +273,10 @@ def goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
     intervals: list[tuple[float, float, str]] = [
         (run.start, run.end, LOST_PROGRESS if run.replayed else PRODUCTIVE) for run in executions]
     intervals += [(lo, hi, STARTUP_RESTORE) for lo, hi in _startup_spans(training)]
+    windows = save_windows(training)
+    usual, slowed = _steps_during_saves(executions, windows)
+    intervals += [(run.start + usual, run.end, CHECKPOINT_INTERFERENCE)
+                  for run in slowed if usual is not None and run.end - run.start > usual]
     restarts = []
     for record in training:
         kind, ts = record.get("event"), record["ts"]
@@ -254,6 +303,8 @@ def goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
         "productive_s": productive,
         "ettr": productive / wall if wall > 0 else None,
         "badput_s": badput,
+        "usual_step_s": usual,
+        "steps_during_saves": len(slowed),
         "steps_completed": len(steps),
         "last_step": max(steps, default=None),
         "step_executions": len(executions),
@@ -476,7 +527,9 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
         "steps replayed after a restart"
         + (f" (steps {_ranges(replayed)})" if replayed else "")
         + "; startup / restore: launch or in-process restart → `train_begin`; restart: the rest of "
-        "each fault → resumed window; checkpoint blocking: the loop stopped for a save. "
+        "each fault → resumed window; checkpoint blocking: the loop stopped for a save; checkpoint "
+        "interference: steps slower than usual while a save was written in the background (the "
+        "excess over the median step outside saves). "
         "ETTR = productive / wall.", ""]
 
     lines += ["## Figures", ""]

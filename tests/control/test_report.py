@@ -291,6 +291,25 @@ def test_log_interval_gaps_are_shared_between_the_unlogged_steps(tmp_path):
     assert accounting["ettr"] == pytest.approx(10 / 12)
 
 
+def test_steps_slowed_by_a_save_in_flight_count_as_interference_not_productive(tmp_path):
+    log = EventLog(tmp_path / "events.jsonl", run_id="writer", pid=1, rank=0, iteration=0)
+    log.emit(Event.LAUNCH_BEGIN, ts=T0, nodes=1)
+    log.emit(Event.TRAIN_BEGIN, ts=T0, start_step=0)
+    ts = T0
+    for step in range(1, 11):  # 1 s steps, except 1.5 s while step 4's save is written (steps 5, 6)
+        ts += 1.5 if step in (5, 6) else 1.0
+        log.emit(Event.STEP, ts=ts, step=step, loss=1.0, step_s=1.5 if step in (5, 6) else 1.0)
+        if step == 4:
+            log.emit(Event.CHECKPOINT_BEGIN, ts=ts, step=4, blocking_s=0.0, launch_id="l", attempt=0)
+        if step == 6:
+            log.emit(Event.CHECKPOINT_COMMIT, ts=ts, step=4, launch_id="l", attempt=0)
+    accounting = goodput(read_events(tmp_path / "events.jsonl"))
+    assert accounting["usual_step_s"] == pytest.approx(1.0) and accounting["steps_during_saves"] == 2
+    assert accounting["badput_s"]["checkpoint_interference"] == pytest.approx(1.0)
+    assert accounting["productive_s"] == pytest.approx(10.0)
+    assert accounting["ettr"] == pytest.approx(10.0 / 11.0)
+
+
 def test_goodput_of_nothing_or_of_a_partial_log(tmp_path):
     assert goodput([])["ettr"] is None
     assert goodput([{"event": "step"}, {"ts": "late", "event": "step"}])["wall_s"] == 0
