@@ -14,7 +14,9 @@ slots     Worker slots held while training runs: ``fsdp_training`` under ``dag.t
           the trigger in one process, one at a time: it shows where the time is spent (task code
           or trigger), not how a real scheduler packs slots.
 relaunch  The relaunch rung on the local backend, control-plane time only: from the failed launch
-          giving up to the first step of the relaunch on a replaced node, per fault kind.
+          giving up to the first step of the relaunch on a replaced node, per fault kind. Each
+          launch is watched by the sensor's own trigger (a check every --poll-s, and a look for
+          the launch's end every 0.2 s in between).
 
 Writes DIR/control_plane.json (default DIR: bench/results).
 """
@@ -288,8 +290,13 @@ def bench_slots(work: Path, steps: int) -> dict[str, Any]:
 RELAUNCH_FAULTS = ("sigkill", "node_loss", "sigkill")
 
 
+#: Issue 14: the relaunch after a node replacement, failed launch -> the relaunch's first step.
+RELAUNCH_TARGET_S = 10.0
+
+
 def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[str, Any]:
     from bench.drive import drive, relaunch_trials
+    from fsdp_resilience.progress import CHANGE_TICK_S
     from training.contract import RunConfig
 
     from bench.common import free_port
@@ -321,14 +328,17 @@ def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[st
             by_kind.setdefault(t["kind"], []).append(t)
     rows = [{"kind": kind, "launch_failed_by": ts[0]["launch_failed_by"], "total_s": summarize(t["total_s"] for t in ts),
              "parts_median_s": {p: summarize(t["parts"][p] for t in ts).get("median") for p in ts[0]["parts"]},
-             "data_plane_s": summarize(t["data_plane_s"] for t in ts), "target_s": 60.0,
-             "target_met": summarize(t["total_s"] for t in ts)["median"] <= 60.0}
+             "data_plane_s": summarize(t["data_plane_s"] for t in ts), "target_s": RELAUNCH_TARGET_S,
+             "target_met": summarize(t["total_s"] for t in ts)["median"] <= RELAUNCH_TARGET_S}
             for kind, ts in by_kind.items()]
-    return {"wall_s": round(time.time() - t0, 1), "poll_interval_s": poll_s, "faults": faults,
+    return {"wall_s": round(time.time() - t0, 1), "poll_interval_s": poll_s, "change_tick_s": CHANGE_TICK_S,
+            "faults": faults,
             "outcome": driven["launches"][-1]["outcome"], "trials": trials, "rows": rows,
             "note": "control-plane time only: from the failed launch giving up (its final event; for a lost node "
                     "the loss itself) to the relaunch's first step; the ladder's functions run without Airflow's "
-                    "scheduler (no task start-up time)"}
+                    "scheduler (no task start-up time); each launch watched by TrainingProgressTrigger, which "
+                    "checks every poll_interval_s and looks for the launch's end (its final event, the local "
+                    "backend's job record) every change_tick_s in between"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Run training the way the fsdp_training DAG does, minus Airflow's scheduler, and time the control
 plane's part of each relaunch.
 
-``drive`` submits launch 0 to a backend, watches it with the check the deferrable sensor's trigger
-makes (``fsdp_resilience.progress.check_progress``, every ``poll_s``: 5 s like the sensor), and
-when a launch fails with a retryable class climbs the escalation ladder with the DAG's own
+``drive`` submits launch 0 to a backend, watches it with the deferrable sensor's own trigger
+(``fsdp_resilience.triggers.TrainingProgressTrigger``, run with asyncio as the triggerer runs it:
+a full check every ``poll_s``, 5 s like the sensor, and a look for the launch's end every 0.2 s in
+between), and when a launch fails with a retryable class climbs the escalation ladder with the DAG's own
 functions (``fsdp_resilience.ladder``): diagnose and replace the node, wait for capacity (the
 check the DAG's ``wait_for_capacity`` trigger makes, first at once, then every 10 s), relaunch
 from the newest committed checkpoint.
@@ -13,6 +14,7 @@ a busy Airflow) and the triggerer's own loop. Torch-free: runs in the control-pl
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Callable
 
@@ -22,7 +24,7 @@ plugins_on_path()
 
 from fsdp_resilience import ladder  # noqa: E402
 from fsdp_resilience.backends import JobHandle, get_backend  # noqa: E402
-from fsdp_resilience.progress import check_progress  # noqa: E402
+from fsdp_resilience.triggers import TrainingProgressTrigger  # noqa: E402
 from training.contract import RunConfig, read_events  # noqa: E402
 
 CAPACITY_POLL_S = 10.0  # the DAG's wait_for_capacity (NodeCapacitySensor) poll interval
@@ -35,21 +37,34 @@ def has_capacity(run: dict[str, Any]) -> bool:
 
 def watch(launch: dict[str, Any], poll_s: float, deadline: float,
           stop: Callable[[], bool] | None = None) -> tuple[dict[str, Any] | None, float]:
-    """Poll one launch until it succeeds, fails or stalls: (Progress dict, when it was seen); or
-    until ``stop()`` says the benchmark has what it needs: (None, when)."""
-    backend = get_backend(**launch["backend"])
-    handle = JobHandle.from_dict(launch["handle"])
-    while True:
-        progress = check_progress(backend, handle, run_dir=launch["run_dir"], final_step=launch["final_step"],
-                                  stall_timeout_s=launch["stall_timeout_s"], launched_at=launch["launched_at"])
-        if progress.outcome is not None:
-            return progress.to_dict(), time.time()
-        if stop is not None and stop():
-            return None, time.time()
-        if time.time() > deadline:
-            raise TimeoutError(f"launch {handle.launch_id} of {handle.run_id} was still running at the deadline: "
-                               f"{progress.message}")
-        time.sleep(poll_s)
+    """Run the sensor's trigger on one launch until it fires (succeeded, failed or stalled):
+    (Progress dict, when it fired); or until ``stop()``, asked every ``poll_s``, says the benchmark
+    has what it needs: (None, when)."""
+    trigger = TrainingProgressTrigger(
+        **{k: launch[k] for k in ("backend", "handle", "run_dir", "final_step", "stall_timeout_s", "launched_at",
+                                  "checkpoints_s3", "aws_conn_id")}, poll_interval_s=poll_s)
+
+    async def first_event() -> tuple[dict[str, Any] | None, float]:
+        async def fired() -> dict[str, Any]:
+            async for event in trigger.run():
+                return event.payload
+            raise RuntimeError("the trigger ended without an event")
+
+        task = asyncio.ensure_future(fired())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=poll_s)
+                if done:
+                    return task.result(), time.time()
+                if stop is not None and stop():
+                    return None, time.time()
+                if time.time() > deadline:
+                    raise TimeoutError(f"launch {launch['handle']['launch_id']} of {launch['handle']['run_id']} "
+                                       "was still running at the deadline")
+        finally:
+            task.cancel()
+
+    return asyncio.run(first_event())
 
 
 def drive(run: dict[str, Any], *, poll_s: float = 5.0, timeout_s: float = 1800.0,

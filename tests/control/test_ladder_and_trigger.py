@@ -1,5 +1,6 @@
 """Launch idempotence, a trigger that survives a triggerer restart, and a run another launcher
-already trains, on real local jobs."""
+already trains, on real local jobs; and a trigger that sees a launch end (its final event, a lost
+node) between its polls, on stand-in launchers."""
 
 from __future__ import annotations
 
@@ -16,12 +17,10 @@ import pytest
 from shared import FAST_RUN
 from conftest import REPO, TRAINING_PYTHON, make_dataset
 from fsdp_resilience import ladder
-from fsdp_resilience.backends import JobHandle, get_backend
-from fsdp_resilience.progress import check_progress
+from fsdp_resilience.backends import JobHandle, LocalProcessBackend, get_backend
+from fsdp_resilience.progress import LaunchChanges, check_progress
 from fsdp_resilience.triggers import TrainingProgressTrigger
-from training.contract import CheckpointCatalog, RunConfig, final_status, read_events
-
-pytestmark = pytest.mark.slow
+from training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events
 
 FAST = FAST_RUN
 
@@ -42,6 +41,7 @@ def run_config(name: str, **params) -> dict:
                                     "checkpoint_interval": 2, **params}, dag_run_id=name)
 
 
+@pytest.mark.slow
 def test_launching_the_same_run_again_never_starts_a_second_job(launched):
     run = run_config("idem", run_config=FAST)
     first = ladder.launch(run, launch_no=0)
@@ -67,6 +67,7 @@ async def _watch(trigger: TrainingProgressTrigger, seconds: float | None):
     return task.result()
 
 
+@pytest.mark.slow
 def test_a_restarted_trigger_picks_the_run_up_where_it_was(launched):
     # A hang no restart layer handles (restart_mode none): only the stall clock can end it.
     stall = 60.0  # well past start-up (~20 s here), so only the hang can trip it
@@ -104,6 +105,7 @@ def test_a_restarted_trigger_picks_the_run_up_where_it_was(launched):
     assert fired_at - last_commit >= stall
 
 
+@pytest.mark.slow
 def test_a_run_another_launcher_already_trains_is_refused_and_left_alone(launched, tmp_path):
     """Someone trains the run by hand; the DAG launches it too. The DAG's launcher is refused by
     the launch lock (exit 73, no event), and nothing climbs the ladder: no slot is quarantined,
@@ -146,3 +148,106 @@ def test_a_run_another_launcher_already_trains_is_refused_and_left_alone(launche
     finally:
         by_hand.send_signal(signal.SIGTERM)  # the launcher passes it on to ft_launcher and its ranks
         by_hand.wait(timeout=180)
+
+
+# --------------------------------------------------------------------------------------------
+# The watch sees a launch end between its polls
+# --------------------------------------------------------------------------------------------
+
+#: Stands in for the training venv's python: a "launcher" (called as ``python -m training.launch
+#: --config <run_dir>/launches/<id>.json ...``) that runs until the test creates ``<run_dir>/go``,
+#: then, if ``<run_dir>/report`` exists, appends its final event as training.launch does, and
+#: lingers as a launcher does while it exits.
+STAND_IN_LAUNCHER = """#!/bin/sh
+run_dir=$(dirname "$(dirname "$4")")
+while [ ! -e "$run_dir/go" ]; do sleep 0.05; done
+if [ -e "$run_dir/report" ]; then
+  printf '{"event": "final", "failure_class": "restarts_exhausted", "exit_code": 75, "launch_id": "%s", "message": "stand-in gave up", "node_rank": 0, "ts": %s}\\n' "$TRAINING_LAUNCH_ID" "$(date +%s)" >> "$run_dir/events.jsonl"
+fi
+exec sleep 300
+"""
+
+
+@pytest.fixture()
+def stand_in(tmp_path):
+    """A local backend whose launchers are ``STAND_IN_LAUNCHER``, and a submitted launch of it."""
+    python = tmp_path / "stand-in-python"
+    python.write_text(STAND_IN_LAUNCHER)
+    python.chmod(0o755)
+    backend = LocalProcessBackend(tmp_path / "state", slots=2, training_python=str(python), cancel_grace_s=2)
+    cfg = RunConfig(**{**FAST, "run_id": "stand-in", "run_dir": str(tmp_path / "run"),
+                       "dataset_dir": str(tmp_path / "no-data"), "steps": 4})
+    handle = backend.submit(cfg, launch_id="0")
+    yield backend, cfg, handle
+    backend.cancel(handle)
+
+
+async def _fire_after(trigger: TrainingProgressTrigger, act, timeout_s: float):
+    """Run the trigger; once it has made its first check and is waiting, ``act()``; return its
+    event, or None if it did not fire within ``timeout_s``."""
+    async def first_event():
+        async for event in trigger.run():
+            return event.payload
+    task = asyncio.ensure_future(first_event())
+    await asyncio.sleep(1.0)  # the first check (the job is running) is done by now
+    assert not task.done(), task.result()
+    act()
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        return None
+    return task.result()
+
+
+def _trigger_for(backend, cfg, handle) -> TrainingProgressTrigger:
+    # A poll interval no test waits out: only the look between polls can fire it.
+    return TrainingProgressTrigger(backend=backend.to_config(), handle=handle.to_dict(), run_dir=cfg.run_dir,
+                                   final_step=cfg.steps, stall_timeout_s=3600.0, launched_at=time.time(),
+                                   poll_interval_s=3600.0)
+
+
+def test_the_watch_sees_a_final_event_between_its_polls(stand_in):
+    backend, cfg, handle = stand_in
+    run_dir = Path(cfg.run_dir)
+    (run_dir / "report").touch()
+    event = asyncio.run(_fire_after(_trigger_for(backend, cfg, handle), (run_dir / "go").touch, timeout_s=120))
+    assert event is not None, "the trigger waited for its next poll"
+    assert event["outcome"] == "failed" and event["failure_class"] == "restarts_exhausted", event
+    assert "stand-in gave up" in event["message"]
+
+
+def test_the_watch_sees_a_lost_node_between_its_polls(stand_in):
+    backend, cfg, handle = stand_in
+    run_dir = Path(cfg.run_dir)
+    launcher = backend._store.read_job(handle.job_name)["nodes"][0]["pid"]
+
+    def node_dies() -> None:  # the machine goes: nothing reports
+        os.kill(launcher, signal.SIGKILL)
+
+    event = asyncio.run(_fire_after(_trigger_for(backend, cfg, handle), node_dies, timeout_s=120))
+    assert event is not None, "the trigger waited for its next poll"
+    assert event["failure_class"] == "restarts_exhausted" and "node lost" in event["message"], event
+    assert not (run_dir / "go").exists()
+
+
+def test_launch_changes_name_only_this_launchs_final_event_and_changed_job_files(tmp_path):
+    run_dir, job_file = tmp_path / "run", tmp_path / "job.json"
+    run_dir.mkdir()
+    job_file.write_text("{}")
+    log = EventLog(run_dir / "events.jsonl", run_id="r", role="launcher")
+    log.emit("launch_begin", launch_id="2")
+    changes = LaunchChanges(run_dir, "2", [job_file])  # what was there before is the check's to read
+    assert changes.poll() is None
+    log.emit("step", step=3)
+    log.emit("final", launch_id="1", node_rank=0, failure_class="success")  # another launch's
+    assert changes.poll() is None
+    with open(run_dir / "events.jsonl", "a") as f:  # a line still being written
+        f.write('{"event": "final", "launch_id": "2", ')
+    assert changes.poll() is None
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write('"node_rank": 1, "ts": 1.0}\n')
+    assert "node 1 of launch 2" in changes.poll()
+    assert changes.poll() is None  # seen once
+    job_file.write_text('{"exit_code": -9}')
+    assert "job.json changed" in changes.poll()
+    assert changes.poll() is None

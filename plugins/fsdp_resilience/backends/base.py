@@ -375,6 +375,12 @@ class TrainingBackend(abc.ABC):
 
         return await asyncio.to_thread(self.status, handle)
 
+    def change_paths(self, handle: JobHandle) -> list[str]:
+        """Files this backend rewrites when the job's state changes in a way the run's events log
+        does not show (a node lost without its ``final`` event). The watch stats them between its
+        polls and checks at once when one changes. Default: none (state behind an API)."""
+        return []
+
     @abc.abstractmethod
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
         """The last ``tail`` lines of one node's log, or of every node's (``node=None``)."""

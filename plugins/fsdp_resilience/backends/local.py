@@ -40,6 +40,7 @@ import fcntl
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -90,6 +91,7 @@ LAUNCH_ID_ENV = "TRAINING_LAUNCH_ID"
 TRAINING_PYTHON_ENV = "TRAINING_PYTHON"
 SLOT_PREFIX = "slot-"
 RECORD_VERSION = 1
+#: The supervisor's failure-policy clock; a launcher's exit wakes it at once (where Linux has pidfds).
 SUPERVISOR_POLL_S = 0.5
 #: Training processes per CPU past which a local run only thrashes (gloo on CPU; tests run 2 per core).
 MAX_PROCS_PER_CPU = 4
@@ -397,6 +399,11 @@ class LocalProcessBackend(TrainingBackend):
         # The restart layers went with the node: to the control plane this is restarts exhausted.
         return NodeStatus(index, slot, LOST, FailureClass.RESTARTS_EXHAUSTED.value, None,
                           f"node lost: launcher pid {node['pid']} {how} without reporting")
+
+    def change_paths(self, handle: JobHandle) -> list[str]:
+        """The job record: its supervisor records each launcher's exit there as it reaps it."""
+        self._check_handle(handle)
+        return [str(self._store.job_path(handle.job_name))]
 
     def _record(self, handle: JobHandle) -> dict[str, Any]:
         self._check_handle(handle)
@@ -728,8 +735,10 @@ def stop_job_processes(record: dict[str, Any], grace_s: float, nodes: list[int] 
                for p in _tagged_processes(job, n["index"])]
     _signal(orphans, signal.SIGTERM, groups=launchers)
     deadline = time.monotonic() + grace_s
+    pause = 0.02  # a launcher that already reported is gone within a few of these; a busy one backs off
     while remaining() and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
     left = remaining()
     if left:
         _signal(left, signal.SIGKILL, groups=live_launchers())
@@ -840,6 +849,7 @@ def supervise(state_dir: Path, job_name: str) -> int:
           f"{ {i: p.pid for i, p in procs.items()} }", flush=True)
 
     failures: list[tuple[float, int]] = []  # (when, node index), in order
+    exits = _ExitWaiter(procs)
 
     def reap() -> None:
         for index, proc in list(procs.items()):
@@ -847,6 +857,7 @@ def supervise(state_dir: Path, job_name: str) -> int:
             if rc is None:
                 continue
             del procs[index]
+            exits.forget(index)
             # Whatever the launcher left behind (it reaps its session itself unless it was killed).
             _signal(_tagged_processes(job_name, index), signal.SIGKILL)
             now = time.time()
@@ -860,7 +871,7 @@ def supervise(state_dir: Path, job_name: str) -> int:
                 failures.append((now, index))
 
     while procs:
-        time.sleep(SUPERVISOR_POLL_S)
+        exits.wait(SUPERVISOR_POLL_S)
         reap()
         if failures and procs and time.time() - failures[0][0] > record["failure_grace_s"]:
             # The Job failure policy: a node failed, the launch cannot succeed; stop the others.
@@ -876,6 +887,42 @@ def supervise(state_dir: Path, job_name: str) -> int:
             stop_job_processes(record, grace_s=record["cancel_grace_s"], nodes=others, reap=reap)
     print(f"supervisor {me}: all launchers ended", flush=True)
     return 0
+
+
+class _ExitWaiter:
+    """Sleeps until a launcher exits or a timeout passes. A launcher's exit is how the job record
+    learns of a lost node (no ``final`` event), and the watch reacts to the record: recorded at
+    once, not at the next poll. Linux pidfds; elsewhere (or an old kernel) a plain sleep."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen]):
+        self.fds: dict[int, int] = {}
+        self.poller = select.poll() if hasattr(os, "pidfd_open") and hasattr(select, "poll") else None
+        for index, proc in procs.items():
+            if self.poller is None:
+                break
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except OSError:  # ENOSYS on a kernel without pidfds
+                self.poller = None
+                break
+            self.fds[index] = fd
+            self.poller.register(fd, select.POLLIN)
+        if self.poller is None:
+            for index in list(self.fds):
+                self.forget(index)
+
+    def wait(self, timeout_s: float) -> None:
+        if self.poller is None or not self.fds:
+            time.sleep(timeout_s)
+        else:
+            self.poller.poll(timeout_s * 1000)
+
+    def forget(self, index: int) -> None:
+        fd = self.fds.pop(index, None)
+        if fd is not None:
+            if self.poller is not None:
+                self.poller.unregister(fd)
+            os.close(fd)
 
 
 if __name__ == "__main__":
