@@ -131,7 +131,8 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     relaunch = (summary.get("control_plane") or {}).get("relaunch")
     if relaunch:
         for row in relaunch["rows"]:
-            rows.append((f"recovery, {row['kind']} → relaunch on a replaced node (control plane)", "≤ 60 s",
+            rows.append((f"recovery, {row['kind']} → relaunch on a replaced node (failed launch → first step)",
+                         f"≤ {row.get('target_s', 60):.0f} s",
                          _stat(row["total_s"]), row["target_met"]))
     chaos = summary.get("chaos")
     if chaos:
@@ -232,8 +233,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
         lines += _table(("fault", "restart mode", "recovered by", "n", "latency", "breakdown (median)", "target"), rows)
     if relaunch:
         lines += [f"Relaunch after node replacement (local backend), control-plane time only: from the failed launch "
-                  f"giving up to the relaunch's first step, watch polled every {relaunch['poll_interval_s']:.0f} s "
-                  "(the sensor's default). The ladder's functions run without Airflow's scheduler. "
+                  f"giving up to the relaunch's first step; the watch (the deferred sensor's trigger) checks fully every "
+                  f"{relaunch['poll_interval_s']:.0f} s (the sensor's default) and looks for the launch's end (its `final` "
+                  f"event, or the launcher's exit) every {relaunch.get('change_tick_s', relaunch['poll_interval_s']):g} s "
+                  "in between. The ladder's functions run without Airflow's scheduler. "
                   f"{_load(cp)}.", ""]
         rows = []
         for row in relaunch["rows"]:
@@ -241,8 +244,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
             rows.append((row["kind"], row["launch_failed_by"], row["total_s"]["n"], _stat(row["total_s"]),
                          f"detect {_s(p['detect'])} · diagnose + replace {_s(p['diagnose_replace'])} · capacity + submit "
                          f"{_s(p['capacity_submit'])} · start + restore {_s(p['start_restore'])} · first step {_s(p['first_step'])}",
-                         _stat(row["data_plane_s"]), f"≤ 60 s: {_ok(row['target_met'])}"))
-        lines += _table(("fault (bad node)", "launch failed by", "n", "control plane", "breakdown (median)",
+                         _stat(row["data_plane_s"]), f"≤ {row.get('target_s', 60):.0f} s: {_ok(row['target_met'])}"))
+        lines += _table(("fault (bad node)", "launch failed by", "n", "failed launch → first step", "breakdown (median)",
                          "before it: fault → launch gave up", "target"), rows)
     if recovery or relaunch:
         lines += ["![recovery per rung](/bench/results/recovery.png)", ""]
@@ -343,14 +346,19 @@ def render_markdown(summary: dict[str, Any]) -> str:
                   f"(the rest is optimizer state, which evaluation skips), into one process, {evaluation['trials']} "
                   f"trials. Page cache: {evaluation['page_cache']}. Raw read: {evaluation.get('raw_read', 'reads into a buffer')}.", ""]
         lines += _table(("", "seconds", "load ÷ this"), [
-            ("load into the evaluation process (" + ("verify, " if "verify_checksums" in s else "")
-             + "build the model, DCP load, set the weights)", _stat(s["load_model"]), "1×"),
+            (f"load into the evaluation process (verified by {evaluation.get('verified_by', 'file checksums')}: "
+             f"{evaluation.get('verification', 'sizes and CRC32C of every file, then DCP load')})",
+             _stat(s["load_model"]), "1×"),
             (f"  of which building the model ({evaluation.get('build', 'random init')})", _stat(s["build_model_only"]), ""),
-            ("raw read of the model tensors' bytes (what the load reads)", _stat(s["raw_read_model_bytes"]),
-             f"{evaluation['ratios']['load_over_raw_read_model_bytes']}×"),
+            ("raw read of the model tensors' bytes (what the load reads) into a reused buffer",
+             _stat(s["raw_read_model_bytes"]), f"{evaluation['ratios']['load_over_raw_read_model_bytes']}×")]
+            + ([("the same into memory allocated for each read (as a new model's parameters are: page faults)",
+                 _stat(s["raw_read_model_bytes_fresh_memory"]),
+                 f"{evaluation['ratios']['load_over_raw_read_model_bytes_fresh_memory']}×")]
+               if "raw_read_model_bytes_fresh_memory" in s else []) + [
             ("raw read of all the checkpoint's files", _stat(s["raw_read_files"]),
              f"{evaluation['ratios']['load_over_raw_read_files']}×")]
-            + ([(f"verify before loading: sizes + CRC32C of all the files "
+            + ([(f"for comparison, what a resume's full verification costs: sizes + CRC32C of all the files "
                  f"({evaluation['ratios']['verify_gib_per_s']} GiB/s)", _stat(s["verify_checksums"]),
                  f"{round(1 / evaluation['ratios']['verify_over_load'], 2)}×")] if "verify_checksums" in s else []))
 

@@ -497,3 +497,35 @@ def test_another_model_is_a_mismatch_not_damage(scenario, tmp_path):
         load_latest(layout.root, {"model": other.state_dict()})
     assert CheckpointCatalog(layout).quarantined() == []
     assert [c.step for c in CheckpointCatalog(layout).committed()] == [40]
+
+
+@pytest.mark.slow
+def test_evaluation_verifies_the_model_bytes_it_loads_and_never_reads_the_optimizers(scenario, tmp_path):
+    """Evaluation reads the model's bytes of a 2-rank checkpoint straight into a plain model's
+    parameters and checks them against the digests the commit recorded: damaged optimizer state
+    (which a resume rejects) does not stop it, a damaged model byte does."""
+    from torch.distributed.checkpoint import load as dcp_load
+
+    from training.contract import verify_checkpoint
+    from training.evaluate import UntrustedCheckpoint, load_into
+
+    layout = RunDir(tmp_path / "run")
+    layout.create()
+    shutil.copytree(scenario["layout"].checkpoint_dir(40), layout.checkpoint_dir(40))
+    info = CheckpointCatalog(layout).latest()
+    expected = {"model": _build_model(seed=3).state_dict()}
+    dcp_load(expected, checkpoint_id=str(info.path))
+
+    _, at = _region(info.path, "optim.", "__0_0.distcp")
+    _flip(info.path / "__0_0.distcp", at)
+    assert "__0_0.distcp fails its crc32c check" in verify_checkpoint(info.path)
+    model = _build_model(seed=4)
+    assert load_into(info, model.state_dict()) == "model digests"
+    assert all(torch.equal(v, expected["model"][k]) for k, v in model.state_dict().items())
+    _flip(info.path / "__0_0.distcp", at)  # flipped back: only the model byte below is damaged
+    assert verify_checkpoint(info.path) is None
+
+    _, at = _region(info.path, "model.", "__1_0.distcp")
+    _flip(info.path / "__1_0.distcp", at)
+    with pytest.raises(UntrustedCheckpoint, match="__1_0.distcp fails its crc32c check"):
+        load_into(info, _build_model(seed=5).state_dict())
