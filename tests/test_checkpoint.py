@@ -11,6 +11,7 @@ import copy
 import functools
 import os
 import pickle
+import queue
 import shutil
 import signal
 import statistics
@@ -87,6 +88,29 @@ def test_writer_error_survives_copy_and_pickle():
     assert str(error) == "checkpoint step 6 failed: rank 0: writer process died"
 
 
+def test_a_late_write_result_is_never_read_as_a_newer_saves():
+    """Write results come back over the writer's completion queue, tagged with their save's own
+    number: an abandoned save's result arriving late is not the next save's, and is dropped."""
+    from training.checkpoint_writer import _WriteResultsChannel
+
+    channel = _WriteResultsChannel()
+    try:
+        abandoned, current = channel.new_queue(), channel.new_queue()
+        travelled = pickle.loads(pickle.dumps(current))  # what the writer process gets: the number only
+        assert travelled.number == current.number != abandoned.number
+        with pytest.raises(RuntimeError, match="writer process"):
+            travelled.put({})  # only the writer process sends results
+        with pytest.raises(queue.Empty):
+            current.get_nowait()  # nothing arrived yet
+        channel.file(current.number, "current's result")
+        channel.file(abandoned.number, "abandoned save's late result")
+        assert current.get_nowait() == "current's result"
+        with pytest.raises(queue.Empty):
+            abandoned.get_nowait()  # dropped once a newer save's result was read
+    finally:
+        channel.close()
+
+
 def test_load_latest_with_nothing_committed(tmp_path):
     layout = RunDir(tmp_path / "run")
     layout.create()
@@ -151,7 +175,8 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from training.checkpoint import AsyncCheckpointer, CheckpointWriterError, app_state, restore_app_state
+    from training.checkpoint import (AsyncCheckpointer, CheckpointWriterError, app_state, load_checkpoint,
+                                     restore_app_state)
 
     run_dir, sync_dir = tmp / "run", tmp / "run-sync"
     layout = RunDir(run_dir)
@@ -310,18 +335,41 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     results["D"] = {"abandoned": abandoned, "torn_10": torn_10, "committed": [c.step for c in committed_d],
                     "writer_before": writer_before, "writer_after": ckpt.writer_pids()}
 
-    # E. Blocking time: async (3 saves) vs sync dcp.save (3 saves) of the same state.
-    async_stats = []
+    # E. Blocking time: async (3 saves) vs sync dcp.save (3 saves) of the same state. After two
+    # saves planned alike (12, 14) the plan is cached: 16 reuses it. 18's state has another
+    # structure (a new trainer entry): the cache must be dropped everywhere and 18 planned afresh.
+    # Both reload equal to what was saved.
+    async_stats, expected_e, cache_reused = [], {}, {}
     for step in (14, 16, 18):
-        ckpt.save(step, app_state(model, optimizer, trainer_state(step)))
+        train(1)
+        trainer = trainer_state(step) if step < 18 else {**trainer_state(step), "lr_scale": torch.full((3,), 0.5)}
+        expected_e[step] = _flat(app_state(model, optimizer, trainer))
+        ckpt.save(step, app_state(model, optimizer, trainer))
+        # Whether the next save of this structure may reuse the plan (NVRx: two saves planned alike).
+        cache_reused[step] = ckpt.plan_reusable
         async_stats.append(ckpt.last_save.__dict__)
         ckpt.wait()
+    reloaded_e = {}
+    for step in (16, 18):
+        fresh_model = sharded_model(2)
+        fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
+        fresh_optimizer.step()  # creates the AdamW state tensors the checkpoint loads into
+        like = {k: (torch.zeros_like(v) if torch.is_tensor(v) else v) for k, v in trainer_state(-1).items()}
+        if step == 18:
+            like["lr_scale"] = torch.zeros(3)
+        fresh = app_state(fresh_model, fresh_optimizer, like)
+        info = next(c for c in CheckpointCatalog(run_dir).committed() if c.step == step)
+        load_checkpoint(info, fresh, process_group=new_group)
+        restored_trainer = restore_app_state(fresh_model, fresh_optimizer, fresh)
+        reloaded_e[step] = _mismatches(expected_e[step], _flat(app_state(fresh_model, fresh_optimizer,
+                                                                         restored_trainer)))
     sync_ckpt = AsyncCheckpointer(sync_dir, process_group=new_group, keep=1, async_save=False)
     sync_stats = []
     for step in (14, 16, 18):
         sync_ckpt.save(step, app_state(model, optimizer, trainer_state(step)))
         sync_stats.append(sync_ckpt.last_save.__dict__)
-    results["E"] = {"async": async_stats, "sync": sync_stats}
+    results["E"] = {"async": async_stats, "sync": sync_stats, "cache_reused": cache_reused,
+                    "reload_mismatches": reloaded_e}
 
     # G. The full weights of the newest committed checkpoint (step 18), for the world-size-1 reload.
     full = {k: v.full_tensor() for k, v in app_state(model, optimizer, {})["model"].items()}
@@ -459,6 +507,17 @@ def test_abandon_pending_and_rebind_to_a_new_group(scenario):
 
 
 @pytest.mark.slow
+def test_cached_plan_is_reused_and_dropped_when_the_structure_changes(scenario):
+    for r in range(2):
+        e = scenario[r]["E"]
+        # 12 planned after the rebind, 14 alike (so 16 reuses the plan); 18 changed structure:
+        # the cache was dropped and 18 planned afresh, so nothing is validated for reuse yet.
+        reusable = {int(k): v for k, v in e["cache_reused"].items()}
+        assert reusable == {14: True, 16: True, 18: False}, reusable
+        assert {int(k): v for k, v in e["reload_mismatches"].items()} == {16: [], 18: []}, e["reload_mismatches"]
+
+
+@pytest.mark.slow
 def test_async_save_blocks_less_than_sync(scenario):
     rows = []
     for r in range(2):
@@ -480,7 +539,7 @@ def test_async_save_blocks_less_than_sync(scenario):
 def test_close_leaves_no_processes(scenario):
     for r in range(2):
         f = scenario[r]["F"]
-        assert len(f["started"]) == 2, f  # the writer and the results manager
+        assert len(f["started"]) == 1, f  # the writer (write results come back over its own queue)
         assert f["alive_after_close"] == []
         # Only Python's own resource tracker may remain (it exits with its parent).
         assert all("resource_tracker" in c["cmdline"] for c in f["children_left"]), f["children_left"]

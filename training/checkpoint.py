@@ -7,7 +7,12 @@ What a save does (``AsyncCheckpointer.save``), on every rank of the process grou
 2. snapshot: copy every tensor of the state dict into reused host buffers (``training.snapshot``).
    This memcpy is the only copy of the state a save makes;
 3. plan with NVRx's ``save_state_dict_async_plan`` over the snapshot (never the live tensors) and
-   hand the shard to the rank's writer process (``training.checkpoint_writer``);
+   hand the shard to the rank's writer process (``training.checkpoint_writer``). The plan is
+   cached (NVRx's ``CheckpointMetadataCache``): once two saves planned the same, later saves skip
+   the planning collectives and reuse the plan and DCP metadata. Whether the cache may be used is
+   agreed by every rank in step 1 (each compares its state's ``structure_key`` with the one its
+   cache was built for), so no rank skips a planning collective another rank runs; ``rebind``
+   drops it;
 4. return. The writer writes ``__<rank>_*.distcp`` into ``RunDir.checkpoint_dir(step)``, then the
    size and CRC32C of each file it wrote into ``.sums/`` and a digest of the model's bytes.
 
@@ -28,7 +33,8 @@ Here the snapshot is an explicit copy; "all calls done" and the call-index check
 all-reduce of small host tensors per short round (on a gloo group over the same ranks when
 training runs on NCCL); NVRx's worker-side preload is dropped where the request carries its
 buckets (0.4.1) and never waited for where it builds them (0.7); waits on the worker are bounded
-and check that it is alive and making progress; each save has its own write-results queue.
+and check that it is alive and making progress; each save's write results come back tagged with
+the save's own number, over the writer's completion queue (no manager process).
 """
 
 from __future__ import annotations
@@ -47,11 +53,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (CheckpointMetadataCache,
+                                                                              save_state_dict_async_plan)
 
 from training.checkpoint_writer import (_HelperProcesses, _noop, _PersistentWriter,  # noqa: F401
-                                       _WriteResultsChannel, _WriterGone, _WriterQueue, write_then_checksum,
-                                       writer_stall_bound)
+                                       _WriteResultsChannel, _WriterGone, _WriterQueue, fork_is_safe,
+                                       write_then_checksum, writer_stall_bound)
 from training.commit import (_BUSY, _DEAD, _DONE, _FAILED, _ROUND_S, _STATE_NAMES, CheckpointWriterError,
                              Committer, SaveStats, _failed_ranks, _PendingSave, _protocol_group, remove_torn,
                              write_empty_sums, write_sync_sums)
@@ -59,7 +66,7 @@ from training.contract import COMMIT_MARKER, CheckpointCatalog, CheckpointInfo, 
 from training.resume import (CheckpointMismatchError, check_checkpoint, choose_checkpoint,  # noqa: F401
                              collective_device, load_checkpoint, load_latest, restore_checkpoint)
 from training.snapshot import (_BUCKETS_IN_WRITER, SnapshotBuffers, _cpu_safe_preload,  # noqa: F401
-                               _SnapshotWriter, app_state, restore_app_state)
+                               _SnapshotWriter, app_state, restore_app_state, structure_key)
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +83,13 @@ class AsyncCheckpointer:
     a save is pending) is a collective over the bound process group: call it on every rank at the
     same point of the loop. ``abandon_pending``, ``rebind``, ``trust`` and ``writer_pids`` are local.
 
-    Construct it early (before the model): it starts the writer process, which takes seconds. It
-    can be built before the process group exists (pass ``rank`` and ``world_size``) and bound to a
-    group later with ``rebind``, as an in-process restart does with each new group.
+    Construct it early (before the model): it starts the writer process. Spawning one boots an
+    interpreter that imports torch (seconds of CPU, competing with the trainer's own start);
+    ``fork_writer=True`` forks it from this process instead, in milliseconds, when that is safe
+    (``fork_is_safe``: build the checkpointer before any process group, store, CUDA context or
+    thread; else it spawns). Writers that replace a dead one are always spawned. It can be built
+    before the process group exists (pass ``rank`` and ``world_size``) and bound to a group later
+    with ``rebind``, as an in-process restart does with each new group.
 
     ``writer_stall_s``: a writer with work that shows no progress this long is killed and replaced
     (see ``writer_stall_bound``; default ``write_timeout_s``). ``write_timeout_s`` bounds a whole
@@ -101,6 +112,7 @@ class AsyncCheckpointer:
         write_timeout_s: float = 600.0,
         start_timeout_s: float = 180.0,
         writer_stall_s: float | None = None,
+        fork_writer: bool = False,
     ):
         if keep < 1:
             raise ValueError(f"keep={keep} must be at least 1")
@@ -132,12 +144,15 @@ class AsyncCheckpointer:
         # runs hooks last-registered first, and multiprocessing registered its hook at import.
         atexit.register(self._reaper)
         self._calls: _WriterQueue | None = None
-        self._handed_over: dict[str, tuple] = {}  # what the current writer process holds (_SnapshotWriter)
+        self._handed_over: dict[Any, tuple] = {}  # what the current writer process holds (_SnapshotWriter)
+        # NVRx's plan cache, valid for states of structure key self._plan_key (None: empty).
+        self._plan_cache = CheckpointMetadataCache()
+        self._plan_key: int | None = None
         if process_group is not None or dist.is_initialized():
             self.rebind(process_group)
         if async_save:
-            self._start_writer()
             self._helpers.channel = _WriteResultsChannel()
+            self._start_writer(fork=fork_writer and fork_is_safe())
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -169,18 +184,21 @@ class AsyncCheckpointer:
         """The newest step this checkpointer knows verifies (``trust``, or its own last commit)."""
         return self._committer.trusted
 
+    @property
+    def plan_reusable(self) -> bool:
+        """Whether the next save of a state with the structure of the last one reuses the cached
+        plan (NVRx validates a plan once two saves planned alike). Local."""
+        return bool(self._plan_cache.get_cache_metadata()[2])
+
     def writer_pids(self) -> list[int]:
         """PIDs of this rank's writer process(es): what a fault drill kills to crash a save."""
         writer = self._helpers.writer
         return [writer.pid] if writer is not None and writer.alive else []
 
     def helper_pids(self) -> list[int]:
-        """Every process this checkpointer started on this rank (writer and results manager)."""
-        pids = self.writer_pids()
-        channel = self._helpers.channel
-        if channel is not None and channel.pid is not None:
-            pids.append(channel.pid)
-        return pids
+        """Every process this checkpointer started on this rank: its writer (write results come
+        back over the writer's own queue, so there is no other)."""
+        return self.writer_pids()
 
     def trust(self, step: int) -> None:
         """Record that checkpoint ``step`` verified and was loaded (the resume point): retention
@@ -197,6 +215,7 @@ class AsyncCheckpointer:
         if not dist.is_initialized():
             raise RuntimeError("rebind needs an initialized torch.distributed process group")
         group = process_group if process_group is not None else dist.group.WORLD
+        self._drop_plan_cache()  # a plan made over another group (ranks may have moved) is not reused
         self._group = _protocol_group(group)
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
@@ -225,7 +244,8 @@ class AsyncCheckpointer:
             already_committed = int((path / COMMIT_MARKER).is_file())
             if not already_committed:
                 remove_torn(path)  # a leftover of an earlier attempt; before anyone writes there
-        if not self._settle(step, already_committed):
+        plan_key = structure_key(state) if self.async_save else None
+        if not self._settle(step, already_committed, plan_key):
             log.warning("checkpoint %s is already committed; not saving it again", path.name)
             return
         settled = time.monotonic()
@@ -245,6 +265,14 @@ class AsyncCheckpointer:
         self._require_open()
         return self._finalize(blocking=True) if self._pending is not None else []
 
+    def pending_written(self) -> bool:
+        """Whether this rank's writer finished the pending save's write (True when none is
+        pending). Local: no collective, commits nothing; ``poll``/``wait`` do that."""
+        pending = self._pending
+        if pending is None or pending.call_idx is None or pending.local_state is not None:
+            return True
+        return self._helpers.writer.wait_completed(pending.call_idx, 0.0) or not self._helpers.writer.alive
+
     def abandon_pending(self) -> int | None:
         """Drop the pending save without any collective (for when the process group is broken or
         replaced). Its folder stays torn: never committed, never loaded. Returns its step."""
@@ -257,8 +285,7 @@ class AsyncCheckpointer:
 
     def close(self, wait: bool = True) -> None:
         """Commit the pending save (``wait=True``: a collective) or abandon it, then stop the
-        writer (and every process it forked) and the results manager. No process started here
-        outlives this call."""
+        writer (and every process it forked). No process started here outlives this call."""
         if self._closed:
             return
         try:
@@ -285,8 +312,13 @@ class AsyncCheckpointer:
         snapshot = self._buffers.snapshot(state)
         snapped = time.monotonic()
         results_queue = self._helpers.channel.new_queue()  # before planning: see _WriteResultsChannel
-        writer = _SnapshotWriter(str(path), handed_over=self._handed_over, thread_count=self.thread_count)
-        writer, metadata, dist_wrapper = save_state_dict_async_plan(snapshot, writer, process_group=self._group)
+        writer = _SnapshotWriter(str(path), handed_over=self._handed_over, generation=self._buffers.generation,
+                                 thread_count=self.thread_count)
+        # With the cache, NVRx skips the planning collectives once two saves planned alike; on
+        # every rank at once (_settle agreed that the cache holds everywhere, and equal
+        # structures plan alike on every rank).
+        writer, metadata, dist_wrapper = save_state_dict_async_plan(
+            snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache)
         if writer.results_queue is not None:
             writer.results_queue = results_queue
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
@@ -300,7 +332,7 @@ class AsyncCheckpointer:
             except OSError as e:
                 pending.local_state, pending.error = _FAILED, f"{type(e).__name__}: {e}"
         else:
-            job = functools.partial(write_then_checksum, save_fn, str(path), self._rank)
+            job = writer.wrap_job(functools.partial(write_then_checksum, save_fn, str(path), self._rank))
             request = AsyncRequest(job, tuple(save_args), [], preload_fn=self._staging(preload_fn, save_args))
             try:
                 pending.call_idx = self._calls.schedule_async_request(request)
@@ -357,24 +389,28 @@ class AsyncCheckpointer:
         dist.all_reduce(table, group=self._group)
         return table.tolist()
 
-    def _settle(self, step: int, already_committed: int) -> bool:
-        """Agree that every writer is up and every rank saves ``step``; False: skip (committed)."""
+    def _settle(self, step: int, already_committed: int, plan_key: int | None = None) -> bool:
+        """Agree that every writer is up and every rank saves ``step``; False: skip (committed).
+        Also agrees whether the plan cache holds on every rank for this save (``plan_key``: the
+        state's ``structure_key``); if not, every rank drops it and plans afresh."""
         self._require_group()
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             state = _DONE
             if self.async_save:
                 state = self._writer_state(deadline)
-            states, steps, committed = self._agree(state, step, already_committed)
+            cache_holds = int(plan_key is not None and plan_key == self._plan_key)
+            states, steps, committed, cache_held = self._agree(state, step, already_committed, cache_holds)
+            if not all(cache_held):
+                self._drop_plan_cache()
+                self._plan_key = plan_key
             if len(set(steps)) != 1:
                 raise RuntimeError(f"ranks disagree on the checkpoint step: {steps}; save() must be "
                                    "called with the same step on every rank")
             failed = _failed_ranks(states)
             if failed:
-                local = self._helpers.channel.error if self.async_save else None
-                why = f"here: {local}" if local else f"not up within {self.start_timeout_s:.0f}s, or died starting"
-                raise CheckpointWriterError(step, f"checkpoint writer did not start on rank(s) {failed} ({why})",
-                                            tuple(failed))
+                raise CheckpointWriterError(step, f"checkpoint writer did not start on rank(s) {failed} (not up "
+                                            f"within {self.start_timeout_s:.0f}s, or died starting)", tuple(failed))
             if max(states) == _DONE:
                 return committed[0] == 0
 
@@ -383,11 +419,8 @@ class AsyncCheckpointer:
         ping, an abandoned save); BUSY until then. Waiting here, in short collective rounds, keeps a
         rank from stalling alone in the staging handshake while the others train on. A writer that
         died, or stalls on what it was given (an abandoned save), is replaced here."""
-        writer, channel = self._helpers.writer, self._helpers.channel
-        if channel.error:
-            log.error("rank %d: %s", self._rank, channel.error)
-            return _FAILED
-        if writer.wait_completed(self._calls.call_idx, _ROUND_S) and channel.ready:
+        writer = self._helpers.writer
+        if writer.wait_completed(self._calls.call_idx, _ROUND_S):
             self._calls.forget_up_to(writer.completed_idx)
             return _DONE
         if not writer.alive:
@@ -492,14 +525,14 @@ class AsyncCheckpointer:
         return info or CheckpointInfo(step, path, True, self._world_size)
 
     # -- helpers ------------------------------------------------------------------------------
-    def _start_writer(self) -> None:
+    def _start_writer(self, fork: bool = False) -> None:
         """Start (or replace: the old one is killed with every process it forked) this rank's
-        writer and send it a ping; does not wait for it to boot."""
+        writer and send it a ping; does not wait for it to boot. ``fork``: see ``__init__``."""
         old = self._helpers.writer
         if old is not None:
             old.close(abort=True)
-        writer = _PersistentWriter(self._rank, stall_s=self.writer_stall_s)
-        writer.start()
+        writer = _PersistentWriter(self._rank, stall_s=self.writer_stall_s, results=self._helpers.channel)
+        writer.start(fork=fork)
         self._handed_over.clear()  # a new process holds no buffers yet
         self._helpers.writer = writer
         if self._calls is None:
@@ -508,6 +541,10 @@ class AsyncCheckpointer:
             self._calls.persistent_caller = writer
             self._calls.async_calls.clear()
         self._calls.schedule_async_request(AsyncRequest(_noop, (), []))
+
+    def _drop_plan_cache(self) -> None:
+        self._plan_cache = CheckpointMetadataCache()
+        self._plan_key = None
 
     def _require_open(self) -> None:
         if self._closed:

@@ -1,9 +1,13 @@
 """NVRx's persistent checkpoint writer process, hardened, and what it does for one save.
 
-One writer process per rank (``_PersistentWriter``), spawned by us on every NVRx version with a
+One writer process per rank (``_PersistentWriter``), started by us on every NVRx version with a
 parent-death signal, fed through ``_WriterQueue`` (NVRx's ``AsyncCallsQueue`` without its CUDA
-finalize). Write results come back through queues served by a manager we own
-(``_WriteResultsChannel``), one queue per save.
+finalize). Write results come back over the writer's own completion queue, each tagged with its
+save's number (``_WriteResultsChannel``): no manager process, so a rank runs two interpreters
+(trainer and writer), not three. A trainer that asks for it (``fork=True``) gets its first writer
+forked before it has threads, a process group or CUDA: no second interpreter boot importing torch
+to compete with its start and restore. Replacements are spawned. Writers run at reduced CPU
+priority (``NICE``).
 
 A save's job in the writer (``write_then_checksum``): NVRx's write, then the size and CRC32C of
 every file this rank wrote (``contract.write_rank_sums``: the commit requires them) and a CRC32C
@@ -29,9 +33,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
 import logging
-import multiprocessing.managers
 import os
 import queue as queue_lib
 import signal
@@ -97,8 +101,8 @@ def _set_parent_death_signal(parent_pid: int) -> None:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """For a writer or manager process: die with the trainer (the notes saw them linger with
-    parent PID 1), and leave Ctrl-C to the trainer, which decides how to shut us down."""
+    """For the writer process: die with the trainer (the notes saw writers linger with parent
+    PID 1), and leave Ctrl-C to the trainer, which decides how to shut us down."""
     _set_parent_death_signal(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -110,7 +114,31 @@ def _run_writer_loop(parent_pid: int | None, loop_kwargs: dict[str, Any]) -> Non
     # NVRx 0.4.1 forks one file writer per bucket and save. Each dies with this process, so a
     # killed writer never leaves one finishing a torn write.
     os.register_at_fork(after_in_child=functools.partial(_set_parent_death_signal, os.getpid()))
+    torch.set_num_threads(1)  # the writer only copies and checksums: no intra-op threads to compete with training
     PersistentAsyncCaller.async_loop(**loop_kwargs)
+
+
+#: In the writer process: the completion queue that write results travel back on (set at start).
+_results_out: Any = None
+
+#: The tag of a write result on the completion queue (NVRx itself only sends call indices there).
+_RESULT = "write_result"
+
+
+def _writer_main(parent_pid: int | None, loop_kwargs: dict[str, Any]) -> None:
+    """Entry point of the writer process: write results share NVRx's completion queue, which
+    this process inherited at start (an ``mp.Queue`` cannot travel inside a request)."""
+    global _results_out
+    _results_out = loop_kwargs["comp_q"]
+    _run_writer_loop(parent_pid, loop_kwargs)
+
+
+def fork_is_safe() -> bool:
+    """Whether this process may fork a writer: the main thread, no other Python thread, no
+    process group (gloo and NCCL run threads of their own) and no CUDA context. A forked child
+    gets only the forking thread; a lock another thread held at that moment stays held in it."""
+    return (threading.current_thread() is threading.main_thread() and threading.active_count() == 1
+            and not torch.distributed.is_initialized() and not torch.cuda.is_initialized())
 
 
 def _noop() -> None:
@@ -243,7 +271,7 @@ class _PersistentWriter(PersistentAsyncCaller):
     that never blocks on a dead or stuck worker's queues.
     """
 
-    def __init__(self, rank: int, stall_s: float = 600.0):
+    def __init__(self, rank: int, stall_s: float = 600.0, results: "_WriteResultsChannel | None" = None):
         params = inspect.signature(PersistentAsyncCaller.__init__).parameters
         # 0.7 opens a CUDA context in the worker unless told host memory is all it will see. It
         # is: the snapshot is in host buffers on every device, so the writer never needs a GPU
@@ -252,6 +280,7 @@ class _PersistentWriter(PersistentAsyncCaller):
         self.rank = rank
         self.stall_s = stall_s
         self.completed_idx = -1
+        self.results = results  # where the write results this writer sends are filed
         self._activity: tuple | None = None
         self._active_at = time.monotonic()  # when the activity last changed (or work arrived)
         self._sampled_at = 0.0
@@ -264,18 +293,33 @@ class _PersistentWriter(PersistentAsyncCaller):
     def alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
 
-    def start(self) -> None:
-        """Spawn the writer ourselves on every NVRx version: 0.7's own ``_start_worker`` starts a
+    #: The writer's nice value, set as soon as it exists (a spawned writer's boot, importing
+    #: torch, then yields the CPU to training). NVRx 0.7's loop sets the same itself
+    #: (``cpu_priority``, default 10), and warns when it finds it set already.
+    NICE = 10
+
+    def start(self, fork: bool = False) -> None:
+        """Start the writer ourselves on every NVRx version: 0.7's own ``_start_worker`` starts a
         daemon (which may not fork file writers) with no parent-death signal, so a killed trainer
-        would leave it running."""
+        would leave it running.
+
+        ``fork``: fork it from this process (milliseconds: torch is imported already) instead of
+        spawning a fresh interpreter (seconds of CPU). The caller vouches that this process has no
+        process group, no CUDA context and no threads of its own yet (see ``fork_is_safe``)."""
         if self.process is not None:
             return
-        # Tie the writer's life to ours only when spawned from the main thread (see _die_with_parent).
+        # Tie the writer's life to ours only when started from the main thread (see _die_with_parent).
         parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
         # Not a daemon: 0.4.1's writer forks its file writers, which daemons may not do.
-        self.process = mp.get_context("spawn").Process(
-            target=_run_writer_loop, args=(parent, self._loop_kwargs()), name=f"ckpt-writer-{self.rank}", daemon=False)
+        self.process = mp.get_context("fork" if fork else "spawn").Process(
+            target=_writer_main, args=(parent, self._loop_kwargs()), name=f"ckpt-writer-{self.rank}", daemon=False)
         self.process.start()
+        if "cpu_priority" not in inspect.signature(PersistentAsyncCaller.async_loop).parameters:
+            try:
+                os.setpriority(os.PRIO_PROCESS, self.process.pid,
+                               max(os.getpriority(os.PRIO_PROCESS, 0), self.NICE))
+            except OSError as e:  # still correct at normal priority, only competing more
+                log.debug("rank %d: could not lower the checkpoint writer's priority: %s", self.rank, e)
         self._work_arrived()
 
     def _loop_kwargs(self) -> dict[str, Any]:
@@ -311,11 +355,16 @@ class _PersistentWriter(PersistentAsyncCaller):
         while self.completed_idx < call_idx:
             remaining = deadline - time.monotonic()
             try:
-                idx = self.comp_q.get(timeout=remaining) if remaining > 0 else self.comp_q.get_nowait()
+                item = self.comp_q.get(timeout=remaining) if remaining > 0 else self.comp_q.get_nowait()
             except queue_lib.Empty:
                 return False
-            self.completed_idx = max(self.completed_idx, int(idx))
-            self._work_arrived()  # finishing a call is progress
+            self._work_arrived()  # a result or a finished call is progress
+            if isinstance(item, tuple) and item and item[0] == _RESULT:
+                # A save's result; its call index follows on the same queue.
+                if self.results is not None:
+                    self.results.file(item[1], item[2])
+                continue
+            self.completed_idx = max(self.completed_idx, int(item))
         return True
 
     # -- stall detection ------------------------------------------------------------------------
@@ -391,78 +440,79 @@ class _WriterQueue(AsyncCallsQueue):
         pass
 
     def forget_up_to(self, call_idx: int) -> None:
-        """Drop requests the writer finished. Not earlier: a request holds the only trainer-side
-        reference to its write-results queue, and the manager deletes a queue whose last reference
-        goes before the writer has unpickled it (the writer then dies on a KeyError)."""
+        """Drop requests the writer finished (never one it may still be reading)."""
         while self.async_calls and self.async_calls[0].idx <= call_idx:
             self.async_calls.popleft()
 
 
-class _WriteResultsChannel:
-    """The manager process whose queues carry write results from the writer back to the trainer.
+class _ResultSlot:
+    """One save's write-results "queue" (NVRx's ``results_queue`` argument): ``put`` in the
+    writer process, ``get_nowait`` in the trainer. Only its number travels to the writer."""
 
-    NVRx spawns such a manager on first use and never stops it; owning it lets ``close`` stop it
-    and lets every save have its own queue (an abandoned save's late result lands in its own queue,
-    never in a newer save's). It starts in the background (booting an interpreter takes seconds)
-    from a thread that lives as long as the manager: PDEATHSIG fires when the *thread* that
-    spawned a process exits.
+    def __init__(self, number: int, channel: "_WriteResultsChannel | None"):
+        self.number = number
+        self._channel = channel
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"number": self.number}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.number, self._channel = state["number"], None
+
+    def put(self, result: Any) -> None:
+        """In the writer: send this save's result to the trainer."""
+        if _results_out is None:
+            raise RuntimeError("a checkpoint write result can only be sent from the writer process "
+                               "(training.checkpoint_writer._writer_main)")
+        _results_out.put((_RESULT, self.number, result))
+
+    def get_nowait(self) -> Any:
+        """In the trainer: this save's result (raises ``queue.Empty`` if it has not arrived)."""
+        if self._channel is None:
+            raise RuntimeError("this write-results slot is not a save's: AsyncCheckpointer gives every save its "
+                               "own (see _WriteResultsChannel.new_queue)")
+        return self._channel.take(self.number)
+
+
+class _WriteResultsChannel:
+    """Write results from the writer to the trainer, carried on the writer's completion queue.
+
+    Every save gets its own numbered slot (``new_queue``). In the writer the slot sends
+    ``(_RESULT, number, result)`` on the completion queue, ahead of the call index NVRx sends when
+    the call returns (one process, one queue: they arrive in that order). In the trainer the
+    writer's ``wait_completed`` files the result here under its number, and the save's
+    ``retrieve_write_results`` takes it by number. So an abandoned save's late result is filed
+    under its own number, never read as a newer save's; reading a save's result drops older ones.
+    No process of its own: NVRx's default (a manager process) is replaced by a slot that refuses use.
     """
 
     def __init__(self) -> None:
-        self._manager = multiprocessing.managers.SyncManager(ctx=mp.get_context("spawn"))
-        self._up = threading.Event()
-        self._stop = threading.Event()
-        self._error: BaseException | None = None
-        self._installed: Any = None
-        self._thread = threading.Thread(target=self._serve, name="ckpt-results-manager", daemon=True)
-        self._thread.start()
+        self._numbers = itertools.count()
+        self._results: dict[int, Any] = {}
+        self._installed: _ResultSlot | None = None
+        if getattr(nvrx_filesystem, "_results_queue", "missing") is None:
+            # NVRx's module-wide default: ours, so NVRx never spawns a manager for it. Every save
+            # replaces it with its own slot before the request is built.
+            self._installed = nvrx_filesystem._results_queue = _ResultSlot(-1, None)
 
-    def _serve(self) -> None:
-        try:
-            self._manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
-        except BaseException as e:  # reported to the trainer by check()
-            self._error = e
-            return
-        finally:
-            self._up.set()
-        self._stop.wait()
-        try:
-            self._manager.shutdown()
-        except Exception as e:  # already gone
-            log.debug("write-results manager shutdown: %s", e)
+    def new_queue(self) -> _ResultSlot:
+        return _ResultSlot(next(self._numbers), self)
 
-    @property
-    def ready(self) -> bool:
-        return self._up.is_set()
+    def file(self, number: int, result: Any) -> None:
+        self._results[number] = result
 
-    @property
-    def pid(self) -> int | None:
-        process = getattr(self._manager, "_process", None)
-        return process.pid if process is not None else None
+    def take(self, number: int) -> Any:
+        if number not in self._results:
+            raise queue_lib.Empty
+        for older in [n for n in self._results if n < number]:  # abandoned saves' late results
+            del self._results[older]
+        return self._results.pop(number)
 
-    @property
-    def error(self) -> str | None:
-        """Why the manager did not start, once that is known."""
-        return f"the checkpoint write-results manager did not start: {self._error}" if self._error else None
-
-    def check(self) -> None:
-        if self.error:
-            raise RuntimeError(self.error)
-
-    def new_queue(self) -> Any:
-        self._up.wait()
-        self.check()
-        if self._installed is None and getattr(nvrx_filesystem, "_results_queue", "missing") is None:
-            # Serve NVRx's module-wide default from our manager, so it never starts one of its own.
-            self._installed = nvrx_filesystem._results_queue = self._manager.Queue()
-        return self._manager.Queue()
-
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self) -> None:
         if self._installed is not None and getattr(nvrx_filesystem, "_results_queue", None) is self._installed:
             nvrx_filesystem._results_queue = None
         self._installed = None
-        self._stop.set()
-        self._thread.join(timeout)
+        self._results.clear()
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@
 - ``SnapshotBuffers``: every tensor copied into host buffers allocated once and reused by every
   save (pinned on CUDA, shared memory everywhere, so the writer process maps them instead of
   receiving a copy);
+- ``structure_key``: what a save plan depends on, so a cached plan is reused only while it holds;
 - ``_SnapshotWriter``: NVRx's async file writer over those buffers (on NVRx 0.7 they are handed to
   the writer once per writer process, never cloned);
 - ``_cpu_safe_preload``: NVRx's staging step without its unconditional CUDA sync.
@@ -87,6 +88,9 @@ class SnapshotBuffers:
     def __init__(self, pin_memory: bool = False):
         self.pin_memory = pin_memory
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        #: Bumped whenever a buffer is (re)allocated: a writer holding buffers of an older
+        #: generation must be handed the new ones (an address alone could be reused).
+        self.generation = 0
         self._stream = None  # CUDA: the side stream the device-to-host copies run on
         self._copied = None  # CUDA: an event recorded after the last snapshot's copies
 
@@ -146,6 +150,7 @@ class SnapshotBuffers:
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
             buffer = torch.empty(src.shape, dtype=src.dtype)
+            self.generation += 1
             if buffer.numel() > 0:
                 buffer.share_memory_()
                 if self.pin_memory:
@@ -153,6 +158,34 @@ class SnapshotBuffers:
             self._buffers[path] = buffer
         buffer.copy_(src, non_blocking=self.pin_memory and src.is_cuda)
         return buffer
+
+
+def structure_key(state: Any) -> int:
+    """A hash of everything a DCP save plan depends on: each leaf's path and kind, a tensor's
+    shape and dtype, a DTensor's sharding spec (mesh, placements, global shape) and this rank's
+    shard. Values do not count (a plan never holds them). Compared only with this rank's own
+    earlier keys, so Python's per-process string hashing is fine."""
+    leaves: list[tuple[Any, ...]] = []
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(obj, DTensor):
+            local = obj._local_tensor
+            leaves.append((path, "dtensor", hash(obj._spec), tuple(local.shape), local.dtype,
+                           obj.device_mesh.get_coordinate() and tuple(obj.device_mesh.get_coordinate())))
+        elif isinstance(obj, torch.Tensor):
+            leaves.append((path, "tensor", tuple(obj.shape), obj.dtype))
+        elif isinstance(obj, Mapping):
+            for k, v in obj.items():
+                walk(v, path + (k,))
+        elif isinstance(obj, (list, tuple)):
+            leaves.append((path, type(obj).__name__, len(obj)))
+            for i, v in enumerate(obj):
+                walk(v, path + (i,))
+        else:
+            leaves.append((path, type(obj).__name__))
+
+    walk(state, ())
+    return hash(tuple(leaves))
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,6 +213,28 @@ def _cpu_safe_preload(preload_fn: Callable | None) -> Callable | None:
     return functools.partial(preload_fn.func, *args, **{**preload_fn.keywords, "non_blocking": False})
 
 
+#: In the writer process: the snapshot buffers it was handed, ``(key, tensors)`` (0.4.1 path).
+_held_buffers: tuple[Any, list[torch.Tensor]] | None = None
+
+
+def _write_with_held_buffers(job: Callable, key: Any, tensors: list[torch.Tensor] | None,
+                             rank: int, buckets: Any, results_queue: Any) -> None:
+    """In the writer process (NVRx 0.4.1): ``job`` over ``buckets`` whose tensors are indices
+    into the buffers this process holds. A request that carries ``tensors`` hands them over (the
+    first save, or after the buffers changed); later ones carry none, so nothing is pickled or
+    passed per tensor (no file descriptor per buffer, no trainer thread serving them)."""
+    global _held_buffers
+    if tensors is not None:
+        _held_buffers = (key, tensors)
+    if _held_buffers is None or _held_buffers[0] != key:
+        raise RuntimeError(f"the checkpoint writer does not hold the snapshot buffers {key!r} this save refers to "
+                           "(a writer restarted without being handed them); the next save hands them over again")
+    held = _held_buffers[1]
+    resolved = [(file_path, file_name, (bytes_data, [(item, held[i]) for item, i in tensor_refs]))
+                for file_path, file_name, (bytes_data, tensor_refs) in buckets]
+    job(rank, resolved, results_queue)
+
+
 class _SnapshotWriter(FileSystemWriterAsync):
     """NVRx's async file writer over our snapshot buffers: one copy of the state per save.
 
@@ -191,29 +246,61 @@ class _SnapshotWriter(FileSystemWriterAsync):
     are, and only once per writer process: the writer keeps them under NVRx's plan-shape key
     (``ConsistentDataIdentifier``) and later saves send no tensor at all, only the plan.
 
-    ``handed_over`` maps a plan key to the buffers' storage addresses the current writer process
-    holds; ``AsyncCheckpointer`` clears it whenever it starts a writer. 0.4.1 clones nothing (it
-    builds the buckets here, and the buffers pickle as shared memory), so it keeps the stock path.
+    On 0.4.1 the buckets are built here and carry the tensors; pickling them for the writer
+    passes one file descriptor per buffer, every save. So the buckets' tensors are replaced by
+    indices, the buffers travel with the first request only, and the job resolves the indices in
+    the writer (``wrap_job``, ``_write_with_held_buffers``).
+
+    ``handed_over`` maps a plan key to the buffers' storage addresses (and ``generation``, see
+    ``SnapshotBuffers``) the current writer process holds; ``AsyncCheckpointer`` clears it whenever
+    it starts a writer.
     """
 
-    def __init__(self, path: str, *, handed_over: dict[str, tuple], **kwargs: Any):
+    def __init__(self, path: str, *, handed_over: dict[Any, tuple], generation: int = 0, **kwargs: Any):
         super().__init__(path, **kwargs)
         self.handed_over = handed_over
+        self.generation = generation
+        self._held_key: Any = None
+        self._hand_over: list[torch.Tensor] | None = None
+
+    def wrap_job(self, job: Callable) -> Callable:
+        """The writer's job for this save: as is on 0.7; on 0.4.1 resolving buffer indices."""
+        if _BUCKETS_IN_WRITER or self._held_key is None:
+            return job
+        return functools.partial(_write_with_held_buffers, job, self._held_key, self._hand_over)
 
     def prepare_write_data(self, plan, planner) -> None:
         if not _BUCKETS_IN_WRITER:
-            return super().prepare_write_data(plan, planner)
+            super().prepare_write_data(plan, planner)
+            tensors = [t for _, _, (_, tensor_data) in self.write_buckets for _, t in tensor_data]
+            not_shared = [t.shape for t in tensors if t.numel() and not t.untyped_storage().is_shared()]
+            if not tensors or not_shared:  # nothing to hand over, or not only our snapshot: stock path
+                return
+            buckets, index = [], 0
+            for file_path, file_name, (bytes_data, tensor_data) in self.write_buckets:
+                refs = [(item, index + i) for i, (item, _) in enumerate(tensor_data)]
+                index += len(refs)
+                buckets.append((file_path, file_name, (bytes_data, refs)))
+            self.write_buckets = buckets
+            storages = (self.generation, tuple((t.data_ptr(), tuple(t.shape)) for t in tensors))
+            self._held_key = ("held", self.generation, hash(storages))
+            if self.handed_over.get("held") != storages:
+                self._hand_over = tensors
+                self.handed_over.clear()  # the writer keeps one set of buffers
+                self.handed_over["held"] = storages
+            return
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
         tensors = [planner.resolve_data(item).detach() for item in tensor_items]
-        not_shared = [item.index.fqn for item, t in zip(tensor_items, tensors) if t.numel() and not t.is_shared()]
+        not_shared = [item.index.fqn for item, t in zip(tensor_items, tensors) if t.numel() and not t.untyped_storage().is_shared()]
         if not_shared:  # only our snapshot may be handed over uncopied
             raise RuntimeError(f"_SnapshotWriter writes snapshot buffers only; not in shared memory: {not_shared[:3]}")
         self.consistent_data_identifier = None
         self.cached_tensor_data = None
         if tensor_items:
             key = nvrx_filesystem._compute_data_structure_key_from_plan(tensor_items)
-            storages = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in tensors)
+            storages = (self.generation,
+                        tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in tensors))
             self.consistent_data_identifier = nvrx_filesystem.ConsistentDataIdentifier(key)
             if self.handed_over.get(key) != storages:
                 self.cached_tensor_data = (tensor_items, tensors)
