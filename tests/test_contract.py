@@ -107,6 +107,38 @@ def test_collective_timeout_unset_is_derived_per_backend():
     assert RunConfig.from_json(cfg.to_json()).collective_timeout_s is None
 
 
+def test_derived_timeouts_keep_the_restart_layers_order():
+    """ft_launcher's timeouts derived from measured intervals: safety factor x the measure, but
+    never short enough to cut an in-process restart (gloo: collective timeout + a step) nor to act
+    before the Wrapper's soft timeout (layered), and never longer than configured."""
+    from training.contract import DERIVED_TIMEOUT_MARGIN_S
+
+    gloo = make(device="cpu", collective_timeout_s=3.0, hang_timeout_s=2.0, heartbeat_timeout_s=30.0).timeouts("gloo")
+    # A short step: the in-process restart's pause (collective + the step) is the floor.
+    derived = gloo.derive("layered", 5.0, heartbeat_interval_s=0.2, section_s={"step": 0.15, "checkpoint": 0.1})
+    assert derived.floor_s == pytest.approx(3.0 + 0.2 + DERIVED_TIMEOUT_MARGIN_S)
+    assert derived.heartbeat_s == derived.floor_s == derived.sections["step"] == derived.sections["checkpoint"]
+    assert derived.heartbeat_s < 30.0 and derived.initial_heartbeat_s == 600.0  # never derived
+    # Slow steps: the safety factor rules, up to the configured ceiling.
+    slow = gloo.derive("layered", 5.0, heartbeat_interval_s=2.0, section_s={"step": 1.5, "checkpoint": 0.5})
+    assert slow.heartbeat_s == 10.0 and slow.sections == {"step": 7.5, "checkpoint": slow.floor_s}
+    assert gloo.derive("layered", 5.0, 8.0, {"step": 8.0, "checkpoint": 8.0}).heartbeat_s == 30.0
+    # Layered: the Wrapper's soft timeout acts first.
+    layered = make(device="cpu", collective_timeout_s=3.0, hang_timeout_s=15.0,
+                   heartbeat_timeout_s=30.0).timeouts("gloo").derive("layered", 5.0, 0.2, {"step": 0.15})
+    assert layered.heartbeat_s > 15.0 and layered.floor_s == 15.0 + DERIVED_TIMEOUT_MARGIN_S
+    # A section not measured keeps its configured timeout; what was measured is recorded.
+    assert layered.sections["checkpoint"] == 30.0 and layered.measured_section_s == {"step": 0.15}
+    record = json.loads(json.dumps(layered.to_dict()))
+    assert record["measured_heartbeat_interval_s"] == 0.2 and record["safety_factor"] == 5.0
+    # Only the sections the warm steps measure are derived; the others stay as configured.
+    cfg = make(initial_heartbeat_timeout_s=90.0, heartbeat_timeout_s=30.0, collective_timeout_s=3.0, hang_timeout_s=15.0,
+               device="cpu")
+    assert cfg.section_timeouts() == {"setup": 90.0, "step": 30.0, "checkpoint": 30.0, "final_checkpoint": 90.0}
+    with pytest.raises(ConfigError, match="timeout_safety_factor"):
+        make(timeout_safety_factor=0.5, device="cpu")
+
+
 def test_fault_selection_by_step_rank_attempt_and_node():
     cfg = make(nodes=2, procs_per_node=1, faults=[
         {"kind": "exception", "step": 3, "rank": 1},

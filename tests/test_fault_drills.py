@@ -205,6 +205,54 @@ def test_node_loss_recovered_when_the_node_comes_back(tmp_path, dataset):
     assert max(r["step"] for r in events if r["event"] == "step") == 10
 
 
+def test_timeouts_are_derived_and_a_frozen_rank_is_found_by_them(tmp_path, dataset):
+    """Once warm (steps and two saves), each attempt derives ft_launcher's heartbeat and section
+    timeouts from what it measured and records them. An exception and saves after that still
+    recover in-process (the derived timeouts outlast an in-process restart); a SIGSTOPped rank is
+    found by the derived timeout, not the configured one, and recovered by ft_launcher."""
+    from training.contract import DERIVED_TIMEOUT_MARGIN_S
+
+    run = run_training(tmp_path, dataset, "derived", steps=16, faults=[
+        {"kind": "exception", "step": 8, "rank": 1},  # in-process, with derived timeouts in force
+        {"kind": "sigstop", "step": 14, "rank": 0},   # frozen: found by the derived heartbeat timeout
+    ])
+    assert run.rc == ExitCode.SUCCESS, run.output[-3000:]
+    cfg, timeouts = run.cfg, run.cfg.timeouts("gloo")
+    derived = run.of("timeouts_derived")
+    # Derived by rank 0 in each in-process iteration, at the first heartbeat after its second
+    # save (saves every 3 steps): at step 7, and again after the restart at step 8.
+    resumed = [r for r in train_begins(run, 0) if r["iteration"] == 1][0]["start_step"]
+    second_save = [s for s in range(resumed + 1, cfg.steps + 1) if s % cfg.checkpoint_interval == 0][1]
+    assert [(r["rank"], r["iteration"], r["step"]) for r in derived if r["attempt"] == 0] == \
+        [(0, 0, 7), (0, 1, second_save + 1)]
+    in_force = [r for r in derived if r["attempt"] == 0][-1]  # when the rank froze (step 14)
+    for record in derived:
+        # From the measured intervals, with the safety factor, above the restart layers' order.
+        measured = record["measured_heartbeat_interval_s"]
+        assert measured > 0 and set(record["measured_section_s"]) == {"step", "checkpoint"}
+        assert record["safety_factor"] == cfg.timeout_safety_factor and record["ceiling_s"] == cfg.heartbeat_timeout_s
+        assert record["floor_s"] >= max(timeouts.collective_s + measured,
+                                        timeouts.soft_s) + DERIVED_TIMEOUT_MARGIN_S - 1e-3
+        assert record["heartbeat_s"] == pytest.approx(
+            min(cfg.heartbeat_timeout_s, max(record["floor_s"], cfg.timeout_safety_factor * measured)), abs=1e-3)
+        assert record["initial_heartbeat_s"] == cfg.initial_heartbeat_timeout_s
+    # The run dir records the latest derivation; run.json stays what was asked for.
+    on_disk = json.loads(cfg.layout.derived_timeouts.read_text())
+    assert on_disk["heartbeat_s"] == derived[-1]["heartbeat_s"] and on_disk["step"] == derived[-1]["step"]
+    assert RunConfig.load(cfg.layout.config).heartbeat_timeout_s == cfg.heartbeat_timeout_s
+
+    # The exception (step 8, after the derivation) was recovered in-process: same processes.
+    rank1 = train_begins(run, 1)
+    assert rank1[1]["iteration"] == 1 and rank1[1]["pid"] == rank1[0]["pid"] and rank1[1]["attempt"] == 0
+    assert [r["layer"] for r in run.of("restart_end")] == ["inprocess", "injob"], run.of("restart_end")
+    # The frozen rank was found by a derived timeout (the rank monitor names the one that fired).
+    fired = {f"{t:.2f} seconds" for t in (in_force["heartbeat_s"], *in_force["sections"].values())}
+    lines = [line for line in run.output.splitlines() if "Waited" in line or "Timeout is" in line]
+    assert any(value in line for line in lines for value in fired), lines
+    assert in_force["heartbeat_s"] < cfg.heartbeat_timeout_s, in_force
+    assert not any(f"{cfg.heartbeat_timeout_s:.2f} seconds" in line for line in lines), lines
+
+
 def test_restarts_exhausted_ends_with_its_exit_code_and_class(tmp_path, dataset):
     run = run_training(tmp_path, dataset, "exhausted", steps=6, restart_mode="injob", max_restarts=1,
                        faults=[{"kind": "sigkill", "step": 3, "rank": 1, "attempt": 0},

@@ -152,6 +152,87 @@ def test_cuda_process_groups_are_bound_to_their_device():
     assert restart.process_group_options(torch.device("cpu")) == {}
 
 
+#: Two ranks over gloo with a 120 s collective timeout, through ``restart.init_process_group`` and
+#: ``restart.app_store`` as the trainer uses them. Attempt 0: rank 0 blocks in an all-reduce, rank 1
+#: breaks its transport (what ``Trainer._on_fault`` does on a failing rank). Attempt 1: rank 0
+#: blocks again, with no peer coming, and a thread breaks its own transport (what the Wrapper's
+#: abort does on every rank). Attempt 2: a fresh group works, and so does the store. Each rank
+#: prints what it saw as JSON.
+BROKEN_TRANSPORT = textwrap.dedent("""
+    import json, os, threading, time
+    import torch, torch.distributed as dist
+    from training import restart
+
+    rank = int(os.environ["RANK"])
+    store = restart.app_store()
+    seen = {"rank": rank, "errors": []}
+
+    def blocked_all_reduce():
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(4))
+            seen["errors"].append(None)
+        except RuntimeError as e:
+            seen["errors"].append(str(e)[:300])
+        seen.setdefault("blocked_s", []).append(round(time.monotonic() - t0, 3))
+
+    for attempt in range(3):
+        restart.init_process_group("gloo", attempt, timeout_s=120.0, join_timeout_s=120.0, app_store=store)
+        if attempt == 0:
+            if rank == 0:
+                blocked_all_reduce()
+            else:
+                time.sleep(0.5)  # rank 0 is in its all-reduce by now
+                seen["shut_down"] = restart.group_transport.shut_down()
+        elif attempt == 1:
+            if rank == 0:
+                threading.Timer(0.5, restart.group_transport.shut_down).start()
+                blocked_all_reduce()
+                store.set("attempt1-done", "1")
+            else:
+                store.wait(["attempt1-done"])
+        else:
+            total = torch.full((4,), float(rank + 1))
+            dist.all_reduce(total)
+            seen["sum"] = total.tolist()
+            store.set(f"store-works-{rank}", "yes")
+            seen["store"] = store.get(f"store-works-{1 - rank}").decode()
+        dist.destroy_process_group()
+    print(json.dumps(seen), flush=True)
+""")
+
+
+def test_a_failed_rank_breaks_its_transport_so_peers_stop_waiting(tmp_path):
+    """A gloo collective blocked on a peer ends only at its timeout or when its connection breaks:
+    no torch abort reaches it. ``restart.GroupTransport`` breaks the attempt's connections: a
+    peer's pending collective, then this rank's own, fail at once with a closed connection (a
+    platform fault), long before the 120 s timeout; the next attempt's group and the store work."""
+    script = tmp_path / "ranks.py"
+    script.write_text(BROKEN_TRANSPORT)
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "PYTHONPATH": str(REPO)}
+    logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=REPO, env={**env, "RANK": str(rank)},
+                              stdout=open(logs[rank], "w"), stderr=subprocess.STDOUT) for rank in (0, 1)]
+    try:
+        deadline = time.monotonic() + 90  # the collective timeout is 120 s
+        codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    outputs = [log.read_text() for log in logs]
+    assert codes == [0, 0], [out[-2000:] for out in outputs]
+    rank0, rank1 = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    assert rank1["shut_down"] >= 1  # its connection to rank 0
+    assert len(rank0["errors"]) == 2, rank0
+    for error in rank0["errors"]:  # the peer's break, then its own: never the timeout
+        assert error is not None and "closed" in error.lower() and "timed out" not in error.lower(), error
+        assert restart.is_platform_fault(RuntimeError(error))
+    assert rank0["sum"] == rank1["sum"] == [3.0] * 4
+    assert rank0["store"] == rank1["store"] == "yes"
+
+
 def test_adamw_is_fused_on_cuda_and_foreach_on_cpu():
     model = torch.nn.Linear(4, 4)
     cpu = build_optimizer(model, torch.device("cpu"), lr=1e-3, weight_decay=0.1)
@@ -171,6 +252,9 @@ def test_the_launcher_refuses_an_ft_config_nvrx_would_ignore(tmp_path, dataset, 
     assert launch_module.main(["--config", str(cfg_path), "--dry-run"]) == 0
     written = json.loads((cfg.layout.logs / "ft-launcher-node0.yaml").read_text())["fault_tolerance"]
     assert written["rank_heartbeat_timeout"] == cfg.heartbeat_timeout_s
+    # the configured timeouts, until the workers derive theirs (RankMonitor.derive_when_warm)
+    assert written["rank_section_timeouts"] == cfg.section_timeouts()
+    assert written["safety_factor"] == cfg.timeout_safety_factor
     assert ("checkpoint_iteration_file" in written) == NVRX_07  # progress tracking where NVRx has it
     capsys.readouterr()
 

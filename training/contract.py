@@ -225,6 +225,14 @@ class FaultDrill:
 
 #: The collective timeout on gloo when the run config leaves it unset.
 DEFAULT_GLOO_COLLECTIVE_TIMEOUT_S = 30.0
+#: How far a derived heartbeat / section timeout stays above the pauses it must outlast (see
+#: ``RestartTimeouts.derived_floor_s``): room for the Wrapper's tear-down (about 1 s measured on
+#: gloo) and for scheduling noise on a loaded machine.
+DERIVED_TIMEOUT_MARGIN_S = 2.0
+#: ft_launcher's sections whose timeouts are derived from the warm steps: what those steps measure.
+#: ``setup`` (start, process group, restore) and ``final_checkpoint`` (waiting for the last write)
+#: are not measured by them and keep the configured timeouts.
+DERIVED_SECTIONS = ("step", "checkpoint")
 #: On NCCL, how far the collective timeout is set above the Wrapper's hard timeout when unset.
 NCCL_TIMEOUT_MARGIN_S = 60.0
 
@@ -238,9 +246,10 @@ class RestartTimeouts:
     - ``heartbeat_s``: ft_launcher restarts the worker group when a rank is silent this long.
     - ``collective_s``: the process groups' timeout.
 
-    gloo: the Wrapper's abort cannot interrupt a blocked gloo receive, so a healthy rank learns of
-    a failed peer only when its collective times out; heartbeats pause that long during an
-    in-process restart, so ``heartbeat_s`` must exceed ``collective_s``.
+    gloo: nothing aborts a blocked gloo receive. A rank that raises shuts its connections down, so
+    its peers learn at once; but a hung rank cannot, and its peers learn of it only when their
+    collective times out. Heartbeats pause that long during an in-process restart, so
+    ``heartbeat_s`` must exceed ``collective_s``.
 
     NCCL: with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (torch's default) the watchdog kills a rank whose
     collective timed out. NVRx's in-process guide requires the NCCL timeout to exceed the Wrapper's
@@ -276,6 +285,64 @@ class RestartTimeouts:
             raise ConfigError(
                 f"hang_timeout_s={self.soft_s} must be below heartbeat_timeout_s={self.heartbeat_s} "
                 "in layered mode, so hangs are recovered in-process first")
+
+    def derived_floor_s(self, restart_mode: str, longest_interval_s: float) -> float:
+        """The shortest heartbeat (and ``step`` / ``checkpoint`` section) timeout that keeps this
+        class's order, given the longest interval seen between two heartbeats:
+
+        - gloo, monitored: an in-process restart pauses heartbeats for a collective timeout plus
+          the step it cut short, so the timeout must outlast that pause, or ft_launcher kills ranks
+          that were recovering by themselves;
+        - layered: above the Wrapper's soft timeout, so it acts on hangs first.
+
+        Plus ``DERIVED_TIMEOUT_MARGIN_S``."""
+        floor = longest_interval_s
+        if self.backend == "gloo" and restart_mode in ("layered", "injob"):
+            floor = max(floor, self.collective_s + longest_interval_s)
+        if restart_mode == "layered":
+            floor = max(floor, self.soft_s)
+        return floor + DERIVED_TIMEOUT_MARGIN_S
+
+    def derive(self, restart_mode: str, safety_factor: float, heartbeat_interval_s: float,
+               section_s: dict[str, float]) -> "DerivedTimeouts":
+        """ft_launcher's timeouts from what the warm steps measured (the longest interval between
+        heartbeats, and the longest time each of ``DERIVED_SECTIONS`` was open, over all ranks):
+        ``safety_factor`` x the measure, never below ``derived_floor_s`` and never above the
+        configured timeout (the ceiling: a run never gets a longer timeout than it asked for).
+        A section not measured (``section_s`` lacks it, or it is <= 0) keeps its configured timeout."""
+        floor = self.derived_floor_s(restart_mode, heartbeat_interval_s)
+
+        def bounded(measured: float) -> float:
+            return round(min(self.heartbeat_s, max(floor, safety_factor * measured)), 3)
+
+        sections = {name: bounded(section_s[name]) if section_s.get(name, 0) > 0 else self.heartbeat_s
+                    for name in DERIVED_SECTIONS}
+        return DerivedTimeouts(
+            heartbeat_s=bounded(heartbeat_interval_s), sections=sections,
+            initial_heartbeat_s=self.initial_heartbeat_s, floor_s=round(floor, 3), ceiling_s=self.heartbeat_s,
+            safety_factor=safety_factor, measured_heartbeat_interval_s=round(heartbeat_interval_s, 4),
+            measured_section_s={k: round(v, 4) for k, v in section_s.items() if v > 0})
+
+
+@dataclass(frozen=True)
+class DerivedTimeouts:
+    """ft_launcher's heartbeat and section timeouts as derived in a run, and what from: recorded in
+    the events log (``timeouts_derived``) and the run dir (``RunDir.derived_timeouts``).
+
+    ``initial_heartbeat_s`` (before the first heartbeat of an attempt: start and restore) is never
+    derived: it keeps the configured value."""
+
+    heartbeat_s: float
+    sections: dict[str, float]
+    initial_heartbeat_s: float
+    floor_s: float
+    ceiling_s: float
+    safety_factor: float
+    measured_heartbeat_interval_s: float
+    measured_section_s: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
@@ -341,6 +408,11 @@ class RunConfig:
     heartbeat_timeout_s: float = 120.0  # ft_launcher: a rank silent this long is restarted
     initial_heartbeat_timeout_s: float = 600.0  # ...before its first heartbeat (start, restore)
     hang_timeout_s: float = 60.0  # Wrapper soft timeout (hard = 2x): no progress this long -> restart
+    #: ft_launcher's heartbeat and step / checkpoint section timeouts are derived once an attempt
+    #: has run its warm steps and two saves (training/restart.py: RankMonitor): this factor x the
+    #: longest interval seen after the first save, kept above the restart layers' order and never
+    #: above ``heartbeat_timeout_s``, which is what applies until then (``RestartTimeouts.derive``).
+    timeout_safety_factor: float = 5.0
     stall_timeout_s: float = 1800.0  # no new committed checkpoint this long -> NO_PROGRESS
     device: str = "auto"
     rdzv_port: int = 29400
@@ -399,6 +471,13 @@ class RunConfig:
                                hard_s=hard, heartbeat_s=self.heartbeat_timeout_s,
                                initial_heartbeat_s=self.initial_heartbeat_timeout_s)
 
+    def section_timeouts(self) -> dict[str, float]:
+        """ft_launcher's section timeouts as configured (the sections RankMonitor reports): what
+        applies until timeouts are derived, and, after that, while ``setup`` (start, process
+        group, restore) or ``final_checkpoint`` (waiting for the last write) is open."""
+        return {"setup": self.initial_heartbeat_timeout_s, "step": self.heartbeat_timeout_s,
+                "checkpoint": self.heartbeat_timeout_s, "final_checkpoint": self.initial_heartbeat_timeout_s}
+
     # -- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
         if not isinstance(self.run_id, str) or not _RUN_ID_RE.match(self.run_id):
@@ -432,6 +511,7 @@ class RunConfig:
         _check_float("heartbeat_timeout_s", self.heartbeat_timeout_s, 1.0, 86_400.0)
         _check_float("initial_heartbeat_timeout_s", self.initial_heartbeat_timeout_s, 1.0, 86_400.0)
         _check_float("hang_timeout_s", self.hang_timeout_s, 1.0, 86_400.0)
+        _check_float("timeout_safety_factor", self.timeout_safety_factor, 1.0, 100.0)
         _check_float("stall_timeout_s", self.stall_timeout_s, 1.0, 30 * 86_400.0)
         _check_choice("device", self.device, DEVICES)
         _check_int("rdzv_port", self.rdzv_port, 1024, 65_000)
@@ -548,6 +628,9 @@ class RunDir:
           run.json                 the config as launched
           events.jsonl             append-only events log (schema: Event)
           eval.json                written by training.evaluate
+          timeouts.json            ft_launcher's timeouts as derived from the measured steps and
+                                   saves (DerivedTimeouts), by rank 0 at each derivation; run.json
+                                   keeps what was asked for
           control/STOP.json        written by the first rank that hits a fault no restart can fix
                                    (user error, non-finite state, storage): every layer stops
           control/launch-node<N>.lock  held (flock) by the one training.launch of node N
@@ -570,6 +653,7 @@ class RunDir:
     config = property(lambda self: self.root / "run.json")
     events = property(lambda self: self.root / "events.jsonl")
     eval_result = property(lambda self: self.root / "eval.json")
+    derived_timeouts = property(lambda self: self.root / "timeouts.json")
     control = property(lambda self: self.root / "control")
     stop_marker = property(lambda self: self.root / "control" / "STOP.json")
     logs = property(lambda self: self.root / "logs")
@@ -980,6 +1064,10 @@ class Event(str, enum.Enum):
       eval               checkpoint_id, step, val_loss, perplexity
       escalation         rung, from_launch, to_launch, failure_class, nodes (node ids replaced),
                          reason (the control plane replaced nodes and relaunched)
+      timeouts_derived   step, and DerivedTimeouts' fields: heartbeat_s, sections, floor_s,
+                         ceiling_s, safety_factor, measured_heartbeat_interval_s,
+                         measured_section_s (rank 0; once per attempt and in-process
+                         iteration, after its warm steps and second save)
     """
 
     LAUNCH_BEGIN = "launch_begin"
@@ -998,6 +1086,7 @@ class Event(str, enum.Enum):
     FINAL = "final"
     EVAL = "eval"
     ESCALATION = "escalation"
+    TIMEOUTS_DERIVED = "timeouts_derived"
 
 
 #: Set by the backend for every process of a node: the Kubernetes node name on EKS (downward

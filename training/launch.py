@@ -153,9 +153,13 @@ def ft_launcher_config(cfg: RunConfig, known_keys: set[str] | frozenset[str]) ->
     """ft_launcher's ``fault_tolerance:`` section for the installed NVRx (``known_keys``: its
     ``FaultToleranceConfig`` fields). --max-restarts has no key and goes on the command line.
 
-    Workers report heartbeats and sections (training/restart.py: RankMonitor): ``setup``
-    (process group, model, restore) may take as long as the first heartbeat; ``step`` and
-    ``checkpoint`` (the blocking part of a save) as long as a heartbeat.
+    Workers report heartbeats and sections (training/restart.py: RankMonitor). The timeouts here
+    are the configured ones (``RunConfig.section_timeouts``): ``setup`` (process group, model,
+    restore) and ``final_checkpoint`` may take as long as the first heartbeat; ``step`` and
+    ``checkpoint`` (the blocking part of a save) as long as a heartbeat. They hold until the
+    workers have run their warm steps and two saves; then they derive tighter heartbeat, ``step``
+    and ``checkpoint`` timeouts from what they measured, ``safety_factor`` x the longest interval
+    (``RestartTimeouts.derive``), and send them to their rank monitors.
 
     Where NVRx tracks progress (0.7: exit 93 after restart cycles that commit nothing new), it
     reads the newest committed step from ``RunDir.latest_step``.
@@ -163,15 +167,11 @@ def ft_launcher_config(cfg: RunConfig, known_keys: set[str] | frozenset[str]) ->
     section = {
         "initial_rank_heartbeat_timeout": cfg.initial_heartbeat_timeout_s,
         "rank_heartbeat_timeout": cfg.heartbeat_timeout_s,
-        "rank_section_timeouts": {
-            "setup": cfg.initial_heartbeat_timeout_s,
-            "step": cfg.heartbeat_timeout_s,
-            "checkpoint": cfg.heartbeat_timeout_s,
-        },
+        "rank_section_timeouts": cfg.section_timeouts(),
         "rank_out_of_section_timeout": cfg.initial_heartbeat_timeout_s,
-        "workload_check_interval": 1.0,
+        "workload_check_interval": 0.5,  # how often a rank monitor checks its timeouts: detection lag
         "node_health_check_interval": 5.0,
-        "safety_factor": 5.0,
+        "safety_factor": cfg.timeout_safety_factor,
         "rank_termination_signal": "SIGKILL",
         "log_level": "INFO",
         "restart_check_interval": 1.0,

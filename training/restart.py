@@ -21,7 +21,10 @@ differences are feature-detected where noted.
 from __future__ import annotations
 
 import datetime
+import gc
+import json
 import os
+import socket
 from pathlib import Path
 from typing import Callable
 
@@ -36,7 +39,15 @@ from nvidia_resiliency_ext.fault_tolerance import (
 )
 
 from training.checkpoint import CheckpointWriterError
-from training.contract import Event, EventLog, RunConfig
+from training.contract import (
+    DERIVED_SECTIONS,
+    DerivedTimeouts,
+    Event,
+    EventLog,
+    RestartTimeouts,
+    RunConfig,
+    atomic_write_text,
+)
 
 FT_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by ft_launcher for each worker
 
@@ -62,11 +73,28 @@ def is_platform_fault(exc: BaseException) -> bool:
     return False
 
 
+#: Heartbeats an attempt sends before it derives ft_launcher's timeouts (with two saves among them).
+WARM_HEARTBEATS = 5
+
+
 class RankMonitor:
-    """The worker's link to ft_launcher: heartbeats, sections, and workload control.
+    """The worker's link to ft_launcher: heartbeats, sections, workload control, and the timeouts
+    derived from what this worker measured.
 
     A no-op when the worker was not started by ft_launcher (``restart_mode`` inprocess/none).
-    Re-created at every in-process iteration, as NVRx requires a fresh client per attempt.
+    Started at every in-process iteration, as NVRx requires a fresh client per attempt.
+
+    Timeouts: ft_launcher starts with the configured ones (``RunConfig.section_timeouts``). In
+    each attempt (in-process iteration), NVRx's ``TimeoutsCalc`` in the client measures the
+    intervals between heartbeats and how long each section stays open. The start, the restore
+    and the first save (it may wait for the checkpoint writer to boot) are one-off costs: the
+    measure starts after the first save. At the first heartbeat after the next save, once
+    ``WARM_HEARTBEATS`` were sent, every rank derives the same tighter heartbeat, ``step`` and
+    ``checkpoint`` timeouts from it (``derive_when_warm``), so a frozen rank is found in seconds.
+    They apply while training steps and saves run; entering ``setup`` (a restore) or
+    ``final_checkpoint`` (waiting for the last write), which were not measured, puts the
+    configured timeouts back. A rank monitor keeps what it was last sent across worker restarts,
+    so every attempt begins by sending it the configured timeouts.
 
     Monitoring must never be what kills training: an in-process interrupt can cut an exchange with
     the rank monitor short, leaving the server's view of our sections out of step. On any error the
@@ -74,10 +102,22 @@ class RankMonitor:
     reporting sections until the next attempt.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RunConfig, timeouts: RestartTimeouts) -> None:
+        self.cfg = cfg
+        self.timeouts = timeouts
         self.client: RankMonitorClient | None = None
         self.section: str | None = None
         self.sections_ok = True
+        self.applied: str | None = None  # "configured" | "derived": what the rank monitor holds
+        self._new_attempt()
+
+    def _new_attempt(self) -> None:
+        # The derivation's schedule: the same on every rank, as the derivation is a collective.
+        self.heartbeats = 0
+        self.saves = 0
+        self.heartbeats_at_save = 0  # heartbeats sent before the latest save began
+        self.measured_from_save: int | None = None  # saves done when the measure (re)started
+        self.derived: DerivedTimeouts | None = None
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +128,8 @@ class RankMonitor:
             self.client = RankMonitorClient()
             self.client.init_workload_monitoring()
             self.sections_ok = True
+            self.applied = None  # unknown: an earlier attempt may have left derived timeouts
+            self._new_attempt()
 
     def _call(self, what: str, fn: Callable[[RankMonitorClient], None]) -> None:
         if self.client is None:
@@ -97,15 +139,29 @@ class RankMonitor:
         except RankMonitorClientError as e:
             print(f"[restart] rank monitor {what} failed ({e}); reconnecting, sections off until the next attempt",
                   flush=True)
+            schedule = (self.heartbeats, self.saves, self.heartbeats_at_save, self.measured_from_save, self.derived)
             self.stop()
             self.start()
+            # A reconnect on one rank must not move the derivation's schedule.
+            (self.heartbeats, self.saves, self.heartbeats_at_save, self.measured_from_save, self.derived) = schedule
             self.sections_ok = False
 
     def heartbeat(self) -> None:
+        self.heartbeats += 1
         self._call("heartbeat", lambda c: c.send_heartbeat())
+        if self.client is not None and self.saves >= 1 and self.measured_from_save is None:
+            # Start, restore and the first save are behind us: measure the steady state from here.
+            calc = self.client.timeouts_calc
+            calc.subsequent_max_time = -1.0
+            calc.section_to_max_time = dict.fromkeys(calc.section_to_max_time, -1.0)
+            self.measured_from_save = self.saves
 
     def enter(self, section: str) -> None:
         """Open ``section`` (closing the open one): the launcher times each section separately."""
+        if section == "checkpoint":
+            self.saves += 1
+            self.heartbeats_at_save = self.heartbeats
+        self._apply("derived" if section in DERIVED_SECTIONS else "configured")
         if not self.sections_ok:
             return
         previous, self.section = self.section, section
@@ -117,6 +173,61 @@ class RankMonitor:
         previous, self.section = self.section, None
         if previous is not None and self.sections_ok:
             self._call("end_section", lambda c: c.end_section(previous))
+
+    def derive_when_warm(self, step: int, events: EventLog) -> DerivedTimeouts | None:
+        """Derive ft_launcher's timeouts when this attempt is warm (see the class); call it after
+        each heartbeat, at the same steps on every rank: it is a collective on the default process
+        group. Returns them the one time they are derived.
+
+        NVRx's ``TimeoutsCalc`` takes the longest intervals over all ranks; ``RestartTimeouts.derive``
+        turns them into timeouts (``timeout_safety_factor`` x each, above the restart layers' order,
+        never above the configured ones). Rank 0 records them: a ``timeouts_derived`` event and
+        ``RunDir.derived_timeouts``."""
+        if (self.client is None or self.derived is not None or self.heartbeats < WARM_HEARTBEATS
+                or self.measured_from_save is None or self.saves <= self.measured_from_save
+                or self.heartbeats <= self.heartbeats_at_save):
+            return None
+        calc = self.client.timeouts_calc
+        calc.synchronize_all()  # all-reduce (max) over ranks: every rank derives the same values
+        if calc.subsequent_max_time <= 0:  # every rank reconnected meanwhile: nothing measured
+            return None
+        measured = {name: calc.section_to_max_time.get(name, -1.0) for name in DERIVED_SECTIONS}
+        self.derived = self.timeouts.derive(self.cfg.restart_mode, calc.safety_factor, calc.subsequent_max_time,
+                                            measured)
+        self._apply("derived")
+        if int(os.environ.get("RANK", "0")) == 0:
+            events.emit(Event.TIMEOUTS_DERIVED, step=step, **self.derived.to_dict())
+            try:
+                atomic_write_text(self.cfg.layout.derived_timeouts,
+                                  json.dumps({"step": step, **self.derived.to_dict()}, indent=2, sort_keys=True) + "\n")
+            except OSError as e:  # the events log has it; a full run dir is found by the next save
+                print(f"[restart] could not write {self.cfg.layout.derived_timeouts}: {e}", flush=True)
+        return self.derived
+
+    def _apply(self, which: str) -> None:
+        """Send the rank monitor the configured or the derived timeouts, unless it holds them (or
+        none are derived yet). ``initial`` and ``setup`` are never derived."""
+        if which == "derived" and self.derived is None:
+            which = "configured"
+        if self.client is None or self.applied == which:
+            return
+        sections = self.cfg.section_timeouts()
+        heartbeat = self.cfg.heartbeat_timeout_s
+        if which == "derived":
+            sections.update(self.derived.sections)
+            heartbeat = self.derived.heartbeat_s
+        # load_state_dict is NVRx's public way to hand timeouts to the rank monitor (it restores
+        # calculated ones); it sends them at once.
+        state = {"heartbeat": {"initial": self.cfg.initial_heartbeat_timeout_s, "subsequent": heartbeat,
+                               "were_calculated": which == "derived"},
+                 "section": {"section": sections, "out_of_section": self.cfg.initial_heartbeat_timeout_s,
+                             "calculated_sections": list(DERIVED_SECTIONS) if which == "derived" else [],
+                             "is_out_of_section_calculated": False}}
+        sent = []
+        self._call("timeouts update",
+                   lambda c: (c.load_state_dict({c.CURRENT_TIMEOUTS_STATE_KEY: state}), sent.append(which)))
+        if sent:
+            self.applied = which
 
     def shutdown_workload(self, reason: str) -> None:
         """Ask ft_launcher not to restart anyone: used for user errors, which would only repeat."""
@@ -140,14 +251,123 @@ class RankMonitor:
                 pass
 
 
+class GroupTransport:
+    """The TCP connections of this attempt's gloo process groups, and a way to break them at once.
+
+    A gloo collective blocked on a peer returns only when its timeout expires or its connection
+    breaks. In torch 2.13 (measured with two processes) none of ``ProcessGroup.abort()``,
+    ``shutdown()``, the backend's ``abort()``/``shutdown()``, ``dist.destroy_process_group`` or
+    ``distributed_c10d._abort_process_group`` interrupts a pending gloo receive, on the blocked rank
+    or on its peer: the group's sockets close only when its last reference goes, and after a fault
+    a traceback holding the model (its DTensors hold the mesh, the mesh the groups) keeps it.
+    ``shutdown(2)`` on the group's connections does it: the pending operations fail within
+    milliseconds with "Connection closed by peer", on this rank and on every peer connected to it.
+    The descriptors stay open (gloo owns them and closes them when the group is freed), so this
+    is safe from any thread, at any time, and more than once.
+
+    Which sockets: the TCP connections this process opened or accepted since ``mark`` (called just
+    before the attempt's first group forms), less those of the stores (``MASTER_PORT`` .. +2, and
+    any server listening before ``mark``): the groups' pairs, whichever groups the attempt made
+    (the default group, a device mesh's). Connections something else opens in this process during
+    an attempt would be broken too; nothing in the training worker does. Listening sockets are left
+    alone: gloo's listener treats a failed accept as fatal.
+    """
+
+    def __init__(self) -> None:
+        self._before: frozenset[str] | None = None  # "socket:[inode]" of sockets open before mark
+        self._skip_ports: frozenset[int] = frozenset()
+
+    def mark(self) -> None:
+        """Call just before the attempt's first gloo process group forms."""
+        ports = set()
+        if "MASTER_PORT" in os.environ:
+            master = int(os.environ["MASTER_PORT"])
+            ports |= {master, master + 1, master + 2}  # rendezvous, app_store, the Wrapper's store
+        before = set()
+        for link, sock in _borrowed_sockets():
+            before.add(link)
+            try:
+                if _is_tcp(sock) and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    ports.add(sock.getsockname()[1])  # a server (a store) that predates the attempt
+            except OSError:  # closed meanwhile
+                pass
+        self._before = frozenset(before)
+        self._skip_ports = frozenset(ports)
+
+    def shut_down(self) -> int:
+        """Break every connection of the attempt's groups; returns how many were shut down now.
+        A no-op before ``mark`` (and on NCCL, where nothing marks). Never raises: it runs on the
+        way out of a fault."""
+        if self._before is None:
+            return 0
+        count = 0
+        for link, sock in _borrowed_sockets():
+            if link in self._before:
+                continue
+            try:
+                if not _is_tcp(sock) or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                if {sock.getsockname()[1], sock.getpeername()[1]} & self._skip_ports:
+                    continue
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:  # not connected, already shut down, reset by the peer, or closed
+                pass
+        return count
+
+
+#: The current attempt's gloo connections: ``init_process_group`` marks them, a fault breaks them
+#: (``Trainer._on_fault`` on the failing rank, the Wrapper's abort on every rank).
+group_transport = GroupTransport()
+
+
+def _borrowed_sockets():
+    """("socket:[inode]", socket) for each open socket of this process (Linux /proc; none
+    elsewhere). The socket objects wrap descriptors that others own: each is detached, never
+    closed, before the next is made, and one whose descriptor was closed and reused meanwhile is
+    left out."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile, or the listing's own descriptor
+            continue
+        if not link.startswith("socket:["):
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == link:
+                yield link, sock
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+
+
+def _is_tcp(sock: socket.socket) -> bool:
+    return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+
+
 class _AbortProcessGroups(inprocess.abort.Abort):
     """Tear down the training process groups so blocked ranks can unwind.
 
-    NVRx's ``AbortTorchDistributed`` aborts NCCL communicators first (a blocked NCCL collective
-    otherwise never returns); on CPU/gloo there is nothing to abort, so it only destroys the groups.
+    Runs in every rank's Wrapper monitor thread once any rank reported a fault. On CUDA, NVRx's
+    ``AbortTorchDistributed`` aborts the NCCL communicators (a blocked NCCL collective otherwise
+    never returns) and destroys the groups. On gloo, no abort reaches a blocked collective:
+    breaking the attempt's connections (``GroupTransport``) fails it at once, and fails every
+    peer's pending collective with this rank too. The default group may already be destroyed
+    (``Trainer.run`` does it on the way out); its connections live on until it is freed.
     """
 
     def __call__(self, state):
+        group_transport.shut_down()  # a no-op unless this attempt's groups are gloo's
         if not (dist.is_available() and dist.is_initialized()):
             return state
         if torch.cuda.is_available():
@@ -177,6 +397,14 @@ def use_libuv() -> bool:
     return os.environ.get("USE_LIBUV", "1").strip().lower() not in ("0", "false", "no")
 
 
+#: How long each rank's Wrapper monitor thread waits, once a rank reported a fault, for others to
+#: report theirs before it aborts and restarts (NVRx's default: 1 s, spent by every restart).
+#: Only the restart log's list of faults depends on it: which ranks were terminated is read after
+#: the iteration barrier, which waits for every rank (or its monitor process) anyway. Peers of a
+#: failed rank report within about 10 ms (``GroupTransport``), well inside this.
+LAST_CALL_WAIT_S = 0.05
+
+
 def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_type: str) -> inprocess.Wrapper:
     """The in-process restart Wrapper for this run.
 
@@ -184,7 +412,15 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
     uses ``MASTER_PORT + 1``); ft_launcher picks a fresh ``MASTER_PORT`` each rendezvous round, so
     the ports never clash across in-job restarts. Timeouts follow the run contract's order
     (``RunConfig.timeouts``), which ``RunConfig.validate`` has checked for this backend.
+
+    Garbage collection: before every restart the Wrapper runs ``gc.collect()`` until it finds
+    nothing, to free the failed attempt's model and groups: at least two full collections, each
+    over every object of the process (about 250k once torch is imported; 0.3-1 s each on 2 busy
+    cores). What exists before the first attempt lives as long as the process, so it is frozen
+    here (``gc.freeze``): those collections then walk only what the attempts allocated, and
+    still free all of it. Freezing also keeps whatever cyclic garbage the imports left, once.
     """
+    gc.freeze()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     master_port = int(os.environ["MASTER_PORT"])
     timeouts = cfg.timeouts("nccl" if device_type == "cuda" else "gloo")
@@ -207,6 +443,7 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
         heartbeat_timeout=datetime.timedelta(seconds=max(5.0, cfg.hang_timeout_s)),
         barrier_timeout=barrier,
         completion_timeout=barrier,
+        last_call_wait=datetime.timedelta(seconds=LAST_CALL_WAIT_S),
         monitor_process_logfile=str(log_dir / "inprocess-monitor-rank{rank}.log"),
     )
     if not restart_health_checks_wanted(cfg, device_type):
@@ -245,12 +482,15 @@ def init_process_group(backend: str, iteration: int, timeout_s: float, join_time
     """A fresh default process group for this in-process iteration, on its own key prefix so
     iterations never read each other's rendezvous keys.
 
-    Ranks arrive at different times after a restart (a healthy rank first sits out its collective
-    timeout), so forming the group may take up to ``join_timeout_s``; collectives then get
-    ``timeout_s`` (``RunConfig.timeouts(backend).collective_s``): on gloo it bounds how long a
-    healthy rank waits for a failed one; on NCCL it stays above the Wrapper's hard timeout.
+    Ranks arrive at different times after a restart, so forming the group may take up to
+    ``join_timeout_s``; collectives then get ``timeout_s``
+    (``RunConfig.timeouts(backend).collective_s``): on gloo it bounds how long a healthy rank waits
+    for a hung one (a failed one breaks its connections at once: ``GroupTransport``); on NCCL it
+    stays above the Wrapper's hard timeout.
     """
     store = dist.PrefixStore(f"train-iter-{iteration}", app_store)
+    if backend == "gloo":
+        group_transport.mark()  # so a fault can break this attempt's connections (GroupTransport)
     dist.init_process_group(
         backend=backend,
         store=store,

@@ -194,16 +194,19 @@ class Trainer:
         self.device = setup_device(cfg, env)
         self.backend = backend_for(self.device)
         self.timeouts = cfg.timeouts(self.backend)
-        self.monitor = restart.RankMonitor()
+        # The checkpoint writer, forked now: before the stores, the process group or CUDA start
+        # threads, a fork is safe, and it costs milliseconds where spawning one (a second
+        # interpreter importing torch) would take seconds of CPU from this start and restore.
+        self.checkpointer = AsyncCheckpointer(cfg.run_dir, rank=env.rank, world_size=env.world_size,
+                                              events=self.events, keep=cfg.keep_checkpoints,
+                                              writer_stall_s=writer_stall_bound(cfg.hang_timeout_s),
+                                              fork_writer=True)
+        self.monitor = restart.RankMonitor(cfg, self.timeouts)
         self.store = restart.app_store()  # outlives in-process restarts; process groups do not
         self.fired: set[tuple[int, int | None, str]] = set()  # drills fire once per process
         self.iteration = 0
         self.attempt = env.attempt  # the job's restart round, agreed by every rank in run()
         self.shards = TokenShards(cfg.dataset_dir, "train")
-        # Start the checkpoint writer now: its first start costs seconds we'd rather not stall on.
-        self.checkpointer = AsyncCheckpointer(cfg.run_dir, rank=env.rank, world_size=env.world_size,
-                                              events=self.events, keep=cfg.keep_checkpoints,
-                                              writer_stall_s=writer_stall_bound(cfg.hang_timeout_s))
 
     # -- one attempt --------------------------------------------------------------------------
     def run(self, call_wrapper: Optional[CallWrapper] = None) -> None:
@@ -222,6 +225,7 @@ class Trainer:
             self.events = self.events.bind(attempt=self.attempt)
             rollback: NonFiniteState | None = None
             while True:  # one pass per rollback from non-finite state
+                self.monitor.enter("setup")  # a restore: the configured (long) timeouts
                 with restore_timeout(self.timeouts.collective_s, max(self.timeouts.collective_s,
                                                                      cfg.initial_heartbeat_timeout_s)):
                     model, optimizer, sampler, start = self._restore(mesh)
@@ -332,6 +336,7 @@ class Trainer:
                 raise
             step_s = time.perf_counter() - t0
             self.monitor.heartbeat()
+            self.monitor.derive_when_warm(step, events)  # once, at the same step on every rank
             if call_wrapper is not None:
                 call_wrapper.ping()
             if recovering is not None:
@@ -357,7 +362,7 @@ class Trainer:
                 except Exception as exc:
                     self._on_fault(exc, step)
                     raise
-        self.monitor.enter("checkpoint")
+        self.monitor.enter("final_checkpoint")
         try:
             self.checkpointer.wait()  # the final checkpoint is committed before we report success
         except Exception as exc:
@@ -419,7 +424,12 @@ class Trainer:
 
         Anything else is the platform's, as far as a rank can tell (``restarts_exhausted``),
         except restore faults (``checkpoint``): those never point at the node.
+
+        First of all, this attempt is over for this rank: it breaks its process groups'
+        connections, so peers blocked in a collective with it fail now instead of at their
+        collective timeout (``restart.GroupTransport``; gloo only).
         """
+        restart.group_transport.shut_down()
         signature = fault_signature(exc)
         layer = "inprocess" if self.cfg.restart_mode in ("layered", "inprocess") else "injob"
         storage = storage_errno(exc) is not None
@@ -564,8 +574,9 @@ def job_restart_round(local_count: int, device: torch.device) -> int:
 
 def setup_device(cfg: RunConfig, env: WorkerEnv) -> torch.device:
     """This rank's device, made current. On CUDA this runs before anything of NVRx's starts (the
-    in-process Wrapper forks its monitor process; the checkpoint writer spawns), so none of them
-    starts from a process whose device is still unset."""
+    in-process Wrapper forks its monitor process; the checkpoint writer is forked or spawned), so
+    none of them starts from a process whose device is still unset. (A process with a CUDA
+    context spawns its writer: ``fork_is_safe``.)"""
     device = choose_device(cfg.device, env.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
