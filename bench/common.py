@@ -36,7 +36,7 @@ AIRFLOW_PYTHON = REPO / ".venv-airflow" / "bin" / "python"
 #: ones (model, seq_len, batch_size) on the command line; the timeouts then bound detection.
 RUN_SETTINGS: dict[str, Any] = {
     "model": "tiny", "seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
-    "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu", "eval_batches": 4,
+    "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 5.0, "device": "cpu", "eval_batches": 4,
 }
 
 

@@ -71,8 +71,22 @@ def test_quick_training_plane_bench_measures_every_method(tmp_path):
     assert result["load"]["cores"] >= 1 and result["load"]["loadavg_1m_during"]["n"] >= 1
     (size,) = result["stall"]["sizes"]
     methods = size["methods"]
-    assert set(methods) == {"memcpy", "nvrx_async", "nvrx_async_no_checksum", "torch_async_save", "dcp_save",
-                            "torch_save"}
+    assert set(methods) == {"memcpy", "nvrx_async", "nvrx_async_no_checksum", "torch_async_save_thread",
+                            "torch_async_save_process", "dcp_save", "torch_save"}
+    # torch's baseline is the better of its two checkpointers, each with a persistent stager
+    best = size["torch_async_save_best"]
+    assert best in ("torch_async_save_thread", "torch_async_save_process")
+    assert methods[best]["blocking_s"]["median"] == min(methods[m]["blocking_s"]["median"]
+                                                        for m in ("torch_async_save_thread", "torch_async_save_process"))
+    assert methods[best]["staging_options"]["use_shared_memory"] is True
+    # every method's stall includes the state-dict collection the loop does (not the memcpy floor)
+    assert all(m["state_dict_s"]["n"] == 2 for k, m in methods.items() if k != "memcpy")
+    # writer interference: steps with a save in flight over steps without, per async method
+    for name in ("nvrx_async", "torch_async_save_thread", "torch_async_save_process"):
+        m = methods[name]
+        assert m["step_s_save_in_flight"]["n"] >= 2 and m["step_s_idle"]["n"] >= 2, name
+        assert m["interference"] == pytest.approx(m["step_s_save_in_flight"]["median"] / size["step_s_idle"]["median"],
+                                                  rel=0.01)
     # what checksums cost: measured side by side, in the writer (per save) and on the stall
     assert methods["nvrx_async"]["checksum_s_per_save"]["n"] == 2
     assert methods["nvrx_async"]["checksum_s_per_save"]["min"] > 0
@@ -88,7 +102,7 @@ def test_quick_training_plane_bench_measures_every_method(tmp_path):
     assert methods["nvrx_async"]["warmup_blocking_s"][0] > methods["nvrx_async"]["blocking_s"]["max"]
     ratio = methods["nvrx_async"]["blocking_s"]["median"] / methods["memcpy"]["blocking_s"]["median"]
     assert size["ratios"]["nvrx_async_over_memcpy"] == pytest.approx(ratio, rel=0.01)
-    assert size["targets"]["nvrx_async <= 2x memcpy"] == (size["ratios"]["nvrx_async_over_memcpy"] <= 2)
+    assert size["targets"]["nvrx_async <= 1.5x memcpy"] == (size["ratios"]["nvrx_async_over_memcpy"] <= 1.5)
     evaluation = result["eval_load"]
     assert evaluation["saved_world_size"] == 2 and evaluation["model_mb"] < evaluation["file_mb"]
     seconds = evaluation["seconds"]
