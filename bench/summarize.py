@@ -146,7 +146,7 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     if recovery:
         for row in recovery["rows"]:
             if "target_s" in row:
-                rows.append((f"recovery, {row['kind']} ({row['restart_mode']}) → {row['layer']}", f"≤ {row['target_s']:.0f} s",
+                rows.append((f"recovery, {row['kind']} ({row['restart_mode']}) → {row['layer']}", f"≤ {row['target_s']:g} s",
                              _stat(row["latency_s"]), row["target_met"]))
         for kind, row in (recovery.get("vs_torchrun") or {}).items():
             if "ratio" in row:
@@ -157,7 +157,7 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     if relaunch:
         for row in relaunch["rows"]:
             rows.append((f"recovery, {row['kind']} → relaunch on a replaced node (failed launch → first step)",
-                         f"≤ {row.get('target_s', 60):.0f} s",
+                         f"≤ {row.get('target_s', 60):g} s",
                          _stat(row["total_s"]), row["target_met"]))
     chaos = summary.get("chaos")
     if chaos:
@@ -274,7 +274,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
                           f"{_s(p.get('rendezvous'))} · start + restore {_s(p.get('start_restore'))} · first step "
                           f"{_s(p.get('first_step'))}")
             rows.append((row["kind"], row["restart_mode"], row["layer"], row["latency_s"]["n"], _stat(row["latency_s"]),
-                         detail, f"≤ {row['target_s']:.0f} s: {_ok(row['target_met'])}" if "target_s" in row else "—"))
+                         detail, f"≤ {row['target_s']:g} s: {_ok(row['target_met'])}" if "target_s" in row else "—"))
         lines += _table(("fault", "restart mode", "recovered by", "n", "latency", "breakdown (median)", "target"), rows)
     if relaunch:
         lines += [f"Relaunch after node replacement (local backend), control-plane time only: from the failed launch "
@@ -289,7 +289,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
             rows.append((row["kind"], row["launch_failed_by"], row["total_s"]["n"], _stat(row["total_s"]),
                          f"detect {_s(p['detect'])} · diagnose + replace {_s(p['diagnose_replace'])} · capacity + submit "
                          f"{_s(p['capacity_submit'])} · start + restore {_s(p['start_restore'])} · first step {_s(p['first_step'])}",
-                         _stat(row["data_plane_s"]), f"≤ {row.get('target_s', 60):.0f} s: {_ok(row['target_met'])}"))
+                         _stat(row["data_plane_s"]), f"≤ {row.get('target_s', 60):g} s: {_ok(row['target_met'])}"))
         lines += _table(("fault (bad node)", "launch failed by", "n", "failed launch → first step", "breakdown (median)",
                          "before it: fault → launch gave up", "target"), rows)
     if recovery or relaunch:
