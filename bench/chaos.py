@@ -64,7 +64,7 @@ from bench.common import (
 plugins_on_path()
 
 from bench.drive import drive, relaunch_trials  # noqa: E402
-from fsdp_resilience.report import build_report, goodput, save_windows, step_executions  # noqa: E402
+from fsdp_resilience.report import build_report, goodput, save_windows, step_executions, steps_during_saves  # noqa: E402
 from training.contract import RunConfig, read_events  # noqa: E402
 
 #: Job-level MTBF of Llama 3 405B pre-training: 54 days, 419 unexpected interruptions.
@@ -166,8 +166,8 @@ def save_costs(events: list[dict[str, Any]], accounting: dict[str, Any]) -> dict
     windows = save_windows(events)
     blocking = [r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin" and r.get("blocking_s") is not None]
     commits = [r for r in events if r.get("event") == "checkpoint_commit"]
-    executions = [e for e in step_executions(events) if not e.replayed]
-    during = [e.end - e.start for e in executions if any(e.start < hi and lo < e.end for lo, hi in windows)]
+    _, slowed = steps_during_saves(step_executions(events), windows)
+    during = [e.end - e.start for e in slowed]
     interference = accounting["badput_s"].get("checkpoint_interference", 0.0) / max(1, len(windows))
     block = statistics.median(blocking) if blocking else 0.0
     usual = accounting.get("usual_step_s")

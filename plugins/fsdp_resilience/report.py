@@ -155,7 +155,7 @@ def save_windows(events: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
     return windows
 
 
-def _steps_during_saves(executions: list[StepExecution], windows: list[tuple[float, float]]
+def steps_during_saves(executions: list[StepExecution], windows: list[tuple[float, float]]
                         ) -> tuple[float | None, list[StepExecution]]:
     """The usual step time (median of the last executions that overlap no save window) and the
     last executions that overlap one."""
@@ -274,7 +274,7 @@ def goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
         (run.start, run.end, LOST_PROGRESS if run.replayed else PRODUCTIVE) for run in executions]
     intervals += [(lo, hi, STARTUP_RESTORE) for lo, hi in _startup_spans(training)]
     windows = save_windows(training)
-    usual, slowed = _steps_during_saves(executions, windows)
+    usual, slowed = steps_during_saves(executions, windows)
     intervals += [(run.start + usual, run.end, CHECKPOINT_INTERFERENCE)
                   for run in slowed if usual is not None and run.end - run.start > usual]
     restarts = []

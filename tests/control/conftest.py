@@ -51,3 +51,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in MEASURED:
             terminalreporter.write_line(line)
+
+
+def script_backend(folder: Path, script: str, **kwargs):
+    """A ``LocalProcessBackend`` whose "training Python" is the shell ``script`` (a stand-in
+    launcher: it gets the same arguments ``training.launch`` would), with its state in ``folder``."""
+    from fsdp_resilience.backends import LocalProcessBackend
+
+    folder.mkdir(parents=True, exist_ok=True)
+    python = folder / "stand-in-python"
+    python.write_text(script)
+    python.chmod(0o755)
+    return LocalProcessBackend(folder / "state", training_python=str(python), **kwargs)

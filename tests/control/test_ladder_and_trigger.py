@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from shared import FAST_RUN
-from conftest import REPO, TRAINING_PYTHON, make_dataset
+from conftest import REPO, TRAINING_PYTHON, make_dataset, script_backend
 from fsdp_resilience import ladder
 from fsdp_resilience.backends import JobHandle, LocalProcessBackend, get_backend
 from fsdp_resilience.progress import LaunchChanges, check_progress
@@ -171,10 +171,7 @@ exec sleep 300
 @pytest.fixture()
 def stand_in(tmp_path):
     """A local backend whose launchers are ``STAND_IN_LAUNCHER``, and a submitted launch of it."""
-    python = tmp_path / "stand-in-python"
-    python.write_text(STAND_IN_LAUNCHER)
-    python.chmod(0o755)
-    backend = LocalProcessBackend(tmp_path / "state", slots=2, training_python=str(python), cancel_grace_s=2)
+    backend = script_backend(tmp_path / "stand-in", STAND_IN_LAUNCHER, slots=2, cancel_grace_s=2)
     cfg = RunConfig(**{**FAST, "run_id": "stand-in", "run_dir": str(tmp_path / "run"),
                        "dataset_dir": str(tmp_path / "no-data"), "steps": 4})
     handle = backend.submit(cfg, launch_id="0")

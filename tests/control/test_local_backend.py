@@ -37,6 +37,7 @@ from fsdp_resilience.backends import (  # noqa: E402
     job_name_for,
 )
 from fsdp_resilience.backends import local as local_backend  # noqa: E402
+from conftest import script_backend  # noqa: E402
 from fsdp_resilience.backends.base import plan_replacement, replacement_limit  # noqa: E402
 from training.contract import CheckpointCatalog, RunConfig, read_events  # noqa: E402
 
@@ -297,10 +298,7 @@ sleep 300
 
 @pytest.fixture()
 def fake_backend(tmp_path):
-    python = tmp_path / "fake-python"
-    python.write_text(FAKE_LAUNCHER)
-    python.chmod(0o755)
-    b = LocalProcessBackend(tmp_path / "fake-state", slots=2, training_python=str(python), cancel_grace_s=2)
+    b = script_backend(tmp_path / "fake", FAKE_LAUNCHER, slots=2, cancel_grace_s=2)
     yield b
     for record in b._store.jobs():
         b.cancel(JobHandle("local", record["run_id"], record["launch_id"], record["job_name"]))
