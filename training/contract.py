@@ -214,14 +214,20 @@ class FaultDrill:
             raise ConfigError(f"{where}.step={self.step} must be between 1 and steps={cfg.steps}")
         if not 0 <= self.rank < cfg.world_size:
             raise ConfigError(f"{where}.rank={self.rank} must be a global rank in [0, {cfg.world_size})")
-        if not 0 <= self.node < cfg.nodes:
-            raise ConfigError(f"{where}.node={self.node} must be a node index in [0, {cfg.nodes})")
+        if not 0 <= self.node < cfg.launch_nodes:
+            raise ConfigError(f"{where}.node={self.node} must be a node index in [0, {cfg.launch_nodes}) "
+                              f"(nodes {cfg.nodes} + spare_nodes {cfg.spare_nodes})")
         if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)
                                          or not 0 <= self.attempt <= 100):
             raise ConfigError(f"{where}.attempt={self.attempt!r} must be between 0 and 100, or null for every attempt")
         if self.node_id is not None and (not isinstance(self.node_id, str) or not self.node_id):
             raise ConfigError(f"{where}.node_id must be a node name or null, got {self.node_id!r}")
 
+
+#: Spare nodes a run may ask for, and spares the control plane may add to one launch after
+#: promotions (node indices ``launch_nodes`` .. ``node_rank_limit - 1``).
+MAX_SPARE_NODES = 8
+MAX_SPARE_REFILLS = 16
 
 #: The collective timeout on gloo when the run config leaves it unset.
 DEFAULT_GLOO_COLLECTIVE_TIMEOUT_S = 30.0
@@ -389,6 +395,10 @@ class RunConfig:
     dataset_dir: str
     model: str = "tiny"
     nodes: int = 1
+    #: Hot spares: node launchers started beyond ``nodes`` that wait in the rendezvous without
+    #: training, and take a lost node's place at the next in-job restart (no relaunch). Ranks,
+    #: data order and checkpoints stay those of ``nodes`` nodes.
+    spare_nodes: int = 0
     procs_per_node: int = 2
     steps: int = 100
     batch_size: int = 8  # sequences per rank per step
@@ -451,6 +461,18 @@ class RunConfig:
         return self.nodes * self.procs_per_node
 
     @property
+    def launch_nodes(self) -> int:
+        """Node launchers a launch starts: the training nodes and the spares behind them."""
+        return self.nodes + self.spare_nodes
+
+    @property
+    def node_rank_limit(self) -> int:
+        """Node indices a launcher of this run may hold: the launch's own, then the indices of
+        spares added while it runs (each refill takes a new one, so no two live launchers of a
+        run ever share an index, nor NVRx 0.7's infrastructure rank that follows it)."""
+        return self.launch_nodes + MAX_SPARE_REFILLS
+
+    @property
     def layout(self) -> "RunDir":
         return RunDir(self.run_dir)
 
@@ -491,6 +513,7 @@ class RunConfig:
                 raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
         _check_choice("model", self.model, MODEL_PRESETS)
         _check_int("nodes", self.nodes, 1, 1024)
+        _check_int("spare_nodes", self.spare_nodes, 0, MAX_SPARE_NODES)
         _check_int("procs_per_node", self.procs_per_node, 1, 64)
         _check_int("steps", self.steps, 1, 10_000_000)
         _check_int("batch_size", self.batch_size, 1, 65_536)
@@ -504,6 +527,9 @@ class RunConfig:
         _check_int("checkpoint_interval", self.checkpoint_interval, 1, 10_000_000)
         _check_int("keep_checkpoints", self.keep_checkpoints, 1, 1000)
         _check_choice("restart_mode", self.restart_mode, RESTART_MODES)
+        if self.spare_nodes and self.restart_mode not in ("layered", "injob"):
+            raise ConfigError(f"spare_nodes={self.spare_nodes} needs in-job restarts (restart_mode layered or injob; "
+                              f"it is {self.restart_mode}): a spare takes a lost node's place at an in-job restart")
         _check_int("max_restarts", self.max_restarts, 0, 1000)
         _check_int("max_inprocess_restarts", self.max_inprocess_restarts, 0, 1000)
         if self.collective_timeout_s is not None:
@@ -656,6 +682,7 @@ class RunDir:
     derived_timeouts = property(lambda self: self.root / "timeouts.json")
     control = property(lambda self: self.root / "control")
     stop_marker = property(lambda self: self.root / "control" / "STOP.json")
+    membership = property(lambda self: self.root / "control" / "membership.json")
     logs = property(lambda self: self.root / "logs")
     launches = property(lambda self: self.root / "launches")
     checkpoints = property(lambda self: self.root / "checkpoints")
@@ -1034,7 +1061,8 @@ class Event(str, enum.Enum):
     ``node_rank``, ``attempt`` (launcher restart round) and ``iteration`` (in-process round).
 
     Type-specific fields:
-      launch_begin       nodes, procs_per_node, restart_mode, command
+      launch_begin       nodes, spare_nodes, procs_per_node, restart_mode, command, standby (a
+                         spare: it waits in the rendezvous until a node is lost)
       train_begin        start_step, world_size, device, resumed_from (checkpoint id or null), rng
                          ("seeded" | "restored" | "reseeded": each rank's RNG state, from the seed, the
                          checkpoint, or the seed again when the world size changed)
@@ -1064,6 +1092,13 @@ class Event(str, enum.Enum):
       eval               checkpoint_id, step, val_loss, perplexity
       escalation         rung, from_launch, to_launch, failure_class, nodes (node ids replaced),
                          reason (the control plane replaced nodes and relaunched)
+      spare_promoted     node_id, node_rank (the spare now training), replaces (node ids that
+                         trained in the attempt before and not in this one), members (node ids
+                         training now), attempt (global rank 0, at the start of the first attempt
+                         a spare trains in; from the membership record control/membership.json)
+      spare_added        lost_node_id, lost_node_rank, quarantined (node ids), node_id, node_rank
+                         (the new spare), reason (the control plane refilled the spare pool
+                         while training went on)
       timeouts_derived   step, and DerivedTimeouts' fields: heartbeat_s, sections, floor_s,
                          ceiling_s, safety_factor, measured_heartbeat_interval_s,
                          measured_section_s (rank 0; once per attempt and in-process
@@ -1087,6 +1122,8 @@ class Event(str, enum.Enum):
     EVAL = "eval"
     ESCALATION = "escalation"
     TIMEOUTS_DERIVED = "timeouts_derived"
+    SPARE_PROMOTED = "spare_promoted"
+    SPARE_ADDED = "spare_added"
 
 
 #: Set by the backend for every process of a node: the Kubernetes node name on EKS (downward
@@ -1172,6 +1209,38 @@ def _parse_event_line(line: str) -> dict[str, Any] | None:
             pass
         start = line.find("{", start + 1)
     return None
+
+
+def record_membership(layout: RunDir, events: EventLog, launch_id: str, attempt: int,
+                      members: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    """Record which nodes train in this attempt (``members``: (node index as launched, node id)
+    of every rank) and emit ``spare_promoted`` for each node that trains now and did not in the
+    attempt before of the same launch: a spare that took a lost node's place. Global rank 0 calls
+    it once per attempt, after every rank joined the process group. Which launcher ends up a spare
+    is decided by the rendezvous, not by its index, so this is observed, never assumed. Returns
+    the events emitted."""
+    now = sorted({(int(rank), str(node)) for rank, node in members})
+    try:
+        before = json.loads(layout.membership.read_text())
+    except (OSError, ValueError):
+        before = None
+    emitted = []
+    # Any earlier record of the same launch is the round before (on NVRx 0.4.1 a round that
+    # replaces a lost node by a spare can be a membership change, which keeps the restart count).
+    if isinstance(before, dict) and before.get("launch_id") == launch_id:
+        previous = sorted({(int(rank), str(node)) for rank, node in before.get("members") or []})
+        left = [m for m in previous if m not in now]
+        for rank, node in (m for m in now if m not in previous):
+            emitted.append(events.emit(Event.SPARE_PROMOTED, node_id=node, node_rank=rank,
+                                       replaces=[n for _, n in left], replaced_node_ranks=[r for r, _ in left],
+                                       members=[n for _, n in now], previous_attempt=before.get("attempt")))
+    try:
+        layout.control.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(layout.membership, json.dumps({"launch_id": launch_id, "attempt": attempt,
+                                                         "members": now, "ts": time.time()}) + "\n")
+    except OSError as e:  # a full run dir: the next attempt compares with an older record
+        print(f"[events] cannot record membership in {layout.membership}: {e}", file=sys.stderr, flush=True)
+    return emitted
 
 
 def declare_stop(layout: RunDir, failure: FailureClass, **record: Any) -> bool:

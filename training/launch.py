@@ -56,9 +56,11 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -90,6 +92,8 @@ from training.faults import LAUNCH_PID_ENV, NODE_RANK_ENV, descendants
 #: ft_launcher to stop by itself (the failing rank asked it to) before stopping it.
 STOP_GRACE_S = 20.0
 POLL_S = 1.0
+#: How often a spare looks for its launch's training nodes to have started.
+SPARE_POLL_S = 0.2
 #: How long ft_launcher gets to stop its workers after SIGTERM, and the guard to end its process
 #: tree after being told to, before the next, harder step.
 TERMINATE_GRACE_S = 15.0
@@ -204,11 +208,33 @@ def _libuv_conf() -> str:
     return ",use_libuv=false" if os.environ.get("USE_LIBUV", "1").strip().lower() in ("0", "false", "no") else ""
 
 
+def nvrx_version() -> tuple[int, ...]:
+    """The installed nvidia-resiliency-ext's version, e.g. (0, 7, 0); () when it is not installed."""
+    try:
+        text = importlib.metadata.version("nvidia-resiliency-ext")
+    except importlib.metadata.PackageNotFoundError:
+        return ()
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+def nnodes_flag(cfg: RunConfig) -> str:
+    """``--nnodes`` for this run. With spares, the training world must stay ``nodes`` nodes:
+    - NVRx 0.6+ (its barrier rendezvous): ``N:M``. N is the world; launchers beyond it wait as
+      hot spares. M is not an admission cap but the budget of nodes its health checks may turn
+      away over the job's life, so it is generous.
+    - NVRx 0.4.1 (its fork of torch's c10d rendezvous): ``N``. Launchers beyond N go on the
+      rendezvous' redundancy list and join when a participant is gone; ``N:M`` would grow the
+      world to M."""
+    if cfg.spare_nodes and nvrx_version() >= (0, 6):
+        return f"--nnodes={cfg.nodes}:{cfg.node_rank_limit}"
+    return f"--nnodes={cfg.nodes}"
+
+
 def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: Path,
                   log_dir: Path) -> list[str]:
     """The launcher command for this node."""
     rdzv = [
-        f"--nnodes={cfg.nodes}",
+        nnodes_flag(cfg),
         f"--nproc-per-node={cfg.procs_per_node}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv_host}:{cfg.rdzv_port}",
@@ -493,6 +519,34 @@ def classify(cfg: RunConfig, rc: int, stalled: bool, workers_started: bool = Tru
     return FailureClass.RESTARTS_EXHAUSTED, f"a rank failed and restart_mode={cfg.restart_mode} has no in-job restarts (exit {rc})"
 
 
+class EventTail:
+    """Reads the events log incrementally: each ``read`` returns the records appended since the
+    last (whole lines only: a line still being written is read next time)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a torn line of a killed writer
+            if isinstance(record, dict):
+                out.append(record)
+        return out
+
+
 def launcher_log_hint() -> str:
     """Where this process's output goes, for messages that send the reader there: the file our
     stdout is (the local backend's logs/<job>-node<N>.log), else the pod's log."""
@@ -546,11 +600,44 @@ class NodeLauncher:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
+    @property
+    def standby(self) -> bool:
+        """Launched as a spare: beyond the run's training nodes (a refill takes a new index)."""
+        return self.node_rank >= self.cfg.nodes
+
+    def wait_for_training_nodes(self) -> dict | None:
+        """A spare joins the rendezvous once this launch's training nodes have: the rendezvous
+        admits whoever comes first, so a spare that started early could take a training node's
+        place (harmless, but the spare would then be an observed fact, not the launch's plan).
+        A spare added later finds them training and goes on at once. Returns the ``final`` record
+        of a launch that ended before training began (then this spare has nothing to wait for)."""
+        tail = EventTail(self.layout.events)
+        while True:
+            for record in tail.read():
+                if record.get("launch_id", "") != self.launch_id:
+                    continue
+                if record.get("event") == Event.TRAIN_BEGIN.value:
+                    return None
+                if record.get("event") == Event.FINAL.value:
+                    return record
+            if self.terminated_by is not None:
+                return {"failure_class": FailureClass.UNKNOWN.value}
+            time.sleep(SPARE_POLL_S)
+
     def run(self, command: list[str]) -> int:
         cfg = self.cfg
-        self.began = self.events.emit(Event.LAUNCH_BEGIN, nodes=cfg.nodes, procs_per_node=cfg.procs_per_node,
-                                      restart_mode=cfg.restart_mode, rdzv_host=self.rdzv_host,
-                                      command=shlex.join(command))
+        self.began = self.events.emit(Event.LAUNCH_BEGIN, nodes=cfg.nodes, spare_nodes=cfg.spare_nodes,
+                                      procs_per_node=cfg.procs_per_node, restart_mode=cfg.restart_mode,
+                                      rdzv_host=self.rdzv_host, command=shlex.join(command), standby=self.standby)
+        signal.signal(signal.SIGTERM, self._forward_signal)
+        signal.signal(signal.SIGINT, self._forward_signal)
+        if self.standby:
+            ended = self.wait_for_training_nodes()
+            if ended is not None:
+                failure = FailureClass(ended.get("failure_class") or FailureClass.UNKNOWN.value)
+                if self.terminated_by is not None:
+                    return self.finish(0, False)
+                return self._final(failure, "standby: the launch ended before this spare was needed", None)
         env = dict(os.environ)
         env[LAUNCH_PID_ENV] = str(os.getpid())
         env[NODE_RANK_ENV] = str(self.node_rank)
@@ -559,11 +646,14 @@ class NodeLauncher:
             # Several "nodes" on one host (the local backend): NVRx 0.7's rendezvous otherwise
             # refuses the second launcher as a duplicate participant.
             env.setdefault("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1")
+        if cfg.spare_nodes and nvrx_version() >= (0, 6):
+            # NVRx 0.7 orders nodes by their infrastructure rank (GROUP_RANK in the launcher's
+            # environment): training nodes keep their places across restarts, a spare ranks after
+            # them, and the round waits briefly for a node that trained before.
+            env["GROUP_RANK"] = str(self.node_rank)
         # The worker (and the guard) import the ``training`` package from wherever this one came from.
         pkg_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
-        signal.signal(signal.SIGTERM, self._forward_signal)
-        signal.signal(signal.SIGINT, self._forward_signal)
         # If the guard is killed, what it leaves comes back here to be ended (_reap).
         become_subreaper()
         # The guard gets its own session (ft_launcher shares it, so a group SIGTERM stops it
@@ -675,8 +765,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         node_rank = node_rank_from_env(args.node_rank)
-        if not 0 <= node_rank < cfg.nodes:
-            raise ConfigError(f"node rank {node_rank} is outside the run's {cfg.nodes} node(s)")
+        if not 0 <= node_rank < cfg.node_rank_limit:
+            spares = f" + {cfg.spare_nodes} spare(s) and the indices of spares added later" if cfg.spare_nodes else ""
+            raise ConfigError(f"node rank {node_rank} is outside the run's {cfg.nodes} node(s){spares}: "
+                              f"use 0..{cfg.node_rank_limit - 1}")
         rdzv_host = rdzv_host_from_env(args.rdzv_host, cfg)
         read_dataset_index(cfg.dataset_dir)  # a missing or broken dataset fails here, not in every rank
     except (ConfigError, ValueError) as e:

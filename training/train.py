@@ -63,6 +63,7 @@ from training.contract import (
     node_id,
     read_events,
     read_stop,
+    record_membership,
     storage_errno,
 )
 from training.data import BatchSampler, TokenShards
@@ -223,6 +224,8 @@ class Trainer:
             self.checkpointer.rebind(dist.group.WORLD)
             self.attempt = job_restart_round(env.attempt, self.device)
             self.events = self.events.bind(attempt=self.attempt)
+            if cfg.spare_nodes and self.iteration == 0:
+                self._record_membership()
             rollback: NonFiniteState | None = None
             while True:  # one pass per rollback from non-finite state
                 self.monitor.enter("setup")  # a restore: the configured (long) timeouts
@@ -242,6 +245,15 @@ class Trainer:
             self.monitor.stop()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+    def _record_membership(self) -> None:
+        """Which nodes train in this attempt, agreed by one gather: rank 0 records it and names a
+        spare that took a lost node's place (``spare_promoted``)."""
+        members: list = [None] * self.env.world_size
+        dist.all_gather_object(members, (self.env.node_rank, node_id()))
+        if self.env.rank == 0:
+            record_membership(self.layout, self.events, os.environ.get("TRAINING_LAUNCH_ID", ""), self.attempt,
+                              members)
 
     def _restore(self, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSampler, int]:
         """Model, optimizer and sampler at the newest committed checkpoint that verifies (every

@@ -344,6 +344,13 @@ def plan_replacement(requested: list[str], pool: list[str], out_of_service: list
 # --------------------------------------------------------------------------------------------
 
 
+def job_can_train(train_nodes: int, nodes: list[NodeStatus]) -> bool:
+    """Whether a job whose launch trains ``train_nodes`` nodes can still train: enough of its
+    nodes (training or standing by as spares) are neither lost nor failed. One rule for every
+    backend's status and failure policy: a lost node with a spare behind it is not a failed job."""
+    return sum(1 for n in nodes if n.state not in ("failed", LOST)) >= train_nodes
+
+
 class TrainingBackend(abc.ABC):
     """Runs training jobs: one ``training.launch`` per node, all nodes of a launch in one job.
 
@@ -356,8 +363,9 @@ class TrainingBackend(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, cfg: RunConfig, launch_id: str, *, airflow_run_id: str | None = None) -> JobHandle:
-        """Start ``cfg.nodes`` nodes of the run as one job, tagged with ``launch_id`` (and the
-        Airflow DAG run that asked, where the platform can show it).
+        """Start ``cfg.launch_nodes`` nodes of the run as one job (``nodes`` that train and
+        ``spare_nodes`` that wait as hot spares), tagged with ``launch_id`` (and the Airflow DAG
+        run that asked, where the platform can show it).
 
         Idempotent: submitting the same (run_id, launch_id) again returns the existing job and
         starts nothing (an Airflow task retried after a crash must not start a second copy).
@@ -366,7 +374,11 @@ class TrainingBackend(abc.ABC):
 
     @abc.abstractmethod
     def status(self, handle: JobHandle) -> JobStatus:
-        """The job's state now. Cheap enough to poll every few seconds."""
+        """The job's state now. Cheap enough to poll every few seconds.
+
+        With spares, losing a node does not fail the job while enough nodes are left to train
+        (``job_can_train``): the job stays ``running`` and the lost node shows as ``lost`` in
+        ``nodes`` (a spare takes its place in the next in-job restart)."""
 
     async def status_async(self, handle: JobHandle) -> JobStatus:
         """``status`` for the triggerer's event loop. Backends with an async client override it;
@@ -380,6 +392,15 @@ class TrainingBackend(abc.ABC):
         does not show (a node lost without its ``final`` event). The watch stats them between its
         polls and checks at once when one changes. Default: none (state behind an API)."""
         return []
+
+    def add_spare(self, handle: JobHandle, reason: str) -> NodeStatus:
+        """Give a running job one more spare node, after a spare took a lost node's place
+        (``cfg.spare_nodes``): the job's pool is whole again. The new node's launcher joins the
+        rendezvous as a standby (training.launch: a node that starts once the launch's training
+        nodes train waits as a spare). Quarantining the lost node is ``replace_nodes``' job.
+        Returns the new node's status. Raises InsufficientCapacityError when no healthy node is
+        free, BackendError when the job is not running."""
+        raise BackendError(f"the {self.name} backend cannot add a spare node to a running job")
 
     @abc.abstractmethod
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:

@@ -1,0 +1,92 @@
+"""Hot spares on the training plane: launchers beyond ``nodes`` wait in the rendezvous, and a
+lost node's place is taken by one at the next in-job restart, with no relaunch and the losses of
+a run that never lost a node (ranks, data order and checkpoints stay those of ``nodes`` nodes)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from training.contract import ConfigError, RunConfig, read_events
+from training.launch import build_command, main as launch_main
+
+from conftest import Run, launch, write_config
+
+
+def run_nodes(tmp_path, cfg, count: int, timeout: float = 400) -> tuple[list[int], str]:
+    """Launch nodes 0..count-1 of ``cfg`` as pods would (one training.launch each); their exit
+    codes and the tail of their logs."""
+    cfg_path = tmp_path / f"{cfg.run_id}.json"
+    nodes = [launch(cfg, cfg_path, node_rank=i) for i in range(count)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    logs = "\n".join(cfg_path.with_suffix(f".node{i}.log").read_text()[-2500:] for i in range(count))
+    return codes, logs
+
+
+def test_spares_need_in_job_restarts_and_are_bounded(tmp_path, dataset):
+    base = dict(run_id="x", run_dir=str(tmp_path / "x"), dataset_dir=str(dataset), nodes=2)
+    with pytest.raises(ConfigError, match="needs in-job restarts"):
+        RunConfig(**base, spare_nodes=1, restart_mode="inprocess")
+    with pytest.raises(ConfigError, match="spare_nodes"):
+        RunConfig(**base, spare_nodes=9)
+    cfg = RunConfig(**base, spare_nodes=1)
+    assert (cfg.launch_nodes, cfg.world_size) == (3, 2 * cfg.procs_per_node)
+    # A drill may take down a spare's node too; nothing beyond the launch's nodes.
+    RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": 2}])
+    with pytest.raises(ConfigError, match=r"node index in \[0, 3\)"):
+        RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": 3}])
+
+
+def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, dataset, capsys):
+    cfg = write_config(tmp_path, dataset, "flags", nodes=2, spare_nodes=1)
+    cfg.layout.create()
+    cfg.layout.config.write_text(cfg.to_json())  # node 0's copy, which the other nodes wait for
+    command = " ".join(build_command(cfg, 2, "127.0.0.1", tmp_path / "ft.yaml", tmp_path))
+    from training.launch import nvrx_version
+
+    # 0.7's barrier rendezvous: N:M keeps N training and M-N standing by; 0.4.1's c10d fork
+    # keeps a fixed N and puts the rest on its redundancy list (N:M would grow the world).
+    expected = f"--nnodes=2:{cfg.node_rank_limit}" if nvrx_version() >= (0, 6) else "--nnodes=2 "
+    assert expected in command
+    # Node indices: the launch's three, then those of spares added while it runs; no further.
+    assert launch_main(["--config", str(tmp_path / "flags.json"), "--node-rank", str(cfg.node_rank_limit - 1),
+                        "--rdzv-host", "127.0.0.1", "--dry-run"]) == 0
+    assert launch_main(["--config", str(tmp_path / "flags.json"), "--node-rank", str(cfg.node_rank_limit),
+                        "--rdzv-host", "127.0.0.1", "--dry-run"]) == 2
+    assert "outside the run's 2 node(s) + 1 spare(s)" in capsys.readouterr().err
+
+
+def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, dataset):
+    """Two training nodes and one spare (one rank each). Node 1 dies whole at step 5 (launcher,
+    ranks, NVRx helpers); the spare (node 2) takes its place at the in-job restart. Nothing is
+    relaunched, and every step's loss equals that of a run with no fault and no spare."""
+    common = dict(steps=10, nodes=2, procs_per_node=1)
+    clean_cfg = write_config(tmp_path, dataset, "clean", **common)
+    codes, logs = run_nodes(tmp_path, clean_cfg, 2)
+    assert codes == [0, 0], logs
+    clean = Run(clean_cfg, 0, logs)
+
+    cfg = write_config(tmp_path, dataset, "spare", spare_nodes=1, **common,
+                       faults=[{"kind": "node_loss", "step": 5, "node": 1}])
+    codes, logs = run_nodes(tmp_path, cfg, 3)
+    assert codes == [0, -9, 0], logs
+    run = Run(cfg, 0, logs)
+    begins = run.of("launch_begin")
+    assert sorted((r["node_rank"], r["standby"]) for r in begins) == [(0, False), (1, False), (2, True)]
+    # The spare waited for the training nodes: node 2 began training only after node 1 was lost.
+    [lost] = run.of("fault_injected")
+    spare_begins = [r for r in run.of("train_begin") if r["node_rank"] == 2]
+    assert spare_begins and min(r["ts"] for r in spare_begins) > lost["ts"]
+    [promoted] = run.of("spare_promoted")
+    assert (promoted["node_rank"], promoted["replaced_node_ranks"]) == (2, [1])
+    assert promoted["ts"] > lost["ts"]
+    assert any(r["layer"] == "injob" for r in run.of("restart_end"))
+    finals = {r["node_rank"]: r["failure_class"] for r in run.of("final")}
+    assert finals == {0: "success", 2: "success"}, finals
+    # One launch; the world stayed two ranks; the same loss at every step.
+    assert {r["world_size"] for r in run.of("train_begin")} == {2}
+    assert run.losses() == clean.losses()
