@@ -52,6 +52,8 @@ def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, datas
     # keeps a fixed N and puts the rest on its redundancy list (N:M would grow the world).
     expected = f"--nnodes=2:{cfg.node_rank_limit}" if nvrx_version() >= (0, 6) else "--nnodes=2 "
     assert expected in command
+    # Where NVRx checks a joining node (0.7), the run's storage is one of the checks.
+    assert (f"--ft-storage-health-check-path={cfg.layout.checkpoints}" in command) == (nvrx_version() >= (0, 6))
     # Node indices: the launch's three, then those of spares added while it runs; no further.
     assert launch_main(["--config", str(tmp_path / "flags.json"), "--node-rank", str(cfg.node_rank_limit - 1),
                         "--rdzv-host", "127.0.0.1", "--dry-run"]) == 0
@@ -90,3 +92,16 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
     # One launch; the world stayed two ranks; the same loss at every step.
     assert {r["world_size"] for r in run.of("train_begin")} == {2}
     assert run.losses() == clean.losses()
+
+
+def test_a_spare_turned_away_says_why(tmp_path):
+    """A spare whose ft_launcher leaves the rendezvous before its node trained (NVRx's health
+    checks at join) is reported with NVRx's own reason from the node's log."""
+    from training.launch import dropped_spare_reason
+
+    log = tmp_path / "node2.log"
+    log.write_text("starting\n[ERROR] Health check failed for node localhost_77_0: Storage path health check "
+                   "failed: /fsx/runs/r/checkpoints is not reachable\nexit\n")
+    reason = dropped_spare_reason(1, str(log))
+    assert "NVRx turned the node away" in reason and "/fsx/runs/r/checkpoints is not reachable" in reason
+    assert dropped_spare_reason(1, str(tmp_path / "none.log")).startswith("ft_launcher exited 1")

@@ -247,9 +247,15 @@ def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: P
     worker = ["-m", "training.train", "--config", str(Path(cfg.run_dir) / "run.json")]
     bindir = Path(sys.executable).parent
     if cfg.restart_mode in ("layered", "injob"):
+        checks = []
+        if cfg.spare_nodes and nvrx_version() >= (0, 6):
+            # NVRx 0.7 checks a node at every join of its rendezvous, a spare's included: here
+            # also that the run's shared storage is there, so a spare whose mount is gone is
+            # turned away (its launcher exits, saying why) instead of taking a rank.
+            checks = [f"--ft-storage-health-check-path={Path(cfg.run_dir).absolute() / 'checkpoints'}"]
         return [str(bindir / "ft_launcher"), f"--ft-cfg-path={ft_cfg_path}",
                 # 0.4.1 ignores enable_nic_monitor in YAML; both versions accept the flag.
-                "--ft-enable-nic-monitor=false",
+                "--ft-enable-nic-monitor=false", *checks,
                 f"--max-restarts={cfg.max_restarts}", *rdzv, *worker]
     return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", *rdzv, *worker]
 
@@ -547,6 +553,28 @@ class EventTail:
         return out
 
 
+#: What NVRx logs when its rendezvous turns a node away (0.7: the health checks at every join;
+#: both versions: a rank's ExcludeThisNode request, a GPU check).
+_REFUSAL_MARKS = ("health check failed", "UnhealthyNodeException", "excluded from the training", "unhealthy")
+
+
+def dropped_spare_reason(rc: int, log_path: str | None = None) -> str:
+    """Why a spare's ft_launcher left the rendezvous before its node trained: the last line of
+    its log where NVRx turned the node away (a failed health check), else its exit code."""
+    path = log_path or launcher_log_hint()
+    reason = ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - (256 << 10)))
+            for line in f.read().decode(errors="replace").splitlines():
+                if any(mark.lower() in line.lower() for mark in _REFUSAL_MARKS):
+                    reason = line.strip()[-400:]
+    except OSError:
+        pass
+    where = f"; read {path}" if path.startswith("/") else ""
+    return (f"NVRx turned the node away: {reason}" if reason else f"ft_launcher exited {rc}") + where
+
+
 def launcher_log_hint() -> str:
     """Where this process's output goes, for messages that send the reader there: the file our
     stdout is (the local backend's logs/<job>-node<N>.log), else the pod's log."""
@@ -717,6 +745,9 @@ class NodeLauncher:
     def finish(self, rc: int, stalled: bool) -> int:
         if self.terminated_by is not None:
             failure, message = FailureClass.UNKNOWN, f"terminated by signal {self.terminated_by} (pod deleted?)"
+        elif self.standby and rc != 0 and not self.workers_started() and stop_record(self.layout) is None:
+            # A spare that leaves without training never decides the run: the others do.
+            failure, message = FailureClass.UNKNOWN, f"spare dropped before it trained: {dropped_spare_reason(rc)}"
         else:
             failure, message = classify(self.cfg, rc, stalled, self.workers_started(), launcher_log_hint())
         return self._final(failure, message, rc)
