@@ -28,9 +28,11 @@ saved per rank in every checkpoint, so a resume replays bitwise; see ``rank_seed
 import argparse
 import contextlib
 import datetime
+import logging
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from typing import NoReturn, Optional
 
@@ -625,6 +627,17 @@ def main(argv: list[str] | None = None) -> int:
     except StopTraining as e:
         print(f"error: {e}; not retrying: {WHAT_TO_DO[e.failure]}", file=sys.stderr)
         return exit_code_for(e.failure)
+    except Exception:
+        # What the in-process layer could not recover (its budget spent, or peers gone: a lost
+        # node): ft_launcher restarts the worker group once this process has exited. Exit now:
+        # after a node loss, interpreter shutdown waited 90 s on NVRx 0.7's threads (seen), and
+        # the in-job restart with it.
+        traceback.print_exc()
+        trainer.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         trainer.close()
     return ExitCode.SUCCESS
