@@ -409,37 +409,55 @@ class StorageError(Exception):
     """The run dir cannot take writes."""
 
 
-def take_launch_lock(layout: RunDir, node_rank: int) -> int | None:
+#: How long a node's launcher waits for the launch lock held by a dead predecessor of the same
+#: launch on another machine: a pod the Job recreated for a lost index, while the lost machine's
+#: storage client still holds the lock (Lustre releases a dead client's locks when it evicts it).
+PREDECESSOR_LOCK_WAIT_S = 300.0
+
+
+def take_launch_lock(layout: RunDir, node_rank: int, launch_id: str = "",
+                     predecessor_wait_s: float = PREDECESSOR_LOCK_WAIT_S) -> int | None:
     """Hold this node's launch lock (an exclusive ``flock``) for the life of the launch; returns
     its descriptor (close-on-exec: no rank or NVRx helper ever holds it), or None where the file
     system has no ``flock`` (a warning says a second launcher then goes undetected). Records who
-    holds it in the file. Raises ``AlreadyRunning`` at once if another launcher holds it."""
+    holds it in the file. Raises ``AlreadyRunning`` at once if another launcher holds it, unless
+    the holder is this launch's node on another host (a lost node's launcher, whose lock outlives
+    it until its storage client is evicted): that one is waited for, up to ``predecessor_wait_s``."""
     path = layout.launch_lock(node_rank)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
         raise StorageError(f"the run dir cannot take writes: cannot open the launch lock {path}: "
                            f"{e.strerror or e}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    deadline = time.monotonic() + predecessor_wait_s
+    while True:
         try:
-            holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        except (OSError, ValueError):
-            holder = {}
-        os.close(fd)
-        who = (f"training.launch pid {holder.get('pid')} on {holder.get('host')}" if holder.get("pid")
-               else "another training.launch (pid not recorded yet)")
-        raise AlreadyRunning(f"node {node_rank} of this run is already being launched: {path} is held by {who}. "
-                             "Not starting a second launcher; stop that one, or let it finish") from None
-    except OSError as e:  # e.g. a Lustre client mounted with noflock
-        print(f"warning: cannot lock {path} ({e.strerror or e}): a second launcher of this node would go "
-              "undetected", file=sys.stderr, flush=True)
-        os.close(fd)
-        return None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except (OSError, ValueError):
+                holder = {}
+            predecessor = bool(launch_id) and holder.get("launch_id") == launch_id and \
+                holder.get("host") not in (None, socket.gethostname())
+            if predecessor and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                continue
+            os.close(fd)
+            who = (f"training.launch pid {holder.get('pid')} on {holder.get('host')}" if holder.get("pid")
+                   else "another training.launch (pid not recorded yet)")
+            raise AlreadyRunning(f"node {node_rank} of this run is already being launched: {path} is held by {who}. "
+                                 "Not starting a second launcher; stop that one, or let it finish") from None
+        except OSError as e:  # e.g. a Lustre client mounted with noflock
+            print(f"warning: cannot lock {path} ({e.strerror or e}): a second launcher of this node would go "
+                  "undetected", file=sys.stderr, flush=True)
+            os.close(fd)
+            return None
     try:  # who holds it, for the refusal message; best effort (a full disk may refuse even this)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(), 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                                  "launch_id": launch_id}).encode(), 0)
     except OSError:
         pass
     return fd
@@ -602,6 +620,7 @@ class NodeLauncher:
         self.terminated_by: int | None = None
         self.began: dict | None = None  # this launch's launch_begin record
         self.lock_fd: int | None = None
+        self.standby = False  # a spare: decided in run()
 
     def prepare(self) -> list[str]:
         self.layout.create()
@@ -628,39 +647,43 @@ class NodeLauncher:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
-    @property
-    def standby(self) -> bool:
-        """Launched as a spare: beyond the run's training nodes (a refill takes a new index)."""
-        return self.node_rank >= self.cfg.nodes
+    def launch_state(self, tail: "EventTail") -> dict | None:
+        """This launch's first ``train_begin`` or ``final`` among the records ``tail`` reads next."""
+        for record in tail.read():
+            if record.get("launch_id", "") == self.launch_id and \
+                    record.get("event") in (Event.TRAIN_BEGIN.value, Event.FINAL.value):
+                return record
+        return None
 
-    def wait_for_training_nodes(self) -> dict | None:
+    def wait_for_training_nodes(self, tail: "EventTail") -> dict | None:
         """A spare joins the rendezvous once this launch's training nodes have: the rendezvous
         admits whoever comes first, so a spare that started early could take a training node's
         place (harmless, but the spare would then be an observed fact, not the launch's plan).
-        A spare added later finds them training and goes on at once. Returns the ``final`` record
-        of a launch that ended before training began (then this spare has nothing to wait for)."""
-        tail = EventTail(self.layout.events)
+        Returns the ``final`` record of a launch that ended before training began (then this
+        spare has nothing to wait for)."""
         while True:
-            for record in tail.read():
-                if record.get("launch_id", "") != self.launch_id:
-                    continue
-                if record.get("event") == Event.TRAIN_BEGIN.value:
-                    return None
-                if record.get("event") == Event.FINAL.value:
-                    return record
+            state = self.launch_state(tail)
+            if state is not None:
+                return state if state["event"] == Event.FINAL.value else None
             if self.terminated_by is not None:
                 return {"failure_class": FailureClass.UNKNOWN.value}
             time.sleep(SPARE_POLL_S)
 
     def run(self, command: list[str]) -> int:
         cfg = self.cfg
+        # A spare: beyond the launch's training nodes, or (a pod recreated for a lost node's
+        # index) started once the launch trains; it parks in the rendezvous either way.
+        tail = EventTail(self.layout.events)
+        state = self.launch_state(tail) if cfg.spare_nodes else None
+        self.standby = bool(cfg.spare_nodes) and (self.node_rank >= cfg.nodes or state is not None)
         self.began = self.events.emit(Event.LAUNCH_BEGIN, nodes=cfg.nodes, spare_nodes=cfg.spare_nodes,
                                       procs_per_node=cfg.procs_per_node, restart_mode=cfg.restart_mode,
                                       rdzv_host=self.rdzv_host, command=shlex.join(command), standby=self.standby)
         signal.signal(signal.SIGTERM, self._forward_signal)
         signal.signal(signal.SIGINT, self._forward_signal)
         if self.standby:
-            ended = self.wait_for_training_nodes()
+            ended = self.wait_for_training_nodes(tail) if state is None else \
+                (state if state["event"] == Event.FINAL.value else None)
             if ended is not None:
                 failure = FailureClass(ended.get("failure_class") or FailureClass.UNKNOWN.value)
                 if self.terminated_by is not None:
@@ -734,18 +757,20 @@ class NodeLauncher:
         if left:
             print(f"[launch] processes of this launch that would not die: {left}", file=sys.stderr, flush=True)
 
-    def workers_started(self) -> bool:
-        """Whether any rank of this launch began training: a ``train_begin`` of this launch id
-        after this launcher's ``launch_begin`` (one launcher per node: the lock)."""
+    def workers_started(self, this_node: bool = False) -> bool:
+        """Whether any rank of this launch (``this_node``: of this node) began training: a
+        ``train_begin`` of this launch id after this launcher's ``launch_begin`` (one launcher
+        per node: the lock)."""
         if self.began is None:
             return False
         return any(r.get("ts", 0) >= self.began["ts"] and r.get("launch_id", "") == self.launch_id
+                   and (not this_node or r.get("node_rank") == self.node_rank)
                    for r in read_events(self.layout.events, Event.TRAIN_BEGIN))
 
     def finish(self, rc: int, stalled: bool) -> int:
         if self.terminated_by is not None:
             failure, message = FailureClass.UNKNOWN, f"terminated by signal {self.terminated_by} (pod deleted?)"
-        elif self.standby and rc != 0 and not self.workers_started() and stop_record(self.layout) is None:
+        elif self.standby and rc != 0 and not self.workers_started(this_node=True) and stop_record(self.layout) is None:
             # A spare that leaves without training never decides the run: the others do.
             failure, message = FailureClass.UNKNOWN, f"spare dropped before it trained: {dropped_spare_reason(rc)}"
         else:
@@ -812,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dry_run:
             # Before anything else touches the run: a second launcher of this node stops here,
             # having written nothing (no event: the run's status is the first one's).
-            launcher.lock_fd = take_launch_lock(layout, node_rank)
+            launcher.lock_fd = take_launch_lock(layout, node_rank, launcher.launch_id)
             problem = storage_problem(layout)
             if problem:
                 raise StorageError(f"the run dir cannot take writes: {problem}")
