@@ -2,7 +2,7 @@
 mix follows the causes of Llama 3's unexpected interruptions, driven end to end like the
 fsdp_training DAG (local backend; node losses climb the escalation ladder and relaunch).
 
-    .venv-airflow/bin/python -m bench.chaos [--duration-s 600] [--mtbf-s 60] [--seed 1234]
+    .venv-airflow/bin/python -m bench.chaos [--duration-s 600] [--mtbf-s 60] [--seed 1234] [--spare-nodes N]
 
 Reports ETTR (productive time / wall time) and the badput breakdown with the run report's own
 accounting (``fsdp_resilience.report.goodput``), the time lost per fault, and the checkpoint
@@ -17,6 +17,18 @@ is stopped (its launch cancelled, as a user would) once it has lasted ``--durati
 recovered from every fault; the final shutdown is left out of the steady-state figures.
 Step time and save cost come from a short fault-free run just before (restart costs, used only to
 size the run, from bench/results/training_plane.json when it exists).
+
+With ``--spare-nodes N`` (N >= 1; 2 nodes x 1 process unless --nodes/--procs-per-node say
+otherwise) the run keeps N hot spares: node losses hit the last training node, never node 0
+(it hosts the rendezvous store, which no spare covers), a spare takes its place in an in-job
+restart, and the spare pool is refilled while training goes on (``ladder.keep_spare_pool``, run
+by ``bench.drive`` next to the watch as the DAG's keep_spare_pool task; each refill spends one of
+max_node_replacements). Results go to chaos_spares.json (plots chaos_spares-*.png), so a run
+with and one without spares sit side by side. Which launchers train after an in-job restart is
+the rendezvous's choice: on NVRx 0.4.1 a spare was seen taking a healthy node's place after a
+rank's fault, and the restart round (which a rank's drill is keyed on) then does not advance as
+predicted, so some scheduled faults may not fire: ``faults_injected`` against
+``faults_scheduled`` says so.
 Torch-free: runs in the control-plane venv; the training processes use the training venv.
 """
 
@@ -51,6 +63,7 @@ from bench.common import (
     launcher_marks,
     log,
     machine,
+    nvrx_version,
     plugins_on_path,
     read_json,
     restart_trials,
@@ -63,7 +76,7 @@ from bench.common import (
 
 plugins_on_path()
 
-from bench.drive import drive, relaunch_trials  # noqa: E402
+from bench.drive import drive, relaunch_trials, spare_trials  # noqa: E402
 from fsdp_resilience.report import build_report, goodput, save_windows, step_executions, steps_during_saves  # noqa: E402
 from training.contract import RunConfig, read_events  # noqa: E402
 
@@ -84,7 +97,7 @@ def calibration(args: argparse.Namespace, work: Path, dataset: Path) -> dict[str
     just before the chaos run (the load on a shared machine changes by the minute; an older
     measurement would misplace the faults in time), unless both are given on the command line;
     and each fault kind's restart cost from the recovery bench (only used to size the run)."""
-    cal: dict[str, Any] = {"cost_s": dict(DEFAULT_COST_S)}
+    cal: dict[str, Any] = {"cost_s": dict(DEFAULT_COST_S), "nvrx": nvrx_version()}
     recovery_json = args.calibration or args.out / "training_plane.json"
     if recovery_json.exists():
         for row in (read_json(recovery_json).get("recovery") or {}).get("rows") or []:
@@ -95,18 +108,31 @@ def calibration(args: argparse.Namespace, work: Path, dataset: Path) -> dict[str
         return {**cal, "source": "command line", "step_time_s": args.step_time_s, "save_cost_s": args.save_cost_s}
     run_dir = work / "calibration"
     cfg = RunConfig(**{**RUN_SETTINGS, "model": args.model, "run_id": "chaos-calibration", "run_dir": str(run_dir),
-                       "dataset_dir": str(dataset), "nodes": 1, "procs_per_node": 2, "steps": CALIBRATION_STEPS,
+                       "dataset_dir": str(dataset), "nodes": args.nodes, "procs_per_node": args.procs_per_node,
+                       "steps": CALIBRATION_STEPS,
                        "checkpoint_interval": 10, "restart_mode": "layered", "rdzv_port": free_port()})
     cfg_path = work / "calibration.json"
     cfg_path.write_text(cfg.to_json())
-    with open(work / "calibration.log", "w") as out:
-        rc = subprocess.run([str(TRAINING_PYTHON), "-m", "training.launch", "--config", str(cfg_path)], cwd=REPO,
-                            stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
+    # Every node of the calibration run: one training.launch each, as the local backend starts them.
+    logs = [open(work / f"calibration-node{i}.log", "w") for i in range(cfg.nodes)]
+    nodes: list[subprocess.Popen] = []
+    try:
+        nodes += [subprocess.Popen([str(TRAINING_PYTHON), "-m", "training.launch", "--config", str(cfg_path),
+                                   "--node-rank", str(i), "--rdzv-host", "127.0.0.1"], cwd=REPO, stdout=log_file,
+                                  stderr=subprocess.STDOUT)
+                 for i, log_file in enumerate(logs)]
+        rc = max(node.wait(timeout=600) for node in nodes)
+    finally:
+        for node in nodes:
+            if node.poll() is None:  # timed out: leave no launcher behind
+                node.kill()
+        for log_file in logs:
+            log_file.close()
     events = read_events(cfg.layout.events)
     blocking = [r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin"][1:]  # not the writer's boot
     cadence = step_cadence(events)
     if rc != 0 or cadence is None or not blocking:
-        raise RuntimeError(f"the calibration run failed (exit {rc}); see {work / 'calibration.log'}")
+        raise RuntimeError(f"the calibration run failed (exit {rc}); see {work}/calibration-node*.log")
     # A save costs the loop its blocking time and its writer's interference with the steps.
     costs = save_costs(events, goodput(events))
     save_cost = statistics.median(blocking) + costs["interference_per_save_s"]
@@ -132,10 +158,14 @@ def plan(args: argparse.Namespace, cal: dict[str, Any]) -> dict[str, Any]:
     expected = max(40 * n_faults, math.ceil((args.duration_s - STARTUP_S - fault_s - lost_s) / cal["step_time_s"]))
     gap = max(3 * interval + 4, 12)
     drills = spread_schedule(kinds, first_step=max(2 * interval + 5, 20), last_step=int(0.95 * expected), min_gap=gap,
-                             interval=interval, world_size=2, seed=args.seed)
+                             interval=interval, world_size=args.nodes * args.procs_per_node, seed=args.seed)
+    # Without spares each drill is tied to its launch's slot (a relaunch replays steps); with
+    # spares a node loss fires on any round, at node 1 and then at the spares (assign_attempts).
     return {"n_faults": n_faults, "counts": counts, "interval_steps": interval, "interval_s_target": interval_s,
             "expected_steps": expected, "steps": 2 * expected,
-            "drills": assign_attempts(drills, "layered", slot_prefix="slot-")}
+            "drills": assign_attempts(drills, "layered", slot_prefix=None if args.spare_nodes else "slot-",
+                                      nodes=args.nodes, procs_per_node=args.procs_per_node,
+                                      spare_nodes=args.spare_nodes)}
 
 
 def stop_when_done(cfg: RunConfig, duration_s: float, n_faults: int, limit_s: float) -> Callable[[], bool]:
@@ -230,6 +260,19 @@ def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], arg
                            "interval_steps": max(1, round(tau / cadence)),
                            "ettr": {"half": model(tau / 2, mtbf), "young_daly": model(tau, mtbf), "double": model(2 * tau, mtbf)}})
     target_row = young_daly[1]
+    # What a node loss cost here: the fault -> the next completed step, by whichever rung
+    # recovered it (a relaunch without spares, an in-job restart onto a spare with them).
+    node_losses = [t for t in trials if t["kind"] == "node_loss"]
+    node_loss = {"n": len(node_losses), "recovered_by": sorted({t["layer"] for t in node_losses if t.get("layer")}),
+                 "fault_to_next_step_s": summarize(t.get("measured_s") for t in node_losses),
+                 "relaunches": len(driven["rungs"])}
+    if cfg.spare_nodes:
+        spares = spare_trials(cfg, driven)
+        node_loss.update(spare_nodes=cfg.spare_nodes, covered_by_a_spare=sum(
+                             1 for t in spares if t["recovery_s"] is not None and not t["relaunched"]),
+                         refill_s=summarize(t["refill_s"] for t in spares), spare_trials=spares,
+                         refills=driven.get("refills") or [],
+                         promotions=sum(1 for r in events if r.get("event") == "spare_promoted"))
     by_kind: dict[str, list[float]] = {}
     for t in trials:
         if t.get("latency_s") is not None:
@@ -244,12 +287,12 @@ def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], arg
         "productive_s": round(whole["productive_s"], 1), "steps": whole["last_step"],
         "faults_injected": n, "faults_by_kind": {k: sum(1 for f in faults if f.get("kind") == k)
                                                  for k in sorted({f.get("kind") for f in faults})},
-        "faults_scheduled": len(planned["drills"]),
+        "faults_scheduled": planned["n_faults"],
         "lost_per_fault_s": round(per_fault, 2) if per_fault is not None else None,
         "lost_per_fault_parts_s": {"restart_and_restore": round(restart_per_fault, 2),
                                    "lost_progress": round(lost / n, 2) if n else None},
         "recovery_by_kind_s": {k: summarize(v) for k, v in sorted(by_kind.items())},
-        "relaunches": rungs, "launches": driven["launches"], "rungs": driven["rungs"],
+        "relaunches": rungs, "launches": driven["launches"], "rungs": driven["rungs"], "node_loss": node_loss,
         "save_costs": costs, "step_cadence_s": round(cadence, 4), "interval_s": round(interval_s, 3),
         "model": {"formula": "ETTR = (1 - loop_overhead - (C + I)/T) * (1 - (R + T/2 + W)/MTBF)",
                   "C_save_cost_s": delta, "I_interference_per_save_s": interference, "R_restart_per_fault_s": round(restart_per_fault, 3),
@@ -275,37 +318,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-cost-s", type=float, default=None, help="override the calibrated save cost")
     parser.add_argument("--calibration", type=Path, default=None,
                         help="training-plane results to calibrate from (default OUT/training_plane.json)")
+    parser.add_argument("--spare-nodes", type=int, default=0,
+                        help="hot spares the run keeps (default 0); with N > 0 results go to chaos_spares.json")
+    parser.add_argument("--nodes", type=int, default=None, help="training nodes (default 1; with spares 2)")
+    parser.add_argument("--procs-per-node", type=int, default=None,
+                        help="ranks per node (default 2; with spares 1: the same 2 ranks either way)")
     args = parser.parse_args(argv)
+    args.nodes = args.nodes or (2 if args.spare_nodes else 1)
+    args.procs_per_node = args.procs_per_node or (1 if args.spare_nodes else 2)
+    if args.spare_nodes and args.nodes < 2:
+        parser.error("--spare-nodes needs --nodes >= 2: node 0 hosts the rendezvous store, so no spare covers it")
+    name = "chaos_spares" if args.spare_nodes else "chaos"
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
-    work = args.out / "work" / "chaos"
+    work = args.out / "work" / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     dataset = ensure_dataset(args.out / "work" / "data" / "stdlib-text")
     log("chaos: calibration run")
     cal = calibration(args, work, dataset)
     planned = plan(args, cal)
-    run_id = "chaos"
+    run_id = name.replace("_", "-")  # a run id names Kubernetes objects: no underscores
     cfg = RunConfig(**{**RUN_SETTINGS, "model": args.model, "run_id": run_id, "run_dir": str(work / run_id),
-                       "dataset_dir": str(dataset), "nodes": 1, "procs_per_node": 2, "steps": planned["steps"],
+                       "dataset_dir": str(dataset), "nodes": args.nodes, "spare_nodes": args.spare_nodes,
+                       "procs_per_node": args.procs_per_node, "steps": planned["steps"],
                        "checkpoint_interval": planned["interval_steps"], "keep_checkpoints": 3, "restart_mode": "layered",
                        "max_restarts": 50, "max_inprocess_restarts": 50, "stall_timeout_s": 600.0,
                        "rdzv_port": free_port(), "faults": planned["drills"]})
-    backend = {"name": "local", "state_dir": str(work / ".local-backend"), "slots": 4,
-               "training_python": str(TRAINING_PYTHON)}
-    relaunches = sum(1 for d in planned["drills"] if d["kind"] == "node_loss") + 1
-    run = {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": relaunches}
+    # Each node loss spends one node replacement: a relaunch on a new slot without spares, a
+    # refill of the spare pool (a new slot) with them; one more for a loss a spare misses.
+    losses = planned["counts"].get("node_loss", 0)
+    backend = {"name": "local", "state_dir": str(work / ".local-backend"),
+               "slots": max(4, cfg.launch_nodes + losses + 1), "training_python": str(TRAINING_PYTHON)}
+    run = {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": losses + 1}
     log(f"chaos: {planned['steps']} steps, interval {planned['interval_steps']} steps, {planned['n_faults']} faults "
         f"{planned['counts']}, calibration from {cal['source']}")
     with LoadMonitor() as load:
         t0 = time.time()
-        stop = stop_when_done(cfg, args.duration_s, len(planned["drills"]), limit_s=1.5 * args.duration_s)
+        stop = stop_when_done(cfg, args.duration_s, planned["n_faults"], limit_s=1.5 * args.duration_s)
         driven = drive(run, poll_s=5.0, timeout_s=max(3 * args.duration_s, 900), stop=stop)
         wall = time.time() - t0
     result = analyse(cfg, driven, planned, args)
     paths = build_report(cfg.run_dir)  # the run report's own figures, for the README
-    for name, png in (("chaos-timeline.png", paths.timeline_png), ("chaos-goodput.png", paths.goodput_png)):
-        shutil.copyfile(png, args.out / name)
-    out = {"bench": "chaos", "machine": machine(), "load": load.result(),
+    for png_name, png in ((f"{name}-timeline.png", paths.timeline_png), (f"{name}-goodput.png", paths.goodput_png)):
+        shutil.copyfile(png, args.out / png_name)
+    out = {"bench": name, "machine": machine(), "load": load.result(),
+           "topology": {"nodes": cfg.nodes, "procs_per_node": cfg.procs_per_node, "spare_nodes": cfg.spare_nodes,
+                        "world_size": cfg.world_size},
            "command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
            "driver_wall_s": round(wall, 1), "run_dir": cfg.run_dir, "seed": args.seed,
            "mtbf_s": args.mtbf_s, "duration_s": args.duration_s, "calibration": cal, "plan": planned,
@@ -313,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
            "drill_shares": {k: round(v, 4) for k, v in drill_weights().items()},
            "outcome": driven["launches"][-1]["outcome"] if driven["launches"] else None,
            "stopped_because": driven.get("stopped_because"), **result}
-    path = write_json(args.out / "chaos.json", out)
+    path = write_json(args.out / f"{name}.json", out)
     log(f"chaos: wall {result['wall_s']}s, ETTR {result['ettr']} (steady {result['ettr_steady']}), "
         f"{result['faults_injected']} faults, {result['lost_per_fault_s']}s lost per fault -> {path}")
     return 0 if out["outcome"] in ("success", "stopped") else 1

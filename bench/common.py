@@ -155,6 +155,16 @@ def ensure_dataset(dst: Path, python: str | os.PathLike = TRAINING_PYTHON) -> Pa
     return dst
 
 
+def nvrx_version(python: str | os.PathLike = TRAINING_PYTHON) -> str | None:
+    """The training plane's NVRx version (how spares are promoted depends on it)."""
+    try:
+        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
+                              "print(m.version('nvidia-resiliency-ext'))"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
 def free_port() -> int:
     import socket
 
@@ -247,19 +257,58 @@ def spread_schedule(kinds: list[str], *, first_step: int, last_step: int, min_ga
     return drills
 
 
-def assign_attempts(drills: list[dict[str, Any]], restart_mode: str, slot_prefix: str | None = None
-                    ) -> list[dict[str, Any]]:
+def assign_attempts(drills: list[dict[str, Any]], restart_mode: str, slot_prefix: str | None = None, *,
+                    nodes: int = 1, procs_per_node: int = 2, spare_nodes: int = 0) -> list[dict[str, Any]]:
     """Set each drill's ``attempt`` (the launcher round it fires in) so every scheduled fault fires
-    exactly once: the round moves on after each fault an in-job restart recovers, and starts over
-    at 0 after a node loss (the control plane relaunches). With ``slot_prefix`` each drill is also
-    tied to the node of its launch (``node_id``): a relaunch runs on the next slot and replays
-    steps, and a drill must not fire again there."""
-    attempt, launch = 0, 0
+    exactly once, and aim each ``node_loss`` at the last training node, ``nodes - 1``.
+
+    Without spares the round moves on after each fault an in-job restart recovers, and starts
+    over at 0 after a node loss (the control plane relaunches). With ``slot_prefix`` each drill is
+    also tied to the local slot its node runs on in its launch (``node_id``): a relaunch replays
+    steps, and a drill must not fire again there. The local backend takes the free healthy slots
+    in order and the ladder quarantines the lost node's slot, so launch L runs node i < nodes - 1
+    on slot i and node nodes - 1 on slot nodes - 1 + L.
+
+    With ``spare_nodes`` a node loss is an in-job restart (a spare takes the node's place), and
+    the k-th loss is aimed at node ``nodes - 1 + k``: node ``nodes - 1``, then
+    the spares started with the launch (a drill can name only the launch's own nodes, not spares
+    the control plane adds later, so at most spare_nodes + 1 losses can be scheduled). One node
+    per loss, never two at once. Which launchers train is the rendezvous's choice, though: NVRx
+    0.4.1 was seen promoting a refilled spare before the launch's own, and promoting a spare at an
+    in-job restart after a rank's fault (the rank's node then parked), which also starts the
+    restart round over, or not advancing it. So with spares every drill fires ``once``, on any
+    round (``attempt`` null): the first time its step is reached on its rank (its node, for a
+    loss), whoever holds it. A loss whose node is parked at its step does not fire. The chaos
+    run reports faults injected against those scheduled.
+    """
+    last = nodes - 1
+    candidates = list(range(last, nodes + spare_nodes))
+    losses = sum(1 for d in drills if d["kind"] == "node_loss")
+    if nodes < 2 and spare_nodes:
+        raise ValueError("spares need nodes >= 2: node 0 hosts the rendezvous store, so its loss ends the launch")
+    if spare_nodes and losses > len(candidates):
+        raise ValueError(f"{losses} node losses with {spare_nodes} spare(s): a drill can name at most "
+                         f"{len(candidates)} nodes (nodes {last}..{nodes + spare_nodes - 1}); add spares or "
+                         "schedule fewer faults")
+
+    def slot(node: int, launch: int) -> str:
+        return f"{slot_prefix}{node if node < last else last + launch}"
+
+    attempt, launch, lost = 0, 0, 0
     out = []
     for d in sorted(drills, key=lambda d: d["step"]):
         d = {**d, "attempt": attempt}
+        if d["kind"] == "node_loss":
+            d["node"] = last
+        if spare_nodes:
+            # Once, on any round: with spares the round is not predictable (see above).
+            if d["kind"] == "node_loss":
+                d["node"] = candidates[lost]
+                lost += 1
+            out.append({**d, "attempt": None, "once": True})
+            continue
         if slot_prefix is not None:
-            d["node_id"] = f"{slot_prefix}{launch}"
+            d["node_id"] = slot(d["node"] if d["kind"] == "node_loss" else d["rank"] // procs_per_node, launch)
         out.append(d)
         if d["kind"] == "node_loss":
             attempt, launch = 0, launch + 1

@@ -1,6 +1,6 @@
 """Control-plane benchmarks, run with the control-plane venv (Airflow; torch is never imported):
 
-    .venv-airflow/bin/python -m bench.control_plane [--quick] [--out DIR] [--only parse,watch,slots,relaunch]
+    .venv-airflow/bin/python -m bench.control_plane [--quick] [--out DIR] [--only parse,watch,slots,relaunch,spare]
 
 parse     DAG parse time of dags/ (torch blocked): with the plugin modules imported fresh for
           each parse, and with them already imported (Airflow's DAG processor pre-imports a DAG
@@ -17,8 +17,16 @@ relaunch  The relaunch rung on the local backend, control-plane time only: from 
           giving up to the first step of the relaunch on a replaced node, per fault kind. Each
           launch is watched by the sensor's own trigger (a check every --poll-s, and a look for
           the launch's end every 0.2 s in between).
+spare     Node loss with a hot spare on the local backend: nodes=2 + spare_nodes=1, the relaunch
+          part's procs_per_node, a node_loss drill on node 1 (node 0 hosts the rendezvous store:
+          no spare covers it), a run per trial, driven like the DAG (the watch watches on while
+          the job stays running; the pool keeper quarantines the lost slot and adds a new spare).
+          Per trial: fault -> the first step after it (no relaunch), and fault -> the pool whole
+          again (spare_added).
 
-Writes DIR/control_plane.json (default DIR: bench/results).
+Writes DIR/control_plane.json (default DIR: bench/results); with --merge, the parts measured
+replace theirs in the existing file and the others stay. ``measured`` records when each part was
+measured, with the load average of the run that measured it.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +54,9 @@ from bench.common import (
     ensure_dataset,
     log,
     machine,
+    nvrx_version,
     plugins_on_path,
+    read_json,
     summarize,
     write_json,
 )
@@ -342,6 +353,78 @@ def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[st
 
 
 # --------------------------------------------------------------------------------------------
+# Node loss with a hot spare
+# --------------------------------------------------------------------------------------------
+
+def _recovered_and_refilled(cfg: Any) -> Any:
+    """Stop condition of a spare trial: a step completed after the node loss, and the pool keeper
+    has added the new spare (or a launch failed: the watch sees that by itself)."""
+    from training.contract import read_events
+
+    def stop() -> bool:
+        events = read_events(cfg.layout.events)
+        faults = [r["ts"] for r in events if r.get("event") == "fault_injected"]
+        if not faults:
+            return False
+        return (any(r.get("event") == "restart_end" and r["ts"] > faults[-1] for r in events)
+                and any(r.get("event") == "spare_added" and r["ts"] > faults[-1] for r in events))
+
+    return stop
+
+
+def bench_spare(work: Path, trials: int, poll_s: float, relaunch: dict[str, Any] | None) -> dict[str, Any]:
+    from bench.drive import drive, spare_trials
+    from training.contract import RunConfig
+
+    from bench.common import free_port
+
+    nodes, spare_nodes, procs = 2, 1, 2  # procs_per_node as the relaunch part
+    root = work / "spare"
+    shutil.rmtree(root, ignore_errors=True)
+    dataset = ensure_dataset(work / "data" / "python-stdlib")
+    # One loss per run, always node 1: which launcher the rendezvous promotes is its choice (on
+    # NVRx 0.4.1 a refilled spare was seen promoted before the one started with the launch), and
+    # a drill can name only the launch's own nodes, so a second loss in the same run could miss.
+    faults = [{"kind": "node_loss", "step": 20, "node": nodes - 1, "attempt": None}]  # it dies: fires once
+    t0 = time.time()
+    results, driven_runs = [], []
+    for i in range(trials):
+        cfg = RunConfig(**{**RUN_SETTINGS, "run_id": f"spare-{i}", "run_dir": str(root / f"spare-{i}"),
+                           "dataset_dir": str(dataset), "nodes": nodes, "spare_nodes": spare_nodes,
+                           "procs_per_node": procs, "steps": 200, "checkpoint_interval": 5,
+                           "restart_mode": "layered", "max_restarts": 4, "rdzv_port": free_port(), "faults": faults})
+        # A slot per launcher, one for the refill, one more (a relaunch, were the spare to fail).
+        backend = {"name": "local", "state_dir": str(root / f".local-backend-{i}"), "slots": cfg.launch_nodes + 2,
+                   "training_python": str(TRAINING_PYTHON)}
+        run = {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": 2}
+        driven = drive(run, poll_s=poll_s, timeout_s=600, stop=_recovered_and_refilled(cfg))
+        trial = spare_trials(cfg, driven)
+        results += [{**t, "trial": i} for t in trial]
+        driven_runs.append({"launches": driven["launches"], "relaunches": len(driven["rungs"]),
+                            "refills": driven["refills"], "stopped_because": driven["stopped_because"]})
+        log(f"spare trial {i}: " + "; ".join(f"node {t['lost_node_rank']} lost -> {t['recovered_by']} in "
+                                             f"{t['recovery_s']} s, pool whole after {t['refill_s']} s" for t in trial))
+    covered = [t for t in results if t["recovery_s"] is not None and not t["relaunched"]]
+    same_kind = next((r for r in (relaunch or {}).get("rows") or [] if r["kind"] == "node_loss"), None)
+    return {"wall_s": round(time.time() - t0, 1), "poll_interval_s": poll_s, "nodes": nodes, "spare_nodes": spare_nodes,
+            "procs_per_node": procs, "faults": faults, "trials": results, "runs": driven_runs,
+            "recovery_s": summarize(t["recovery_s"] for t in covered),
+            "refill_s": summarize(t["refill_s"] for t in covered),
+            "promoted_s": summarize((t["promoted"] or {}).get("after_s") for t in covered),
+            "all_covered_in_job": len(covered) == trials == len(results),
+            "relaunch_s_same_kind": ({"total_s": same_kind["total_s"], "data_plane_s": same_kind["data_plane_s"],
+                                      "note": "the relaunch part's node_loss row, this run: failed launch -> first "
+                                              "step (control plane), after fault -> launch gave up (data plane)"}
+                                     if same_kind else None),
+            "nvrx": nvrx_version(),
+            "note": "fault (the node's launcher and ranks SIGKILLed: fault_injected) -> the first completed step "
+                    "after it (restart_end.latency_s); the spare takes the lost node's place at an in-job restart "
+                    "(no relaunch). refill: fault -> spare_added (the lost slot quarantined and a new spare started "
+                    "by ladder.keep_spare_pool, run next to the watch as the DAG's keep_spare_pool task runs). "
+                    "Each trial is a run of its own, stopped once both happened"}
+
+
+# --------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------
 
@@ -356,10 +439,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-s", type=float, default=None, help="the watch's poll interval (default 5, the sensor's)")
     parser.add_argument("--slots-steps", type=int, default=12)
     parser.add_argument("--relaunch-faults", default=",".join(RELAUNCH_FAULTS))
+    parser.add_argument("--spare-trials", type=int, default=None, help="spare part trials, a run each (default 2; quick 1)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--merge", action="store_true",
+                        help="merge the parts measured into the existing results file instead of replacing it")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
-    only = [p.strip() for p in (args.only or ("parse,watch" if args.quick else "parse,watch,slots,relaunch")).split(",")]
+    only = [p.strip() for p in (args.only or ("parse,watch" if args.quick else "parse,watch,slots,relaunch,spare")).split(",")]
+    unknown = sorted(set(only) - {"parse", "watch", "slots", "relaunch", "spare"})
+    if unknown:
+        parser.error(f"--only: unknown part(s) {', '.join(unknown)}; the parts are parse, watch, slots, relaunch, spare")
     work = args.out / ("quick" if args.quick else "work") / "control"
     shutil.rmtree(work / "airflow-home", ignore_errors=True)
     (work / "airflow-home").mkdir(parents=True, exist_ok=True)
@@ -367,23 +456,44 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"bench": "control_plane", "quick": args.quick, "machine": machine(),
                            "versions": {p: importlib.metadata.version(p) for p in ("apache-airflow",)},
                            "command": "python -m bench.control_plane " + " ".join(argv if argv is not None else sys.argv[1:])}
+    began: dict[str, float] = {}
     with LoadMonitor() as load:
         if "parse" in only:
+            began["parse"] = time.time()
             log("parse: DAG parse time")
             out["parse"] = bench_parse(args.parse_trials or (2 if args.quick else 7))
         if "watch" in only:
             poll = args.poll_s or (0.5 if args.quick else 5.0)
             log(f"watch: commit -> trigger sees it, poll {poll}s")
+            began["watch"] = time.time()
             out["watch"] = bench_watch(work, args.commits or (3 if args.quick else 8), poll, args.seed)
         if "slots" in only:
             log("slots: fsdp_training under dag.test()")
+            began["slots"] = time.time()
             out["slots"] = bench_slots(work, args.slots_steps)
         if "relaunch" in only:
             kinds = tuple(k for k in args.relaunch_faults.split(",") if k)
             log(f"relaunch: {kinds}")
+            began["relaunch"] = time.time()
             out["relaunch"] = bench_relaunch(work, kinds, args.poll_s or 5.0)
+        if "spare" in only:
+            trials = args.spare_trials or (1 if args.quick else 2)
+            log(f"spare: node loss with a hot spare, {trials} trial(s)")
+            began["spare"] = time.time()
+            out["spare"] = bench_spare(work, trials, args.poll_s or 5.0, out.get("relaunch"))
     out["load"] = load.result()
-    path = write_json(args.out / ("control_plane.quick.json" if args.quick else "control_plane.json"), out)
+    out["measured"] = {part: {"at": datetime.fromtimestamp(began[part]).astimezone().isoformat(timespec="seconds"),
+                              "command": out["command"], "load": out["load"]} for part in only}
+    path = args.out / ("control_plane.quick.json" if args.quick else "control_plane.json")
+    if args.merge and path.exists():
+        previous = read_json(path)
+        measured = previous.get("measured") or {
+            part: {"at": (previous.get("load") or {}).get("started_at"), "command": previous.get("command"),
+                   "load": previous.get("load")} for part in ("parse", "watch", "slots", "relaunch", "spare")
+            if part in previous}
+        # The file's own load and command stay those of the run that measured most of it.
+        out = {**previous, **{part: out[part] for part in only}, "measured": {**measured, **out["measured"]}}
+    path = write_json(path, out)
     log(f"wrote {path}")
     return 0
 

@@ -7,7 +7,11 @@ a full check every ``poll_s``, 5 s like the sensor, and a look for the launch's 
 between), and when a launch fails with a retryable class climbs the escalation ladder with the DAG's own
 functions (``fsdp_resilience.ladder``): diagnose and replace the node, wait for capacity (the
 check the DAG's ``wait_for_capacity`` trigger makes, first at once, then every 10 s), relaunch
-from the newest committed checkpoint.
+from the newest committed checkpoint. With hot spares (``spare_nodes``) the pool keeper runs next
+to the watch, as the DAG's ``keep_spare_pool`` task does: the spare pool trigger
+(``fsdp_resilience.triggers.SparePoolTrigger``) fires when a node of the running launch is out of
+the job (a spare takes its place in-job; the job stays running), and ``ladder.keep_spare_pool``
+quarantines that node and adds a new spare, then the trigger is started again.
 What this leaves out of a real deployment: the scheduler starting each task (seconds per task in
 a busy Airflow) and the triggerer's own loop. Torch-free: runs in the control-plane venv.
 """
@@ -18,13 +22,13 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from bench.common import log, plugins_on_path
+from bench.common import injected_faults, log, plugins_on_path
 
 plugins_on_path()
 
 from fsdp_resilience import ladder  # noqa: E402
 from fsdp_resilience.backends import JobHandle, get_backend  # noqa: E402
-from fsdp_resilience.triggers import TrainingProgressTrigger  # noqa: E402
+from fsdp_resilience.triggers import SparePoolTrigger, TrainingProgressTrigger  # noqa: E402
 from training.contract import RunConfig, read_events  # noqa: E402
 
 CAPACITY_POLL_S = 10.0  # the DAG's wait_for_capacity (NodeCapacitySensor) poll interval
@@ -35,27 +39,57 @@ def has_capacity(run: dict[str, Any]) -> bool:
     return get_backend(**run["backend"]).capacity().fits(run["config"]["nodes"])
 
 
+async def _first_event(trigger: Any) -> dict[str, Any]:
+    async for event in trigger.run():
+        return event.payload
+    raise RuntimeError(f"{type(trigger).__name__} ended without an event")
+
+
+async def keep_spare_pool(run: dict[str, Any], launch: dict[str, Any], since: float, poll_s: float,
+                          refills: list[dict[str, Any]]) -> None:
+    """The DAG's keep_spare_pool task for one launch, minus Airflow: wait on the spare pool
+    trigger, make up for the nodes it names with ``ladder.keep_spare_pool`` (``since``: the run's
+    first launch, which bounds the replacements counted), and wait again, until the launch ends.
+    Appends each node's result, with when the pool keeper saw it and when it was done, to
+    ``refills``."""
+    handled = ladder.handled_nodes(run, launch)
+    while True:
+        trigger = SparePoolTrigger(backend=launch["backend"], handle=launch["handle"], run_dir=launch["run_dir"],
+                                   handled=handled, poll_interval_s=poll_s, checkpoints_s3=launch.get("checkpoints_s3"))
+        event = await _first_event(trigger)
+        if event["ended"]:
+            return
+        seen_at = time.time()
+        results = await asyncio.to_thread(ladder.keep_spare_pool, run, launch, event["nodes"], since, log)
+        done_at = time.time()
+        refills += [{**r, "launch_id": launch["handle"]["launch_id"], "seen_at": seen_at, "done_at": done_at}
+                    for r in results]
+        # As the DAG's task: a node not refilled (budget spent, no capacity) is not retried.
+        handled = sorted(set(handled) | {r["key"] for r in results})
+
+
 def watch(launch: dict[str, Any], poll_s: float, deadline: float,
-          stop: Callable[[], bool] | None = None) -> tuple[dict[str, Any] | None, float]:
+          stop: Callable[[], bool] | None = None, pool: dict[str, Any] | None = None
+          ) -> tuple[dict[str, Any] | None, float]:
     """Run the sensor's trigger on one launch until it fires (succeeded, failed or stalled):
     (Progress dict, when it fired); or until ``stop()``, asked every ``poll_s``, says the benchmark
-    has what it needs: (None, when)."""
+    has what it needs: (None, when). With ``pool`` (``{"run", "since", "refills"}``: a run with
+    spares) the spare pool keeper runs alongside until then."""
     trigger = TrainingProgressTrigger(
         **{k: launch[k] for k in ("backend", "handle", "run_dir", "final_step", "stall_timeout_s", "launched_at",
                                   "checkpoints_s3", "aws_conn_id")}, poll_interval_s=poll_s)
 
     async def first_event() -> tuple[dict[str, Any] | None, float]:
-        async def fired() -> dict[str, Any]:
-            async for event in trigger.run():
-                return event.payload
-            raise RuntimeError("the trigger ended without an event")
-
-        task = asyncio.ensure_future(fired())
+        task = asyncio.ensure_future(_first_event(trigger))
+        keeper = (asyncio.ensure_future(keep_spare_pool(pool["run"], launch, pool["since"], poll_s, pool["refills"]))
+                  if pool is not None else None)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=poll_s)
                 if done:
                     return task.result(), time.time()
+                if keeper is not None and keeper.done() and keeper.exception() is not None:
+                    raise keeper.exception()  # a bug in the pool keeper fails the benchmark loudly
                 if stop is not None and stop():
                     return None, time.time()
                 if time.time() > deadline:
@@ -63,6 +97,8 @@ def watch(launch: dict[str, Any], poll_s: float, deadline: float,
                                        "was still running at the deadline")
         finally:
             task.cancel()
+            if keeper is not None:
+                keeper.cancel()
 
     return asyncio.run(first_event())
 
@@ -72,21 +108,27 @@ def drive(run: dict[str, Any], *, poll_s: float = 5.0, timeout_s: float = 1800.0
     """Launch, watch, and escalate until the run succeeds or the ladder stops, or until ``stop()``
     (asked at every poll) is true: the running launch is then cancelled, as a user would. ``run``
     is what the DAG's ``validate_config`` returns: ``{"config", "backend", "max_node_replacements"}``.
-    Returns the outcome of every launch and the control plane's timestamps of every rung."""
+    With spares (``spare_nodes`` in the config) the spare pool is kept whole next to each watch.
+    Returns the outcome of every launch, the control plane's timestamps of every rung, and the
+    pool keeper's result for every node it made up for (``refills``)."""
     deadline = time.time() + timeout_s
     launches: list[dict[str, Any]] = []
     rungs: list[dict[str, Any]] = []
+    refills: list[dict[str, Any]] = []
     launch = ladder.launch(run, launch_no=0)
+    pool = ({"run": run, "since": float(launch["launched_at"]), "refills": refills}
+            if int(run["config"].get("spare_nodes") or 0) else None)
     try:
         while True:
-            outcome, seen_at = watch(launch, poll_s, deadline, stop)
+            outcome, seen_at = watch(launch, poll_s, deadline, stop, pool)
             if outcome is None:
                 get_backend(**launch["backend"]).cancel(JobHandle.from_dict(launch["handle"]))
                 launches.append({"launch_id": launch["handle"]["launch_id"], "outcome": "stopped",
                                  "failure_class": None, "message": "stopped by the benchmark", "seen_at": seen_at,
                                  "node_ids": launch["handle"]["extra"].get("node_ids")})
                 log(f"launch {launch['handle']['launch_id']}: stopped by the benchmark")
-                return {"launches": launches, "rungs": rungs, "stopped_because": "stop condition", "stopped_at": seen_at}
+                return {"launches": launches, "rungs": rungs, "refills": refills, "stopped_because": "stop condition",
+                        "stopped_at": seen_at}
             launches.append({"launch_id": outcome["launch_id"], "outcome": outcome["outcome"],
                              "failure_class": outcome["failure_class"], "message": outcome["message"],
                              "seen_at": seen_at, "node_ids": launch["handle"]["extra"].get("node_ids")})
@@ -94,7 +136,7 @@ def drive(run: dict[str, Any], *, poll_s: float = 5.0, timeout_s: float = 1800.0
             rung = len(rungs) + 1
             climb, why = ladder.should_escalate(outcome, rung, run["max_node_replacements"])
             if not climb:
-                return {"launches": launches, "rungs": rungs, "stopped_because": why}
+                return {"launches": launches, "rungs": rungs, "refills": refills, "stopped_because": why}
             began = time.time()
             replaced = ladder.diagnose_and_replace(run, outcome, rung)
             replaced_at = time.time()
@@ -148,5 +190,52 @@ def relaunch_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, An
             "total_s": round(end["ts"] - gave_up, 3),
             "parts": {name: (round(b - a, 3) if (a is not None and b is not None) else None) for name, a, b in marks},
             "restart_end_latency_s": end.get("latency_s"),
+        })
+    return trials
+
+
+def spare_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per node loss of a run with spares: what covered it and how fast, from the events log.
+
+    ``recovery_s``: the fault (``fault_injected``: the node is gone) -> the first completed step
+    after it (``restart_end.latency_s``, as for every other rung), with the layer that recovered
+    it and whether a relaunch was needed (a ``launch_begin`` of another launch in between);
+    ``promoted``: the ``spare_promoted`` record that followed; ``refill_s``: the fault -> the
+    control plane's ``spare_added`` for that node (the pool whole again), with when the pool
+    keeper saw the node out of the job (``seen_s``) and finished (``done_s``)."""
+    events = sorted((r for r in read_events(cfg.layout.events) if isinstance(r.get("ts"), (int, float))),
+                    key=lambda r: r["ts"])
+    faults = injected_faults(events)
+    trials = []
+    for i, fault in enumerate(faults):
+        if fault.get("kind") != "node_loss":
+            continue
+        f = fault["ts"]
+        horizon = faults[i + 1]["ts"] if i + 1 < len(faults) else float("inf")
+        launch_id = str(fault.get("launch_id", ""))
+        end = next((r for r in events if r.get("event") == "restart_end" and f < r["ts"] < horizon), None)
+        relaunched = any(r.get("event") == "launch_begin" and str(r.get("launch_id", "")) != launch_id
+                         and f < r["ts"] <= (end["ts"] if end else horizon) for r in events)
+        promoted = next((r for r in events if r.get("event") == "spare_promoted" and r["ts"] > f
+                         and str(r.get("launch_id", "")) == launch_id), None)
+        added = next((r for r in events if r.get("event") == "spare_added" and r["ts"] > f
+                      and r.get("lost_node_rank") == fault.get("node_rank")
+                      and str(r.get("launch_id", "")) == launch_id), None)
+        kept = next((r for r in driven.get("refills") or [] if r.get("node_rank") == fault.get("node_rank")
+                     and str(r.get("launch_id")) == launch_id), None)
+        trials.append({
+            "step": fault.get("step"), "launch_id": launch_id, "lost_node_rank": fault.get("node_rank"),
+            "lost_node_id": fault.get("node_id"), "fault_ts": f,
+            "recovered_by": end.get("layer") if end else None, "relaunched": relaunched,
+            "recovery_s": end.get("latency_s") if end else None,
+            "measured_s": round(end["ts"] - f, 3) if end else None,
+            "promoted": ({"node_rank": promoted.get("node_rank"), "node_id": promoted.get("node_id"),
+                          "replaces": promoted.get("replaces"), "after_s": round(promoted["ts"] - f, 3)}
+                         if promoted else None),
+            "refill_s": round(added["ts"] - f, 3) if added else None,
+            "refill": ({"node_rank": added.get("node_rank"), "node_id": added.get("node_id"),
+                        "quarantined": added.get("quarantined")} if added else None),
+            "pool_keeper": ({"seen_s": round(kept["seen_at"] - f, 3), "done_s": round(kept["done_at"] - f, 3),
+                             "refilled": kept["refilled"], "why": kept["why"]} if kept else None),
         })
     return trials

@@ -42,14 +42,19 @@ METHOD_NAMES = {"memcpy": "memcpy (floor)", "nvrx_async": "project: NVRx async D
                 "torch_async_save_thread": "torch async_save, best config, thread",
                 "torch_async_save_process": "torch async_save, best config, process",
                 "dcp_save": "torch dcp.save (sync)", "torch_save": "torch.save"}
-PARTS = {"training_plane": "training_plane.json", "chaos": "chaos.json", "control_plane": "control_plane.json"}
+PARTS = {"training_plane": "training_plane.json", "chaos": "chaos.json", "chaos_spares": "chaos_spares.json",
+         "control_plane": "control_plane.json"}
+#: NVRx 0.7's promotion of a hot spare, measured by the rendezvous experiment of issue 15 (a gloo
+#: all-reduce loop, nodes=2:3, SIGKILL of a node -> the new round closed; 5 kills), not by make bench.
+NVRX07_PROMOTION_S = (4.6, 4.8)
 #: Phases of a recovery, in time order, and their colours in the plot.
 PHASES = ("detect", "tear_down", "rendezvous", "rendezvous_restore", "detect_to_new_workers", "diagnose_replace",
           "capacity_submit", "start_restore", "first_step")
 PHASE_COLORS = {"detect": "tab:red", "tear_down": "tab:orange", "rendezvous": "tab:olive",
                 "rendezvous_restore": "tab:purple", "detect_to_new_workers": "tab:brown", "diagnose_replace": "tab:pink",
                 "capacity_submit": "tab:gray", "start_restore": "tab:cyan", "first_step": "tab:green"}
-PLOTS = ("stall.png", "recovery.png", "young_daly.png", "chaos-timeline.png", "chaos-goodput.png")
+PLOTS = ("stall.png", "recovery.png", "young_daly.png", "chaos-timeline.png", "chaos-goodput.png",
+         "chaos_spares-timeline.png", "chaos_spares-goodput.png")
 
 
 def build_summary(out: Path, quick: bool = False) -> dict[str, Any]:
@@ -94,6 +99,11 @@ def _stat(stats: dict[str, Any] | None) -> str:
     return f"{_s(stats['median'])} ({_s(stats['min'])}–{_s(stats['max'])})"
 
 
+def _when(iso: str | None) -> str:
+    """An ISO timestamp as date and minute (its zone as recorded)."""
+    return iso[:16].replace("T", " ") + iso[19:] if iso else "?"
+
+
 def _median(x: Any) -> float | None:
     """A figure that is either a number or ``summarize``'s statistics."""
     return x.get("median") if isinstance(x, dict) else x
@@ -115,6 +125,80 @@ def _load(part: dict[str, Any]) -> str:
     if not during.get("n"):
         return "load average not recorded"
     return f"1-min load average {during['min']}–{during['max']} (median {during['median']}) on {load.get('cores')} cores"
+
+
+def _spare_section(spare: dict[str, Any], relaunch: dict[str, Any] | None, cp: dict[str, Any]) -> list[str]:
+    """Node loss with a hot spare, next to the relaunch rung for the same loss."""
+    same = next((r for r in (relaunch or {}).get("rows") or [] if r["kind"] == "node_loss"), None)
+    measured = (cp.get("measured") or {}).get("spare") or {}
+    load = _load({"load": measured.get("load")}) if measured.get("load") else _load(cp)
+    by = sorted({t["recovered_by"] for t in spare["trials"] if t.get("recovered_by")})
+    lines = [f"Node loss with a hot spare (local backend, {spare['nodes']} nodes × {spare['procs_per_node']} ranks + "
+             f"{spare['spare_nodes']} spare, NVRx {spare.get('nvrx') or '?'}): node 1's launcher and ranks SIGKILLed "
+             "(node 0 hosts the rendezvous store, which no spare covers), a run per trial, driven like the DAG: the "
+             "watch watches on while the job stays running, and the pool keeper (`ladder.keep_spare_pool`) "
+             "quarantines the lost slot and starts a new spare meanwhile. No relaunch: "
+             + ("every loss was covered in-job." if spare["all_covered_in_job"] else "**not every loss was covered "
+                "in-job** (see `trials`).") + f" {load}.", ""]
+    rows = [("node_loss, a spare takes its place", ", ".join(by) or "—", spare["recovery_s"].get("n", 0),
+             _stat(spare["recovery_s"]), _stat(spare["promoted_s"]), _stat(spare["refill_s"]))]
+    if same:
+        rows.append(("node_loss, no spare: the relaunch rung (above)", "relaunch", same["total_s"]["n"],
+                     _stat(same["total_s"]), "—", "—"))
+    lines += _table(("fault", "recovered by", "n", "fault → first step", "fault → spare trains (`spare_promoted`)",
+                     "fault → pool whole again (`spare_added`)"), rows)
+    lines += [f"The spare's promotion waits for the rendezvous to drop the lost node. NVRx 0.4.1 (this lane) does so "
+              "when its keep-alive expires, hard-coded at 5 s × 3 (≈ 14–15 s), and the in-process layer tries first. "
+              f"NVRx 0.7's barrier rendezvous promotes in {NVRX07_PROMOTION_S[0]}–{NVRX07_PROMOTION_S[1]} s (kill → "
+              "new round closed, 5 kills with a gloo all-reduce loop; measured by the issue-15 rendezvous "
+              "experiment, not by this benchmark); the trainer's restart and resume come on top."]
+    if same and spare["recovery_s"].get("n") and same["total_s"]["median"] < spare["recovery_s"]["median"]:
+        lines[-1] += (" Here the relaunch is faster: a local slot starts in seconds, while the spare waits for the "
+                      "rendezvous to drop the lost node. What a spare saves is the node's replacement where that "
+                      "takes minutes: a new instance's boot and join on EKS, or a wait for capacity that may not "
+                      "come; and it keeps the pool whole without holding up training.")
+    return lines + [""]
+
+
+def _chaos_side_by_side(plain: dict[str, Any], spared: dict[str, Any]) -> list[str]:
+    """The chaos run without and with hot spares, column by column."""
+    def topology(c: dict[str, Any]) -> str:
+        t = c.get("topology") or {"nodes": 1, "procs_per_node": 2, "spare_nodes": 0}
+        return f"{t['nodes']} × {t['procs_per_node']} ranks" + (f" + {t['spare_nodes']} spare" if t["spare_nodes"] else "")
+
+    def node_loss(c: dict[str, Any]) -> str:
+        n = c.get("node_loss")
+        if n is None:  # results from before the node_loss figures: the recovery table's rows
+            rows = {k.split(" → ", 1)[1]: v for k, v in (c.get("recovery_by_kind_s") or {}).items()
+                    if k.startswith("node_loss → ")}
+            return "; ".join(f"{_stat(v)} by {layer}" for layer, v in rows.items()) or "—"
+        if not n.get("n"):
+            return "—"
+        return f"{_stat(n['fault_to_next_step_s'])} by {', '.join(n['recovered_by']) or '—'}"
+
+    def refill(c: dict[str, Any]) -> str:
+        n = c.get("node_loss") or {}
+        if not n.get("spare_nodes"):
+            return "—"
+        return f"{n['covered_by_a_spare']} of {n['n']} covered in-job; pool whole again after {_stat(n['refill_s'])}"
+
+    def run(c: dict[str, Any]) -> str:
+        fired, scheduled = c["faults_injected"], c.get("faults_scheduled", c["faults_injected"])
+        return (f"{c['wall_s'] / 60:.1f} min, {fired} faults"
+                + (f" (**{scheduled} scheduled**: the others never fired)" if fired < scheduled else ""))
+
+    rows = [("nodes", topology(plain), topology(spared)),
+            ("run", run(plain), run(spared)),
+            ("**ETTR** (productive ÷ wall)", f"**{plain['ettr']:.3f}**", f"**{spared['ettr']:.3f}**"),
+            ("ETTR without the first start-up and the final shutdown", f"{plain['ettr_steady']:.3f}",
+             f"{spared['ettr_steady']:.3f}"),
+            ("lost per fault", _s(plain["lost_per_fault_s"]), _s(spared["lost_per_fault_s"])),
+            ("node loss: fault → next step", node_loss(plain), node_loss(spared)),
+            ("relaunches", str(len(plain.get("rungs") or [])), str(len(spared.get("rungs") or []))),
+            ("spare pool", "—", refill(spared))]
+    return [f"Side by side with the same fault schedule's mix and seed, with a hot spare (`{spared['command'].strip()}`): "
+            "its node losses hit the last training node, a spare takes its place in-job, and the pool is refilled "
+            f"while training goes on. {_load(spared)}.", ""] + _table(("", "without spares", "with spares"), rows)
 
 
 def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
@@ -159,6 +243,11 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
             rows.append((f"recovery, {row['kind']} → relaunch on a replaced node (failed launch → first step)",
                          f"≤ {row.get('target_s', 60):g} s",
                          _stat(row["total_s"]), row["target_met"]))
+    spare = (summary.get("control_plane") or {}).get("spare")
+    if spare:
+        rows.append((f"recovery, node_loss with a hot spare → in-job restart onto the spare (fault → first step; "
+                     f"the pool whole again after {_stat(spare['refill_s'])})", "no relaunch", _stat(spare["recovery_s"]),
+                     spare["all_covered_in_job"]))
     chaos = summary.get("chaos")
     if chaos:
         target = chaos["young_daly"][1]
@@ -201,6 +290,12 @@ def render_markdown(summary: dict[str, Any]) -> str:
         "measured within one run, or a latency as median (min–max) over repeated trials. Targets "
         "missed are reported as missed. `make bench-quick` is a smoke run of the same scripts. "
         "Raw results: `bench/results/latest.json`.", ""]
+    if run.get("updates"):
+        lines += ["Measured again since, and merged into the figures above (`python -m bench.run --only`): "
+                  + "; ".join(f"{', '.join(u['parts'])} on {_when(u['started_at'])}" for u in run["updates"] if u.get("parts"))
+                  + ". When each part was measured: "
+                  + ", ".join(f"{name} {_when(part.get('measured_at'))}" for name, part in run["parts"].items())
+                  + ".", ""]
     if summary.get("quick"):
         lines += ["> **Quick smoke run**: too few trials and too small states to quote.", ""]
 
@@ -252,7 +347,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
 
     recovery = tp.get("recovery")
     relaunch = cp.get("relaunch")
-    if recovery or relaunch:
+    spare = cp.get("spare")
+    if recovery or relaunch or spare:
         lines += ["### 2. Recovery per rung", ""]
     if recovery:
         s = recovery["settings"]
@@ -292,6 +388,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
                          _stat(row["data_plane_s"]), f"≤ {row.get('target_s', 60):g} s: {_ok(row['target_met'])}"))
         lines += _table(("fault (bad node)", "launch failed by", "n", "failed launch → first step", "breakdown (median)",
                          "before it: fault → launch gave up", "target"), rows)
+    if spare:
+        lines += _spare_section(spare, relaunch, cp)
     if recovery or relaunch:
         lines += ["![recovery per rung](/bench/results/recovery.png)", ""]
 
@@ -319,6 +417,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
                   f"restart + restore {_s(chaos['lost_per_fault_parts_s']['restart_and_restore'])}, lost progress "
                   f"{_s(chaos['lost_per_fault_parts_s']['lost_progress'])}")]
         lines += _table(("", "seconds", "share"), rows)
+        if summary.get("chaos_spares"):
+            lines += _chaos_side_by_side(chaos, summary["chaos_spares"])
         c = chaos["save_costs"]
         m = chaos["model"]
         lines += [f"Measured save cost: blocking {_stat(c['blocking_s'])} per save; save → committed "
@@ -353,6 +453,10 @@ def render_markdown(summary: dict[str, Any]) -> str:
         lines += ["![chaos timeline](/bench/results/chaos-timeline.png)", "",
                   "![chaos goodput](/bench/results/chaos-goodput.png)", "",
                   "![ETTR against checkpoint interval](/bench/results/young_daly.png)", ""]
+        if summary.get("chaos_spares"):
+            lines += ["The run with a hot spare:", "",
+                      "![chaos timeline, with a spare](/bench/results/chaos_spares-timeline.png)", "",
+                      "![chaos goodput, with a spare](/bench/results/chaos_spares-goodput.png)", ""]
 
     if cp.get("slots") or cp.get("watch") or cp.get("parse"):
         lines += ["### 4. Control-plane overhead", ""]
@@ -412,8 +516,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
               "                    # committed) and this table, docs/benchmarks.md",
               "make bench-quick    # smoke run of the same scripts, under a minute: bench/results/quick/",
               ".venv/bin/python -m bench.training_plane --sizes-mb 50,200,1000 --trials 5   # one part, any sizes",
-              ".venv-airflow/bin/python -m bench.chaos --duration-s 600 --mtbf-s 60 --seed 1234",
-              "```", "",
+              ".venv-airflow/bin/python -m bench.chaos --duration-s 600 --mtbf-s 60 --seed 1234"]
+    if summary.get("chaos_spares") or cp.get("spare"):
+        lines += [".venv-airflow/bin/python -m bench.chaos --duration-s 480 --spare-nodes 1   # the run with a hot spare",
+                  "python3 -m bench.run --only spare,chaos,chaos_spares   # some parts again, merged into the rest"]
+    lines += ["```", "",
               "On a GPU node the same scripts use CUDA and NCCL (`--device auto`); pass larger `--sizes-mb` and "
               "`--model` there.", ""]
     return "\n".join(lines)
@@ -460,6 +567,12 @@ def plot_recovery(tp: dict[str, Any], cp: dict[str, Any], path: Path) -> None:
                      row.get("target_s")))
     for row in (cp.get("relaunch") or {}).get("rows", []):
         rows.append((f"{row['kind']} → relaunch (control plane)", row["parts_median_s"], row["total_s"], row.get("target_s")))
+    spare = cp.get("spare")
+    if spare and spare["recovery_s"].get("n"):
+        # Until rank 0 sees the spare in the group (spare_promoted), then the rest to the first step.
+        promoted, total = spare["promoted_s"].get("median"), spare["recovery_s"]["median"]
+        parts = {"detect_to_new_workers": promoted, "first_step": total - promoted} if promoted else {"first_step": total}
+        rows.append(("node_loss → a hot spare (in-job)", parts, spare["recovery_s"], None))
     if not rows:
         return
     figure = _figure(10, 0.55 * len(rows) + 1.6)
@@ -555,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
     tp, cp, chaos = summary.get("training_plane") or {}, summary.get("control_plane") or {}, summary.get("chaos")
     if tp.get("stall"):
         plot_stall(tp["stall"], target_dir / "stall.png")
-    if tp.get("recovery") or cp.get("relaunch"):
+    if tp.get("recovery") or cp.get("relaunch") or cp.get("spare"):
         plot_recovery(tp, cp, target_dir / "recovery.png")
     if chaos:
         plot_young_daly(chaos, target_dir / "young_daly.png")

@@ -1,8 +1,18 @@
 """FSDP training that keeps going: launch, watch, escalate to node replacement, evaluate, publish.
 
-validate_config -> stage_data -> launch_training -> watch_checkpoints
-    -> escalation_1 (decide -> diagnose_and_replace -> wait_for_capacity -> relaunch -> watch) -> ... x3
+validate_config -> stage_data -> launch_training -> [watch_checkpoints, keep_spare_pool]
+    -> escalation_1 (decide -> diagnose_and_replace -> wait_for_capacity -> relaunch
+                     -> [watch, keep_spare_pool]) -> ... x3
     -> resolve_outcome -> evaluate -> build_report -> plan_export -> export_to_s3 -> publish
+
+Hot spares (spare_nodes > 0): each launch starts nodes + spare_nodes node launchers; the spares
+wait in the rendezvous, and a lost node's place is taken by one at the next in-job restart (no
+relaunch). Next to each watch, keep_spare_pool (deferred, no worker slot) refills the pool while
+training goes on: it takes the lost node out of service and adds a new spare, each refill spending
+one of max_node_replacements, as a rung does. A refill it cannot do (budget spent, no free node) is
+logged and the launch trains on with fewer spares; it never fails the run, and it ends when its
+launch ends. The rungs read only the watches: they are needed once no spare is left. With
+spare_nodes=0 the keep_spare_pool tasks show as skipped.
 
 evaluate, export_to_s3 and publish trust only a checkpoint that verifies: the newest committed one
 whose files match the sizes and checksums of its commit marker. Newer ones that fail are skipped
@@ -37,9 +47,9 @@ from fsdp_resilience import ladder, settings
 from fsdp_resilience.backends import BackendError
 from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
 from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
-from fsdp_resilience.sensors import CheckpointProgressSensor, NodeCapacitySensor
+from fsdp_resilience.sensors import CheckpointProgressSensor, NodeCapacitySensor, SparePoolKeeper
 from fsdp_resilience.trusted_checkpoint import NoTrustedCheckpoint
-from training.contract import MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
+from training.contract import MAX_SPARE_NODES, MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
 
 
 def schedule_from_env():
@@ -84,6 +94,13 @@ PARAMS = {
                                  "FSDP_DEFAULT_BACKEND (default local)."),
     "nodes": Param(1, type="integer", minimum=1, maximum=64, title="Nodes", section=PLACEMENT,
                    description="Nodes (pods / local slots)."),
+    "spare_nodes": Param(0, type="integer", minimum=0, maximum=MAX_SPARE_NODES, title="Spare nodes",
+                         section=PLACEMENT,
+                         description="Hot spares: nodes started with each launch that wait without training (they "
+                                     "cost their machines while idle) and take a lost node's place at the next in-job "
+                                     "restart, in seconds instead of a relaunch. The lost node is then taken out of "
+                                     "service and a new spare added while training goes on (each refill spends one of "
+                                     "Node replacements). Needs restart mode layered or injob. 0: none."),
     "procs_per_node": Param(2, type="integer", minimum=1, maximum=8, title="Processes per node", section=PLACEMENT,
                             description="Training processes per node (8 GPUs per p5.48xlarge)."),
     "image": Param(None, type=["null", "string"], maxLength=512, title="Training image", section=PLACEMENT,
@@ -141,10 +158,13 @@ def fsdp_training():
     validate_config() >> staged
     first = launch_training(staged)
     watches = [CheckpointProgressSensor(task_id="watch_checkpoints", launch=first)]
+    # A leaf beside the watch: nothing waits for it, so a launch the ladder must stop (a stall)
+    # is never held up by it; it ends when its launch ends.
+    SparePoolKeeper(task_id="keep_spare_pool", launch=first)
     previous = watches[0]
 
     for rung in range(1, ladder.MAX_RUNGS + 1):
-        with TaskGroup(group_id=f"escalation_{rung}") as group:
+        with TaskGroup(group_id=f"escalation_{rung}"):
             @task(trigger_rule="none_failed")
             def decide(rung: int = rung, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
                 run = run_of_this_dag()
@@ -169,11 +189,16 @@ def fsdp_training():
                 return ladder.launch(run_of_this_dag(), launch_no=ladder.next_launch_no(replaced["outcome"]))
 
             capacity = NodeCapacitySensor(task_id="wait_for_capacity", run_from="validate_config")
-            diagnose_and_replace(decide()) >> capacity
-            watch = CheckpointProgressSensor(task_id="watch", launch=relaunch(capacity.output))
-        previous >> group
+            decided = decide()
+            diagnose_and_replace(decided) >> capacity
+            relaunched = relaunch(capacity.output)
+            watch = CheckpointProgressSensor(task_id="watch", launch=relaunched)
+            SparePoolKeeper(task_id="keep_spare_pool", launch=relaunched)
+        # From the watch, not the whole group: the rung after reads only the watches, and must
+        # not wait for a keep_spare_pool whose launch only the ladder stops.
+        previous >> decided
         watches.append(watch)
-        previous = group
+        previous = watch
 
     # none_failed: after a task that failed (bad params, a launch or escalation that could not go
     # on), the run has already failed there with the reason; nothing here would add to it.

@@ -50,6 +50,28 @@ def test_schedule_is_seeded_spread_and_fires_each_fault_once():
         spread_schedule(kinds, first_step=20, last_step=60, min_gap=16, interval=7, world_size=2, seed=5)
 
 
+def test_schedule_with_spares_aims_node_losses_past_node_0_and_counts_them_as_in_job_restarts():
+    kinds = ["sigkill", "node_loss", "oom", "node_loss", "exception"]
+    drills = spread_schedule(kinds, first_step=20, last_step=400, min_gap=16, interval=7, world_size=2, seed=5)
+    # two nodes of one rank each and one spare: a node loss is an in-job restart (the launch
+    # stays), aimed at node 1, then at the spare that took its place; which rounds come is the
+    # rendezvous's choice with spares, so every drill fires once, on whatever round reaches it
+    spared = assign_attempts(drills, "layered", nodes=2, procs_per_node=1, spare_nodes=1)
+    assert [(d["kind"], d["attempt"], d.get("node"), d["once"]) for d in spared] == [
+        ("sigkill", None, None, True), ("node_loss", None, 1, True), ("oom", None, None, True),
+        ("node_loss", None, 2, True), ("exception", None, None, True)]
+    assert all("node_id" not in d for d in spared)
+    with pytest.raises(ValueError, match="add spares or schedule fewer faults"):
+        assign_attempts(drills + [{"kind": "node_loss", "step": 500, "node": 0}], "layered", nodes=2,
+                        procs_per_node=1, spare_nodes=1)
+    # without spares the loss of node 1 relaunches on the next free slot: node 0 stays on slot-0
+    plain = assign_attempts(drills, "layered", slot_prefix="slot-", nodes=2, procs_per_node=1)
+    assert [(d["kind"], d["attempt"], d.get("node"), d["node_id"]) for d in plain] == [
+        ("sigkill", 0, None, f"slot-{drills[0]['rank']}"), ("node_loss", 1, 1, "slot-1"),
+        ("oom", 0, None, "slot-0" if drills[2]["rank"] == 0 else "slot-2"), ("node_loss", 1, 1, "slot-2"),
+        ("exception", 0, None, "slot-0" if drills[4]["rank"] == 0 else "slot-3")]
+
+
 def test_young_daly_interval_is_where_the_modeled_ettr_peaks():
     save, mtbf = 0.08, 600.0
     tau = young_interval(save, mtbf)

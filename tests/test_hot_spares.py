@@ -42,6 +42,11 @@ def test_spares_need_in_job_restarts_and_are_bounded(tmp_path, dataset):
     RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": 2}])
     with pytest.raises(ConfigError, match=r"node index in \[0, 3\)"):
         RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": 3}])
+    # A drill that fires once, on whatever round first reaches it (rounds are the rendezvous's
+    # to number when spares come and go): any round only.
+    RunConfig(**base, faults=[{"kind": "sigkill", "step": 1, "rank": 1, "attempt": None, "once": True}])
+    with pytest.raises(ConfigError, match="attempt null"):
+        RunConfig(**base, faults=[{"kind": "sigkill", "step": 1, "rank": 1, "attempt": 0, "once": True}])
 
 
 def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, dataset, capsys):

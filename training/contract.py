@@ -194,7 +194,9 @@ class FaultDrill:
     """A deterministic fault: ``kind`` at training step ``step`` in global rank ``rank``.
 
     ``attempt`` is the launcher restart round it fires in (0 = the first launch; null = every
-    round, as a faulty machine would); ``node`` selects the node for ``node_loss`` (rank is
+    round, as a faulty machine would); ``once`` (with ``attempt`` null): it fires the first time
+    any round reaches it and never again, whatever the rounds are numbered (with spares on NVRx
+    0.4.1 a round that swaps a spare in is a membership change, which keeps the round); ``node`` selects the node for ``node_loss`` (rank is
     ignored there); ``node_id``, when set, limits the drill to processes on that node or local
     slot (``TRAINING_NODE_ID``), so a "bad node" drill stops once the node is replaced. A
     ``user_bug`` fires on every attempt, by definition.
@@ -206,6 +208,7 @@ class FaultDrill:
     attempt: int | None = 0
     node: int = 0
     node_id: str | None = None
+    once: bool = False
 
     def validate(self, cfg: "RunConfig", where: str) -> None:
         if self.kind not in FAULT_KINDS:
@@ -220,6 +223,9 @@ class FaultDrill:
         if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)
                                          or not 0 <= self.attempt <= 100):
             raise ConfigError(f"{where}.attempt={self.attempt!r} must be between 0 and 100, or null for every attempt")
+        if not isinstance(self.once, bool) or (self.once and (self.attempt is not None or self.kind == "user_bug")):
+            raise ConfigError(f"{where}.once={self.once!r}: once is true or false, and a drill that fires once "
+                              "takes attempt null (any round) and is not a user_bug (which fires every time)")
         if self.node_id is not None and (not isinstance(self.node_id, str) or not self.node_id):
             raise ConfigError(f"{where}.node_id must be a node name or null, got {self.node_id!r}")
 

@@ -410,16 +410,21 @@ class Trainer:
         # pass (after each rollback too), so the rollback bound can be reached.
         every_pass = drill.kind == "user_bug" or (drill.kind == "nan" and drill.attempt is None)
         if not every_pass:
-            if key in self.fired or (drill.attempt is not None and self._fired_before(drill, step)):
+            if key in self.fired or ((drill.attempt is not None or drill.once) and self._fired_before(drill, step)):
                 return None
             self.fired.add(key)
         faults.inject(drill, step, self.events, writer_pids=self.checkpointer.writer_pids)
         return drill
 
     def _fired_before(self, drill, step: int) -> bool:
-        """Whether an earlier process already fired this drill in this round. A node that leaves
-        and rejoins is a membership change, which ft_launcher restarts without counting a restart
-        round on NVRx 0.4.1, so the round alone cannot keep a drill to once per round."""
+        """Whether an earlier process already fired this drill in this round (``once``: in any
+        round, on the rank or node it names). A node that leaves and rejoins is a membership
+        change, which ft_launcher restarts without counting a restart round on NVRx 0.4.1, so the
+        round alone cannot keep a drill to once per round."""
+        if drill.once:
+            where = ("node_rank", drill.node) if drill.kind == "node_loss" else ("rank", drill.rank)
+            return any(r.get("kind") == drill.kind and r.get("step") == step and r.get(where[0]) == where[1]
+                       for r in read_events(self.layout.events, Event.FAULT_INJECTED))
         return any(r.get("kind") == drill.kind and r.get("step") == step and r.get("attempt") == self.attempt
                    for r in read_events(self.layout.events, Event.FAULT_INJECTED))
 

@@ -32,6 +32,8 @@ from fsdp_resilience.backends.base import WHAT_TO_DO
 RESTART_LAYERS = ("inprocess", "injob", "relaunch")
 #: Written by the control plane when it replaces nodes and relaunches.
 ESCALATION = Event.ESCALATION.value
+#: Hot spares: a spare took a lost node's place (rank 0), and the control plane refilled the pool.
+SPARE_PROMOTED, SPARE_ADDED = Event.SPARE_PROMOTED.value, Event.SPARE_ADDED.value
 REPORT_DIRNAME = "report"
 
 PRODUCTIVE = "productive"
@@ -455,6 +457,7 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
         ("restarts", ", ".join(f"{layer}: {len(latencies)}"
                                for layer, latencies in _by_layer_order(layer_latencies)) or "none"),
         ("escalations", len(escalations) or "none"),
+        ("spares promoted / added", _spare_counts(by_kind)),
         ("checkpoints quarantined / skipped / stale saves", _checkpoint_counts(checkpoint_rows)),
         ("faults injected / detected", f"{len(by_kind.get(Event.FAULT_INJECTED.value, []))} / "
                                        f"{len(by_kind.get(Event.FAULT_DETECTED.value, []))}"),
@@ -507,6 +510,14 @@ def _render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: d
               r.get("from_launch"), r.get("to_launch"), r.get("failure_class"),
               ", ".join(map(str, r["nodes"])) if isinstance(r.get("nodes"), list) else r.get("nodes"),
               r.get("reason")) for r in escalations))
+
+    spares = _spare_rows(events, start)
+    if spares:
+        lines += ["## Hot spares", "",
+                  "A spare promoted: it took a lost node's place at an in-job restart (no relaunch). A spare "
+                  "added: the control plane took the lost node out of service and started a new spare while "
+                  "training went on (each one spends one of max_node_replacements).", ""]
+        lines += _table(("t (s)", "launch", "event", "node out", "spare in", "detail"), spares)
 
     if len(launches) > 1 or any(row[3] not in (None, "success") for row in launches):
         lines += ["## Launches", ""] + _table(
@@ -611,6 +622,41 @@ def _launches(events: list[dict[str, Any]], start: float) -> list[tuple[Any, ...
         rows.append((launch_id or "(first)", f"{began - start:.1f}",
                      f"{worst['ts'] - start:.1f}" if worst else "running", worst.get("failure_class"),
                      worst.get("exit_code"), str(worst.get("message") or "")[:160]))
+    return rows
+
+
+def _nodes(value: Any) -> str | None:
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or None
+    return None if value is None else str(value)
+
+
+def _spare_counts(by_kind: dict[str, list[dict[str, Any]]]) -> str:
+    promoted, added = by_kind.get(SPARE_PROMOTED, []), by_kind.get(SPARE_ADDED, [])
+    return f"{len(promoted)} / {len(added)}" if promoted or added else "none"
+
+
+def _spare_rows(events: list[dict[str, Any]], start: float) -> list[tuple[Any, ...]]:
+    """One row per promotion (which node left, which spare joined) and per refill (which node was
+    taken out of service, which spare was added), in time order."""
+    rows = []
+    for r in _timed(events):
+        kind = r.get("event")
+        if kind == SPARE_PROMOTED:
+            ranks = r.get("replaced_node_ranks")
+            rows.append((f"{r['ts'] - start:.1f}", r.get("launch_id"), "spare promoted",
+                         _nodes(r.get("replaces")) or "—", f"{r.get('node_id')} (node {r.get('node_rank')})",
+                         f"in-job attempt {r.get('attempt')}"
+                         + (f"; replaces node(s) {_nodes(ranks)}" if ranks else "")
+                         + (f"; training: {_nodes(r.get('members'))}" if r.get("members") else "")))
+        elif kind == SPARE_ADDED:
+            quarantined = _nodes(r.get("quarantined"))
+            rows.append((f"{r['ts'] - start:.1f}", r.get("launch_id"), "spare added",
+                         f"{r.get('lost_node_id')} (node {r.get('lost_node_rank')})"
+                         + ("; out of service" if quarantined else ""),
+                         f"{r.get('node_id')} (node {r.get('node_rank')})",
+                         (f"out of service: {quarantined}; " if quarantined else "")
+                         + str(r.get("reason") or "")[:160]))
     return rows
 
 
@@ -751,7 +797,7 @@ def _plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[St
         color = _LAYER_COLORS.get(layer, "black")
         if kind == Event.CHECKPOINT_COMMIT.value:
             ax.axvline(x, color="tab:green", linestyle=":", linewidth=0.9, alpha=0.8, label=label("checkpoint commit"))
-        elif kind == Event.LAUNCH_BEGIN.value:
+        elif kind == Event.LAUNCH_BEGIN.value and not record.get("standby"):  # a spare's launcher: no new launch
             ax.axvline(x, color="black", linestyle="--", linewidth=1.2, label=label("launch"))
         elif kind in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value):
             injected = kind == Event.FAULT_INJECTED.value
@@ -772,6 +818,17 @@ def _plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[St
             ax.axvline(x, color=color, linewidth=1.2, label=label(f"restart end ({layer})"))
         elif kind == ESCALATION:
             ax.axvline(x, color="darkviolet", linewidth=2.4, label=label("escalation"))
+        elif kind in (SPARE_PROMOTED, SPARE_ADDED):
+            promoted = kind == SPARE_PROMOTED
+            ax.axvline(x, color="teal" if promoted else "olive", linestyle="-" if promoted else "-.", linewidth=1.8,
+                       label=label("spare promoted" if promoted else "spare added"))
+            # Which node left and which spare joined, at the top of the line.
+            out = _nodes(record.get("quarantined")) or record.get("lost_node_id")
+            text = (f"{_nodes(record.get('replaces')) or '?'} → {record.get('node_id')}" if promoted else
+                    f"+{record.get('node_id')} (out: {out})")
+            ax.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(-2, -4),
+                        textcoords="offset points", rotation=90, fontsize="x-small", ha="right", va="top",
+                        color="teal" if promoted else "olive")
         elif kind in (Event.CHECKPOINT_QUARANTINED.value, Event.CHECKPOINT_STALE.value):
             text = "checkpoint quarantined" if kind == Event.CHECKPOINT_QUARANTINED.value else "stale save"
             ax.axvline(x, color="crimson" if kind == Event.CHECKPOINT_QUARANTINED.value else "darkorange",
@@ -788,7 +845,7 @@ def _plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[St
     ax.grid(alpha=0.25)
     if labelled:  # a log of only other records (e.g. checkpoint checks) has nothing to name
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
-    ax.set_title("Timeline: steps, checkpoints, faults and restarts")
+    ax.set_title("Timeline: steps, checkpoints, faults, restarts and spares")
     _save(figure, path)
 
 

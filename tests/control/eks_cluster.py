@@ -147,7 +147,8 @@ def run_triggers_as(kube: FakeKube, user: UserInfo, monkeypatch) -> None:
     from fsdp_resilience import triggers
 
     token = kube.token_for(user)
-    for trigger in (triggers.TrainingProgressTrigger, triggers.NodeCapacityTrigger):
+    for trigger in (triggers.TrainingProgressTrigger, triggers.NodeCapacityTrigger,
+                    *([triggers.SparePoolTrigger] if hasattr(triggers, "SparePoolTrigger") else [])):
         original = trigger.run
 
         async def run(self, _original=original):
@@ -260,6 +261,13 @@ def _env(pod: dict, name: str) -> str | None:
     return None
 
 
+#: Scenario results beyond exit codes: a hot spare's launcher that parks (it waits in the
+#: rendezvous and ends 0 when node 0 of its launch does), and a node that stops reporting once node
+#: 0 committed up to ``fail_at_step`` (``FakeKube.lose_node``: its pod stays Terminating).
+PARK = "park"
+LOSE_NODE = "lose_node"
+
+
 class FakeKubelet:
     """Plays the pods of the fake cluster: what ``python -m training.launch`` would leave in the run
     dir and which exit code it would end with, per (launch id, node index), as ``scenario`` says.
@@ -273,12 +281,25 @@ class FakeKubelet:
     an eviction stops the pod). Evaluation pods write ``eval.json`` for the checkpoint they were
     given (``--checkpoint``), recorded in ``evaluated``. With ``asg``, a new Ready node joins for
     every new instance of that Auto Scaling group (the node group's replacement registering with
-    the cluster).
+    the cluster); with ``ccm`` too, a node whose instance left the group is deleted (the cloud node
+    lifecycle controller; PodGC then fails its pods).
+
+    Hot spares: ``PARK`` parks the pod (``launch_begin`` with standby, then it waits) until node 0
+    of its launch exits 0, when it ends 0 with a successful ``final``; ``LOSE_NODE`` has the pod's
+    node stop reporting once node 0's commits reach ``fail_at_step``. ``midway(cfg, launch_id)``,
+    when given, is called by node 0 once it committed up to ``fail_at_step`` in a launch that ends
+    well, before it commits the rest (training goes on while the control plane does its part).
+    ``threaded`` plays each pod in a thread of its own (needed when one waits for another's).
     """
 
-    def __init__(self, kube: FakeKube, scenario: Callable[[str, int, str], int], fail_at_step: int = 10,
-                 asg: str | None = None, after_commits: Callable[[RunConfig], None] | None = None):
+    def __init__(self, kube: FakeKube, scenario: Callable[[str, int, str], int | str | None], fail_at_step: int = 10,
+                 asg: str | None = None, after_commits: Callable[[RunConfig], None] | None = None, *,
+                 ccm: bool = False, midway: Callable[[RunConfig, str], None] | None = None, threaded: bool = False):
         self.kube, self.scenario, self.fail_at_step, self.asg = kube, scenario, fail_at_step, asg
+        self.ccm, self.midway, self.threaded = ccm, midway, threaded
+        self.parked: dict[str, list[tuple[str, EventLog]]] = {}  # launch id -> (pod, its events) parked
+        self.deleted_nodes: list[str] = []  # nodes the cloud node lifecycle controller deleted (ccm)
+        self._parked_lock = threading.Lock()
         self.after_commits = after_commits  # called by node 0 once its commits are done (to damage one)
         self.handled: set[str] = set()
         self.joined: list[str] = []
@@ -304,14 +325,25 @@ class FakeKubelet:
                 if name in self.handled or pod["status"].get("phase") != "Running":
                     continue
                 self.handled.add(name)
-                self._play(pod)
+                if self.threaded:
+                    threading.Thread(target=self._play, args=(pod,), name=f"pod-{name}", daemon=True).start()
+                else:
+                    self._play(pod)
 
     def _join_new_nodes(self) -> None:
-        for instance in sorted(set(asg_instances(self.asg)) - self._known_instances):
+        current = set(asg_instances(self.asg))
+        for instance in sorted(current - self._known_instances):
             self._known_instances.add(instance)
             name = f"gpu-new-{len(self.joined)}"
             add_gpu_node(self.kube, name, instance)
             self.joined.append(name)
+        if self.ccm:
+            for node in self.kube.nodes():
+                provider = node["spec"].get("providerID") or ""
+                instance = provider.rsplit("/", 1)[-1]
+                if instance in self._known_instances and instance not in current:
+                    self.kube.remove_node(node["metadata"]["name"])
+                    self.deleted_nodes.append(node["metadata"]["name"])
 
     def _play(self, pod: dict) -> None:
         node = pod["spec"]["nodeName"]
@@ -338,13 +370,21 @@ class FakeKubelet:
             self.kube.terminate_pod(NS, pod["metadata"]["name"], code)
             return
         events = EventLog(cfg.layout.events, run_id=cfg.run_id, node_rank=index, launch_id=launch_id, node_id=node)
+        if code == PARK:
+            events.emit(Event.LAUNCH_BEGIN, restart_mode=cfg.restart_mode, standby=True)
+            with self._parked_lock:
+                self.parked.setdefault(launch_id, []).append((pod["metadata"]["name"], events))
+            return
         events.emit(Event.LAUNCH_BEGIN, restart_mode=cfg.restart_mode)
         last = cfg.steps if code == 0 else self.fail_at_step
         if index == 0:
             newest = CheckpointCatalog(cfg.run_dir).latest()
+            halfway = self.fail_at_step if code == 0 and self.midway else None
             for step in range(cfg.checkpoint_interval, last + 1, cfg.checkpoint_interval):
                 if not newest or step > newest.step:
                     commit_checkpoint(cfg.run_dir, step, cfg.nodes * cfg.procs_per_node)
+                if step == halfway:
+                    self.midway(cfg, launch_id)
             if self.after_commits:
                 self.after_commits(cfg)
         else:
@@ -352,6 +392,9 @@ class FakeKubelet:
             wait_for(lambda: (CheckpointCatalog(cfg.run_dir).latest() or None) and
                      CheckpointCatalog(cfg.run_dir).latest().step >= last - last % cfg.checkpoint_interval,
                      what="node 0's commits")
+        if code == LOSE_NODE:
+            self.kube.lose_node(node)
+            return
         if code is None:
             return
         failure = failure_class_for_exit(code)
@@ -361,3 +404,9 @@ class FakeKubelet:
                         failure_class=failure.value)
         events.emit(Event.FINAL, exit_code=code, failure_class=failure.value)
         self.kube.terminate_pod(NS, pod["metadata"]["name"], code)
+        if index == 0 and code == 0:  # the launch ended well: its spares' launchers end 0 too
+            with self._parked_lock:
+                parked = self.parked.pop(launch_id, [])
+            for name, spare_events in parked:
+                spare_events.emit(Event.FINAL, exit_code=0, failure_class=FailureClass.SUCCESS.value)
+                self.kube.terminate_pod(NS, name, 0)

@@ -8,7 +8,11 @@ admissionregistration.k8s.io validatingadmissionpolicies/bindings and karpenter.
 and keeps the cluster state realistic with a mini Job controller (Indexed jobs, podFailurePolicy,
 backoffLimit, suspend, replacement pods), a mini scheduler (readiness, cordon, taints/tolerations,
 nodeSelector, required node affinity, extended resources, required pod anti-affinity, PVCs) and
-PodGC/Karpenter-like node loss.
+PodGC/Karpenter-like node loss. A node that stops reporting (``lose_node``) goes Ready=Unknown and
+unreachable-tainted, its pods are deleted by the taint manager (DisruptionTarget) and stay
+Terminating until PodGC (``remove_node``) fails them; the Job controller honours
+podReplacementPolicy (Failed, the default with a podFailurePolicy: a Terminating pod keeps its index
+until it is terminal; TerminatingOrFailed: replaced at once) and counts them in status.terminating.
 
 What it checks, as the apiserver does (errors shaped like its Status, messages like its own):
 
@@ -67,8 +71,9 @@ kubernetes-client/python#2596); read logs with ``_preload_content=False`` and de
 What it does not model (a real cluster may still refuse or behave differently):
 
 - watches, server-side apply, field managers, finalizers other than Karpenter's, graceful
-  deletion, garbage collection other than a deleted Job's (its pods, and the Services,
-  NetworkPolicies and ConfigMaps it owns, by its propagationPolicy);
+  deletion (but for pods on a node lost with ``lose_node``, which stay Terminating), garbage
+  collection other than a deleted Job's (its pods, and the Services, NetworkPolicies and
+  ConfigMaps it owns, by its propagationPolicy);
 - defaulting beyond a few fields (pod requests are not filled in from limits in the stored object,
   no QoS class computation), LimitRanges, ResourceQuotas, mutating webhooks and policies;
 - validation the apiserver does outside these lists (e.g. env var names, probes, volume sources,
@@ -81,7 +86,8 @@ What it does not model (a real cluster may still refuse or behave differently):
   limits), paramKind/paramRef;
 - NetworkPolicies are stored, never enforced (any pod reaches any pod); DNS, the CNI, EFA devices,
   kubelet behaviour (images, probes, OOM), the device plugins' registration, node pressure,
-  taint-based evictions (NoExecute taints do not evict), preemption, PVC binding and volume attach.
+  taint-based evictions other than ``lose_node``'s (a NoExecute taint added otherwise does not
+  evict), preemption, PVC binding and volume attach.
 """
 
 from __future__ import annotations
@@ -110,6 +116,8 @@ ACTIVE_PHASES = ("Pending", "Running")
 LABEL_JOB_NAME = "batch.kubernetes.io/job-name"
 LABEL_CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 LABEL_INDEX = "batch.kubernetes.io/job-completion-index"
+#: The node lifecycle controller's taint on a node that stopped reporting.
+UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 #: Exit code of a container stopped by SIGTERM (Python's default handler): what a deleted or
 #: evicted pod's container reports in this fake.
 SIGTERM_EXIT_CODE = 143
@@ -269,8 +277,12 @@ def _authz():
     return kube_authz
 
 
+#: Seconds added to the wall clock for every timestamp the fake writes (``FakeKube.tick``).
+_clock_offset = 0.0
+
+
 def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(time.time() + _clock_offset, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -959,6 +971,8 @@ class FakeKube:
     """An in-memory apiserver + job controller + scheduler behind http://127.0.0.1:<port>."""
 
     def __init__(self, *, seed: int = 0, start: bool = True):
+        global _clock_offset
+        _clock_offset = 0.0  # the wall clock, until a test ticks it
         self._lock = threading.RLock()
         self._store: dict[Resource, dict[tuple[str, str], dict]] = {r: {} for r in RESOURCES.values()}
         self._rv = itertools.count(1000)
@@ -986,6 +1000,7 @@ class FakeKube:
         self._admission = None                        # kube_authz.AdmissionPolicies once VAPs are loaded
         self._after_read: dict[str, list[dict]] = {}  # node name -> taints a "second controller" adds
         self._create_failures: dict[str, str] = {}    # job uid -> last FailedCreate message
+        self._lost_nodes: set[str] = set()            # nodes whose kubelet is gone (lose_node)
         self._server: ThreadingHTTPServer | None = None
         if start:
             self.start()
@@ -1000,7 +1015,17 @@ class FakeKube:
                          name="fake-kube-apiserver", daemon=True).start()
         return self
 
+    def tick(self, seconds: float = 1.0) -> None:
+        """Let time pass for every timestamp the fake writes from now on (creationTimestamp,
+        startTime, conditions...). The apiserver writes whole seconds, and everything here is
+        immediate, so a test that tells objects apart by when they were made (a pod the Job
+        controller recreated later) ticks between the two. Undone by ``stop``."""
+        global _clock_offset
+        _clock_offset += seconds
+
     def stop(self) -> None:
+        global _clock_offset
+        _clock_offset = 0.0
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -1148,6 +1173,42 @@ class FakeKube:
         """The node is gone (PodGC): its pods fail with a DisruptionTarget condition and are deleted."""
         with self._lock:
             self._remove_node(name, "DeletionByPodGC", "PodGC: node no longer exists")
+
+    def lose_node(self, name: str, *, evict_pods: bool = True) -> None:
+        """The node stops reporting (its instance died or lost its network). The node lifecycle
+        controller marks it Ready=Unknown and taints it unreachable (NoSchedule and NoExecute).
+        With ``evict_pods`` (the pods' tolerationSeconds, 300 by default, have passed: immediate
+        here), its taint manager deletes the pods on it: each gets DisruptionTarget
+        (DeletionByTaintManager) and a deletionTimestamp but stays Terminating with its phase
+        unchanged, since no kubelet is left to end it. Under podReplacementPolicy Failed (the
+        default with a podFailurePolicy) the Job controller replaces such a pod only once it is
+        terminal: ``remove_node`` (PodGC, after the node object is deleted) marks it Failed."""
+        with self._lock:
+            node = self._get(NODE, "", name)
+            self._lost_nodes.add(name)
+            message = "Kubelet stopped posting node status."
+            for type_ in ("Ready", "MemoryPressure", "DiskPressure", "PIDPressure"):
+                _set_condition(node["status"]["conditions"], _condition(type_, "Unknown", "NodeStatusUnknown", message))
+            taints = node["spec"].setdefault("taints", [])
+            for effect in ("NoSchedule", "NoExecute"):
+                if not any(t.get("key") == UNREACHABLE_TAINT and t.get("effect") == effect for t in taints):
+                    taints.append({"key": UNREACHABLE_TAINT, "effect": effect,
+                                   **({"timeAdded": now()} if effect == "NoExecute" else {})})
+            self._touch(node)
+            for pod in [p for p in self._store[POD].values() if p["spec"].get("nodeName") == name
+                        and p["status"]["phase"] in ACTIVE_PHASES and not p["metadata"].get("deletionTimestamp")]:
+                conditions = pod["status"].setdefault("conditions", [])
+                for type_ in ("Ready", "ContainersReady"):
+                    _set_condition(conditions, _condition(type_, "False", "NodeLost", message))
+                if evict_pods:
+                    _set_condition(conditions, _condition("DisruptionTarget", "True", "DeletionByTaintManager",
+                                                          "Taint manager: deleting due to NoExecute taint"))
+                    pod["metadata"].update(deletionTimestamp=now(), deletionGracePeriodSeconds=int(
+                        pod["spec"].get("terminationGracePeriodSeconds", 30)))
+                self._touch(pod)
+                job = self._owner_job(pod)
+                if job is not None and not self._finished(job):
+                    self._sync_job(job)
 
     def add_nodeclaim(self, name: str, node_name: str, *, nodepool: str = "default") -> dict:
         with self._lock:
@@ -1548,7 +1609,7 @@ class FakeKube:
             new.append(status)
         pod["status"].update(phase="Succeeded" if exit_code == 0 else "Failed", containerStatuses=new)
         conditions = pod["status"].setdefault("conditions", [])
-        if disruption:
+        if disruption and not _has_condition(pod, "DisruptionTarget"):
             _set_condition(conditions, _condition("DisruptionTarget", "True", *disruption))
         for type_ in ("Ready", "ContainersReady"):
             if any(c["type"] == type_ for c in conditions):
@@ -1556,8 +1617,22 @@ class FakeKube:
                     type_, "False", "PodCompleted" if exit_code == 0 else "PodFailed"))
         self._touch(pod)
 
-    def _delete_pod(self, pod: dict, disruption: tuple[str, str] | None = None) -> dict:
-        """Delete a pod with no grace period: a live pod's containers get SIGTERM first."""
+    def _delete_pod(self, pod: dict, disruption: tuple[str, str] | None = None, force: bool = False) -> dict:
+        """Delete a pod with no grace period: a live pod's containers get SIGTERM first. On a node
+        lost with ``lose_node`` no kubelet is left to end it: unless forced (gracePeriodSeconds=0,
+        PodGC), it only gets its deletionTimestamp (and DisruptionTarget) and stays Terminating."""
+        if pod["spec"].get("nodeName") in self._lost_nodes and not force and pod["status"]["phase"] in ACTIVE_PHASES:
+            if disruption and not _has_condition(pod, "DisruptionTarget"):
+                _set_condition(pod["status"].setdefault("conditions", []),
+                               _condition("DisruptionTarget", "True", *disruption))
+            pod["metadata"].setdefault("deletionTimestamp", now())
+            pod["metadata"].setdefault("deletionGracePeriodSeconds",
+                                       int(pod["spec"].get("terminationGracePeriodSeconds", 30)))
+            self._touch(pod)
+            job = self._owner_job(pod)
+            if job is not None and not self._finished(job):
+                self._sync_job(job)
+            return pod
         if pod["status"]["phase"] in ACTIVE_PHASES:
             self._mark_terminal(pod, SIGTERM_EXIT_CODE, disruption=disruption, killed=True)
         pod["metadata"].update(deletionTimestamp=now(), deletionGracePeriodSeconds=0)
@@ -1577,7 +1652,8 @@ class FakeKube:
         node = self._get(NODE, "", name)
         self._remove(NODE, node)
         for pod in [p for p in self._store[POD].values() if p["spec"].get("nodeName") == name]:
-            self._delete_pod(pod, disruption=(reason, message))
+            self._delete_pod(pod, disruption=(reason, message), force=True)
+        self._lost_nodes.discard(name)
         return node
 
     # -- jobs -------------------------------------------------------------------------------
@@ -1638,6 +1714,17 @@ class FakeKube:
         return int(value) if value is not None else None
 
     @staticmethod
+    def _terminating(pod: dict) -> bool:
+        """Deleted but not yet terminal: only a pod on a lost node stays so here (no kubelet)."""
+        return pod["status"]["phase"] in ACTIVE_PHASES and bool(pod["metadata"].get("deletionTimestamp"))
+
+    def _active_and_terminating(self, job: dict) -> tuple[list[dict], list[dict]]:
+        """The job's active pods (not being deleted) and its terminating ones, as the controller
+        counts them (status.active, status.terminating)."""
+        live = [p for p in self._owned_pods(job) if p["status"]["phase"] in ACTIVE_PHASES]
+        return [p for p in live if not self._terminating(p)], [p for p in live if self._terminating(p)]
+
+    @staticmethod
     def _finished(job: dict) -> bool:
         return _has_condition(job, "Complete") or _has_condition(job, "Failed") or _has_condition(job, "FailureTarget")
 
@@ -1691,7 +1778,7 @@ class FakeKube:
             _set_condition(conditions, _condition(type_, "True", reason, message, probe=True))
         self._emit(job, reason, message, "job-controller", "Warning")
         for pod in self._owned_pods(job):
-            if pod["status"]["phase"] in ACTIVE_PHASES:
+            if pod["status"]["phase"] in ACTIVE_PHASES and not self._terminating(pod):
                 self._mark_terminal(pod, SIGTERM_EXIT_CODE, killed=True)
                 pod["metadata"]["deletionTimestamp"] = now()
                 self._remove(POD, pod)
@@ -1705,16 +1792,19 @@ class FakeKube:
             self._suspend(job)
         if not self._finished(job) and not spec.get("suspend"):
             job["status"].setdefault("startTime", now())
-            active = [p for p in self._owned_pods(job) if p["status"]["phase"] in ACTIVE_PHASES]
-            room = spec["parallelism"] - len(active)
+            active, terminating = self._active_and_terminating(job)
+            # podReplacementPolicy Failed: a pod being deleted (Terminating) keeps its place, and
+            # its index, until it is terminal; TerminatingOrFailed replaces it at once.
+            waiting = terminating if spec["podReplacementPolicy"] == "Failed" else []
+            room = spec["parallelism"] - len(active) - len(waiting)
             if spec["completionMode"] == "Indexed":
-                busy = state.succeeded_indexes | {self._index(p) for p in active}
+                busy = state.succeeded_indexes | {self._index(p) for p in active + waiting}
                 for index in [i for i in range(spec["completions"]) if i not in busy][:max(room, 0)]:
                     if not self._create_job_pod(job, index):
                         break
                 done = len(state.succeeded_indexes) >= spec["completions"]
             else:
-                for _ in range(max(0, min(room, spec["completions"] - state.succeeded - len(active)))):
+                for _ in range(max(0, min(room, spec["completions"] - state.succeeded - len(active) - len(waiting)))):
                     if not self._create_job_pod(job, None):
                         break
                 done = state.succeeded >= spec["completions"]
@@ -1736,7 +1826,9 @@ class FakeKube:
             self._emit(job, "Suspended", "Job suspended", "job-controller")
         state = self._job_state[job["metadata"]["uid"]]
         for pod in self._owned_pods(job):
-            if pod["status"]["phase"] in ACTIVE_PHASES:
+            if self._terminating(pod):  # deleted already, on a lost node: it stays until PodGC
+                state.counted.add(pod["metadata"]["uid"])
+            elif pod["status"]["phase"] in ACTIVE_PHASES:
                 self._mark_terminal(pod, SIGTERM_EXIT_CODE, killed=True)
                 pod["metadata"]["deletionTimestamp"] = now()
                 state.counted.add(pod["metadata"]["uid"])  # not a failure: the job was suspended
@@ -1745,7 +1837,7 @@ class FakeKube:
 
     def _refresh_job_status(self, job: dict) -> None:
         state, status = self._job_state[job["metadata"]["uid"]], job["status"]
-        active = [p for p in self._owned_pods(job) if p["status"]["phase"] in ACTIVE_PHASES]
+        active, terminating = self._active_and_terminating(job)
         # active/succeeded/failed are omitempty in the real API; ready/terminating are pointers (always there).
         for key, value in (("active", len(active)), ("succeeded", state.succeeded), ("failed", state.failed)):
             if value:
@@ -1753,7 +1845,7 @@ class FakeKube:
             else:
                 status.pop(key, None)
         status["ready"] = sum(_has_condition(p, "Ready") for p in active)
-        status["terminating"] = 0
+        status["terminating"] = len(terminating)
         status["uncountedTerminatedPods"] = {}
         if job["spec"]["completionMode"] == "Indexed" and state.succeeded_indexes:
             status["completedIndexes"] = compress_indexes(state.succeeded_indexes)
@@ -2146,7 +2238,8 @@ class FakeKube:
         success = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}
         self._admit("DELETE", res, "", obj["metadata"].get("namespace", ""), obj["metadata"]["name"], None, obj)
         if res is POD:
-            return 200, copy.deepcopy(self._delete_pod(obj)), {}
+            grace = query.get("gracePeriodSeconds", options.get("gracePeriodSeconds"))
+            return 200, copy.deepcopy(self._delete_pod(obj, force=str(grace) == "0")), {}
         if res is JOB:
             policy = query.get("propagationPolicy") or options.get("propagationPolicy")
             if options.get("orphanDependents") is not None and not policy:

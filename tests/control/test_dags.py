@@ -78,9 +78,30 @@ def test_the_training_graph_reads_top_to_bottom():
     for upstream, downstream in zip(order, order[1:]):
         assert upstream in dag.get_task(downstream).get_flat_relative_ids(upstream=True), (upstream, downstream)
     # One line at the default zoom: tasks pull the run config themselves, so no bundle of edges
-    # fans out of validate_config; the only task with two edges out is the export branch.
+    # fans out of validate_config. Two edges out of: the export branch, and each launch (its watch,
+    # and beside it the keeper of its spare pool, a leaf nothing waits for).
     fan_out = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks if len(t.downstream_task_ids) > 1}
-    assert fan_out == {"plan_export": ["export_to_s3", "publish"]}, fan_out
+    assert fan_out == {
+        "plan_export": ["export_to_s3", "publish"], "launch_training": ["keep_spare_pool", "watch_checkpoints"],
+        **{f"escalation_{r}.relaunch": [f"escalation_{r}.keep_spare_pool", f"escalation_{r}.watch"]
+           for r in (1, 2, 3)}}, fan_out
+    keepers = [t for t in dag.tasks if t.task_id.endswith("keep_spare_pool")]
+    assert len(keepers) == 4 and all(not t.downstream_task_ids for t in keepers)
+    # The rungs read only the watches: a rung waits for the watch before it, never for a keeper.
+    assert dag.get_task("escalation_2.decide").upstream_task_ids == {"escalation_1.watch"}
+    assert dag.get_task("resolve_outcome").upstream_task_ids == {"escalation_3.watch"}
+
+
+def test_spare_nodes_is_a_bounded_form_field_that_reaches_the_run_config():
+    from training.contract import MAX_SPARE_NODES
+
+    param = _dag("fsdp_training").params.get_param("spare_nodes")
+    assert param.value == 0 and param.schema["section"] == "Where it runs"
+    assert (param.schema["minimum"], param.schema["maximum"]) == (0, MAX_SPARE_NODES)
+    assert "idle" in param.description and "lost node" in param.description
+    from fsdp_resilience import ladder
+
+    assert "spare_nodes" in ladder.FORM_FIELDS
 
 
 def test_the_training_form_submits_with_its_defaults_and_reads_in_sections():
@@ -100,6 +121,7 @@ def test_the_training_form_submits_with_its_defaults_and_reads_in_sections():
     {"nodes": 0}, {"nodes": -1}, {"model": "70b-unknown"}, {"dataset": "../x"}, {"dataset": "/etc"},
     {"run_name": "Bad_Name"}, {"run_config": {"run_dir": "/tmp/x"}}, {"run_config": {"run_id": "other"}},
     {"run_config": {"dataset_dir": "/etc"}}, {"run_config": {"rdzv_port": 22}}, {"backend": "slurm"},
+    {"spare_nodes": -1}, {"spare_nodes": 9}, {"spare_nodes": "1"},
 ])
 def test_the_form_schema_refuses_what_it_can_express(conf):
     from airflow.sdk.exceptions import ParamValidationError

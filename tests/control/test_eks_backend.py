@@ -673,3 +673,160 @@ def test_a_cluster_without_the_kits_service_account_or_claim_is_refused_before_a
         assert next(iter(pod.values())) in str(refused.value)
         assert launch_objects(cluster, tmp_path) == {"jobs": [], "services": [], "networkpolicies": []}
     assert backend_for(tmp_path).submit(cfg, "0").job_name  # with the kit's names it launches
+
+
+# --------------------------------------------------------------------------------------------
+# Hot spares (cfg.spare_nodes): pods beyond cfg.nodes wait in the rendezvous
+# --------------------------------------------------------------------------------------------
+
+
+def spare_run(tmp_path, run_id="spare", **kw) -> RunConfig:
+    return run_config(tmp_path, run_id=run_id, nodes=2, spare_nodes=1, restart_mode="layered", **kw)
+
+
+def pods_by_index(cluster, job_name: str, live_only: bool = True) -> dict[int, dict]:
+    out = {}
+    for pod in cluster.pods(NS, job_name):
+        ending = pod["status"]["phase"] not in ("Pending", "Running") or pod["metadata"].get("deletionTimestamp")
+        if live_only and ending:
+            continue
+        out[int(pod["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"])] = pod
+    return out
+
+
+def test_a_lost_node_behind_a_spare_keeps_the_job_running_and_its_pod_comes_back_as_the_new_spare(cluster, tmp_path):
+    """nodes=2 + 1 spare: three pods, one per node. The node of index 1 stops reporting: its pod
+    is deleted by the taint manager and stays Terminating, the job stays running with node 1 lost
+    (a spare covers it), and add_spare says the Job has not recreated the pod yet. Once the node
+    object goes (PodGC fails the pod), the Job controller recreates index 1 on the one free node;
+    add_spare returns it, without the backend creating any pod."""
+    for i in range(4):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(spare_run(tmp_path), "0")
+    job = cluster.job(NS, handle.job_name)
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 3
+    pods = pods_by_index(cluster, handle.job_name)
+    assert sorted(pods) == [0, 1, 2] and len({p["spec"]["nodeName"] for p in pods.values()}) == 3
+    status = backend.status(handle)
+    assert status.state == "running" and [n.state for n in status.nodes] == ["running"] * 3
+    with pytest.raises(BackendError, match="lost no node"):
+        backend.add_spare(handle, "refill")
+
+    lost_node = pods[1]["spec"]["nodeName"]
+    cluster.lose_node(lost_node)
+    status = backend.status(handle)
+    assert status.state == "running", status.message
+    assert [n.state for n in status.nodes] == ["running", "lost", "running"]
+    assert status.nodes[1].node_id == lost_node and "a spare covers it" in status.nodes[1].message
+    assert "DeletionByTaintManager" in status.nodes[1].message
+    assert asyncio.run(backend.status_async(handle)).nodes[1].state == "lost"
+    # The pod is replaced only once it is terminal, which needs the node object deleted: first
+    # the node must be taken out of service, and under replacement=cordon a human deletes it.
+    with pytest.raises(BackendError, match="still in service: take it out with replace_nodes"):
+        backend.add_spare(handle, "refill")
+    cordon = backend_for(tmp_path, replacement="cordon")
+    assert cordon.replace_nodes([lost_node], reason="spare maintenance: node lost").replaced == [lost_node]
+    with pytest.raises(BackendError, match=f"kubectl delete node {lost_node}"):
+        cordon.add_spare(handle, "refill")
+    # With its instance being replaced (asg, karpenter), the recreation is under way: pending.
+    coming = backend_for(tmp_path, replacement="karpenter").add_spare(handle, "refill")
+    assert (coming.index, coming.state, coming.node_id) == (1, "pending", None)
+    assert "PodGC fails the pod" in coming.message
+
+    cluster.tick()  # the replacement is made later than the launch's pods (whole seconds)
+    cluster.remove_node(lost_node)  # the node object goes (its instance was replaced): PodGC
+    status = backend.status(handle)
+    assert status.state == "running" and [n.state for n in status.nodes] == ["running"] * 3, status.message
+    spare = backend.add_spare(handle, "refill after spare_promoted")
+    (free,) = {f"gpu-{i}" for i in range(4)} - {lost_node} - {pods[0]["spec"]["nodeName"], pods[2]["spec"]["nodeName"]}
+    assert (spare.index, spare.state, spare.node_id) == (1, "running", free)
+    assert spare.message.startswith("refill after spare_promoted: ") and "the Job recreated it" in spare.message
+    assert cluster.job(NS, handle.job_name)["status"]["failed"] == 1  # one disruption of the budget
+    # Least privilege: the Job controller made the pod; the backend created and deleted none
+    # (replace_nodes' eviction is the pods/eviction subresource the kit grants).
+    assert not [r for r in cluster.requests if r.resource == "pods" and not r.subresource
+                and r.verb in ("create", "delete") and r.user.username.startswith("system:serviceaccount:airflow")]
+
+
+def test_a_spare_replacement_with_no_node_to_run_on_is_lost_until_capacity_joins(cluster, tmp_path):
+    """Three nodes for 2 + 1 spare: the lost pod's replacement cannot be scheduled (anti-affinity,
+    no free node). The node stays lost (the spare covers it) and add_spare says capacity is
+    missing; a new node joins and the replacement runs there as the new spare."""
+    for i in range(3):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(spare_run(tmp_path), "0")
+    lost_node = pods_by_index(cluster, handle.job_name)[1]["spec"]["nodeName"]
+    cluster.tick()
+    cluster.remove_node(lost_node)
+    status = backend.status(handle)
+    assert status.state == "running" and status.nodes[1].state == "lost", status.message
+    assert "cannot be scheduled" in status.nodes[1].message  # PodGC deleted the old pod: no node to name
+    with pytest.raises(InsufficientCapacityError, match="no node to run on"):
+        backend.add_spare(handle, "refill")
+    # Under Karpenter an unschedulable pod is what brings a node: the replacement is pending.
+    karpenter = backend_for(tmp_path, replacement="karpenter")
+    assert karpenter.status(handle).nodes[1].state == "pending"
+    assert (karpenter.add_spare(handle, "refill").index, karpenter.add_spare(handle, "refill").state) == (1, "pending")
+    add_gpu_node(cluster, "gpu-new-0")
+    spare = backend.add_spare(handle, "refill")
+    assert (spare.index, spare.state, spare.node_id) == (1, "running", "gpu-new-0")
+
+
+def test_two_nodes_lost_behind_one_spare_fail_the_launch_and_blame_both(cluster, tmp_path):
+    for i in range(4):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(spare_run(tmp_path), "0")
+    pods = pods_by_index(cluster, handle.job_name)
+    lost = sorted(pods[i]["spec"]["nodeName"] for i in (0, 2))
+    for name in lost:
+        cluster.lose_node(name)
+    status = backend.status(handle)
+    assert status.state == "failed" and status.failure_class == "restarts_exhausted", status.message
+    assert "too few nodes left to train: 1 of the 2 needed" in status.message
+    assert [n.state for n in status.nodes] == ["lost", "running", "lost"]
+    with pytest.raises(BackendError, match="it is failed"):
+        backend.add_spare(handle, "refill")
+    # What the ladder does next: stop what is left of the launch, then diagnose.
+    backend.cancel(handle)
+    diagnosis = backend.diagnose(handle)
+    assert diagnosis.replaceable and diagnosis.bad_node_ids == lost, diagnosis.evidence
+
+
+def test_losing_node_0_fails_the_launch_even_with_a_spare_left(cluster, tmp_path):
+    """Node 0 hosts the rendezvous store every node meets at: a spare cannot take its place, so
+    the ladder climbs as without spares."""
+    for i in range(4):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path)
+    handle = backend.submit(spare_run(tmp_path), "0")
+    cluster.lose_node(pods_by_index(cluster, handle.job_name)[0]["spec"]["nodeName"])
+    status = backend.status(handle)
+    assert status.state == "failed" and status.failure_class == "restarts_exhausted", status.message
+    assert "rendezvous store" in status.message and "too few" not in status.message
+
+
+def test_replacing_a_node_that_hosts_a_parked_spare_moves_the_spare_off_it(cluster, tmp_path):
+    """A spare must never be admitted from a quarantined node: replace_nodes evicts the spare's
+    pod, the Job recreates it for the same index, and the cordon and quarantine taint keep the new
+    pod off that node."""
+    for i in range(5):
+        add_gpu_node(cluster, f"gpu-{i}")
+    backend = backend_for(tmp_path, replacement="cordon")
+    handle = backend.submit(spare_run(tmp_path), "0")
+    spare_pod = pods_by_index(cluster, handle.job_name)[2]
+    bad = spare_pod["spec"]["nodeName"]
+    cluster.tick()
+    replacement = backend.replace_nodes([bad], reason="spare maintenance: health check failed")
+    assert replacement.replaced == [bad] and spare_pod["metadata"]["name"] in replacement.reason, replacement.reason
+    # Evicted: deleted (with a DisruptionTarget condition the Job counted), not left on the node.
+    assert spare_pod["metadata"]["name"] not in {p["metadata"]["name"] for p in cluster.pods(NS)}
+    pods = pods_by_index(cluster, handle.job_name)
+    assert sorted(pods) == [0, 1, 2] and pods[2]["metadata"]["name"] != spare_pod["metadata"]["name"]
+    assert pods[2]["spec"]["nodeName"] != bad and pods[2]["status"]["phase"] == "Running"
+    assert not any(p["spec"].get("nodeName") == bad for p in cluster.pods(NS))
+    assert backend.status(handle).state == "running"
+    assert cluster.job(NS, handle.job_name)["status"]["failed"] == 1
+    assert backend.add_spare(handle, "refill").index == 2

@@ -21,7 +21,7 @@ import pytest
 from botocore.stub import ANY
 
 from conftest import make_dataset
-from eks_cluster import NS, FakeKubelet, add_gpu_node, asg_instances, make_asg
+from eks_cluster import LOSE_NODE, NS, PARK, FakeKubelet, add_gpu_node, asg_instances, make_asg, wait_for
 from saved_checkpoints import flip_bytes
 from test_fsx import (FS, a_task, expect_associations, expect_describe, expect_file_system,  # noqa: F401
                       expect_in_flight, stub)
@@ -211,3 +211,105 @@ def test_an_image_outside_the_allowlist_fails_validate_config_and_nothing_is_sub
     assert str(dr.state) == "failed" and st["validate_config"] == "failed", st
     assert st["launch_training"] == "upstream_failed"
     assert not [r for r in cluster.requests if r.verb == "create"]  # nothing reached the cluster
+
+
+def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_pod_rejoins_as_the_spare(
+        eks_env, cluster):
+    """nodes=2 + 1 spare on EKS. Node 1 stops reporting at step 10 (its pod Terminating, deleted by
+    the taint manager): the job stays running with node 1 lost and the spare covering it. While
+    node 0 trains on, keep_spare_pool cordons and taints node 1 and has the ASG replace its
+    instance; the node object goes with the instance (the cloud node lifecycle controller), PodGC
+    fails the pod, and the Job controller recreates index 1, whose launcher parks as the new spare.
+    The launch then succeeds: one Job, no rung. As in test_training_dag's local counterpart, the
+    watch's trigger and keep_spare_pool run side by side, as the triggerer runs them (dag.test()
+    runs one task at a time, so the keeper would only start once the watch saw the launch end)."""
+    import asyncio
+    import copy
+
+    from airflow.dag_processing.dagbag import DagBag
+    from test_training_dag import REPO, _first_event, _XComs
+
+    from fsdp_resilience import ladder
+    from fsdp_resilience.backends import JobHandle, get_backend
+    from fsdp_resilience.sensors import CheckpointProgressSensor, SparePoolKeeper
+    from fsdp_resilience.triggers import TrainingProgressTrigger
+
+    instances = make_asg("gpu-ng-spares", 5)
+    for i, instance in enumerate(instances):
+        add_gpu_node(cluster, f"gpu-{i}", instance)
+    seen: dict[int, list[str]] = {}
+
+    def scenario(launch_id: str, index: int, node: str):
+        seen.setdefault(index, []).append(node)
+        if index == 0:
+            return 0
+        if index == 1 and len(seen[1]) == 1:
+            return LOSE_NODE  # the node of index 1 stops reporting once node 0 committed step 10
+        return PARK  # the spare (index 2), and index 1's pod once the Job recreated it
+
+    def refilled(cfg, launch_id):
+        """Node 0 trains on until the pool is whole again: a spare_added record, and index 1's
+        recreated pod parked as a spare."""
+        wait_for(lambda: [r for r in read_events(cfg.layout.events) if r["event"] == Event.SPARE_ADDED.value]
+                 and len(seen.get(1, [])) == 2 and len(kubelet.parked.get(launch_id, [])) == 2,
+                 timeout=120, what="the spare pool to be refilled")
+
+    conf = {"run_name": "spares-eks", "backend": "eks", "dataset": "c4", "nodes": 2, "spare_nodes": 1,
+            "restart_mode": "layered", "procs_per_node": 2, "steps": 20, "checkpoint_interval": 5,
+            "max_node_replacements": 1}
+    params = copy.deepcopy(DagBag(dag_folder=str(REPO / "dags")).get_dag("fsdp_training").params)
+    params.update(conf)
+    with FakeKubelet(cluster, scenario, fail_at_step=10, asg="gpu-ng-spares", ccm=True, midway=refilled,
+                     threaded=True) as kubelet:
+        run = ladder.build_run_config(params.validate(), "manual__spares")  # validate_config
+        launch = ladder.launch(run, launch_no=0)  # launch_training
+        watch = CheckpointProgressSensor(task_id="watch_checkpoints", launch=launch)
+        keeper = SparePoolKeeper(task_id="keep_spare_pool", launch=launch, poll_interval_s=1.0)
+        context = {"ti": _XComs(validate_config=run, launch_training=launch)}
+
+        async def keep_pool() -> dict:
+            from airflow.sdk.exceptions import TaskDeferred
+
+            try:
+                return await asyncio.to_thread(keeper.execute, context)
+            except TaskDeferred as deferred:
+                trigger = deferred.trigger
+            while True:
+                # The trigger in a task of its own: it calls as the triggerer, the task as the worker.
+                event = await asyncio.create_task(_first_event(trigger))
+                try:
+                    return await asyncio.to_thread(keeper.execute_complete, context, event)
+                except TaskDeferred as deferred:
+                    trigger = deferred.trigger
+
+        async def side_by_side():
+            watching = TrainingProgressTrigger(**watch._trigger_kwargs(), poll_interval_s=1.0)
+            return await asyncio.wait_for(asyncio.gather(asyncio.create_task(_first_event(watching)), keep_pool()),
+                                          timeout=240)
+
+        try:
+            outcome, kept = asyncio.run(side_by_side())
+        finally:
+            get_backend(**run["backend"]).cancel(JobHandle.from_dict(launch["handle"]))
+    assert outcome["outcome"] == "success" and outcome["launch_id"] == "0", outcome
+    climb, why = ladder.should_escalate(outcome, rung=1, max_replacements=1)
+    assert not climb, why
+    lost = seen[1][0]
+    events = read_events(eks_env / "runs" / "spares-eks" / "events.jsonl")
+    [added] = [r for r in events if r["event"] == Event.SPARE_ADDED.value]
+    assert added["lost_node_id"] == lost and added["lost_node_rank"] == 1 and added["quarantined"] == [lost]
+    assert added["node_rank"] == 1  # on EKS the Job recreates the lost index: it is the new spare
+    assert [s["lost_node_id"] for s in kept["spares_added"]] == [lost] and kept["state"] == "succeeded", kept
+    # The lost node was cordoned and tainted, its instance replaced, and the node object deleted.
+    assert lost in kubelet.deleted_nodes and len(asg_instances("gpu-ng-spares")) == 5
+    node_patches = [r for r in cluster.requests if r.resource == "nodes" and r.verb == "patch"]
+    assert [r.name for r in node_patches] == [lost]
+    # The recreated pod of index 1 parked on a node other than the lost one, and exited 0 with the rest.
+    assert seen[1][1] != lost and seen[2] and seen[0]
+    standby = [r for r in events if r["event"] == "launch_begin" and r.get("standby")]
+    assert sorted(r["node_rank"] for r in standby) == [1, 2]
+    # One Job, never relaunched; it completed with every index (the spares' too).
+    assert len([r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]) == 1
+    job = cluster.job(NS, launch["handle"]["job_name"])
+    assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"])
+    assert job["status"]["failed"] == 1 and CheckpointCatalog(eks_env / "runs" / "spares-eks").latest().step == 20

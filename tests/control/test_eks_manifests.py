@@ -479,6 +479,30 @@ def test_a_disrupted_pod_never_fails_the_job_at_once_and_is_replaced_within_a_bo
         "spec"]["backoffLimit"] == 0
 
 
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_a_job_with_hot_spares_runs_a_pod_per_node_and_spare_and_validates_strictly(version):
+    """nodes + spare_nodes pods (completion index >= nodes is a spare: training.launch makes it
+    wait), one per machine, all rendezvousing at index 0 (always a training node); the failure
+    policy and budget are those of a Job without spares: a lost pod (DisruptionTarget) is counted
+    and recreated for its index, where its launcher parks as the new spare."""
+    cfg, settings = make_cfg(nodes=2, spare_nodes=1, restart_mode="layered"), make_settings()
+    job = training_job(cfg, "try-1", settings, airflow_run_id=AIRFLOW_RUN_ID)
+    validate(job, version)
+    spec, name = job["spec"], job["metadata"]["name"]
+    assert cfg.launch_nodes == 3
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 3
+    (term,) = spec["template"]["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term == {"labelSelector": {"matchLabels": {LABEL_JOB: name}}, "topologyKey": "kubernetes.io/hostname"}
+    assert env_of(job)["TRAINING_RDZV_HOST"]["value"] == f"{name}-0.{name}.{settings.namespace}.svc"
+    assert RunConfig.from_json(env_of(job)["TRAINING_RUN_CONFIG"]["value"]).spare_nodes == 1
+    without = training_job(make_cfg(nodes=2, restart_mode="layered"), "try-1", settings)["spec"]
+    assert spec["podFailurePolicy"] == without["podFailurePolicy"]
+    assert spec["backoffLimit"] == without["backoffLimit"] == training_backoff_limit(settings)
+    policy = spec["podFailurePolicy"]
+    assert job_controller_action(policy, 143, ("DisruptionTarget",)) == "Count"  # replaced, within the budget
+    assert job_controller_action(policy, int(ExitCode.RESTARTS_EXHAUSTED)) == "FailJob"
+
+
 # --------------------------------------------------------------------------------------------
 # Names and labels
 # --------------------------------------------------------------------------------------------

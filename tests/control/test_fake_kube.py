@@ -256,6 +256,70 @@ def test_disruptions_are_ignored_and_replaced_while_other_failures_count_to_back
     assert oom["status"]["containerStatuses"][0]["state"]["terminated"]["reason"] == "OOMKilled"
 
 
+def test_a_lost_nodes_pod_keeps_its_index_until_terminal_then_is_replaced_for_that_index(kube, api):
+    """A node that stops reporting: Ready=Unknown, tainted unreachable, its pod deleted by the taint
+    manager (DisruptionTarget) but Terminating (no kubelet to end it). Under podReplacementPolicy
+    Failed (the default with a podFailurePolicy) the Job controller waits; once PodGC fails the pod
+    (the node object is deleted), it recreates the same index on another node, and the Ignore rule
+    on DisruptionTarget leaves the failure uncounted. Without a podFailurePolicy
+    (TerminatingOrFailed) the Terminating pod is replaced at once."""
+    for name in ("gpu-a", "gpu-b", "gpu-c", "gpu-d"):
+        add_gpu_node(kube, name)
+    batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
+    batch.create_namespaced_job(NS, training_job("run-l", completions=3))
+    assert batch.read_namespaced_job("run-l", NS).spec.pod_replacement_policy == "Failed"
+    pods = {p["spec"]["hostname"]: p for p in kube.pods(NS, "run-l")}
+    assert sorted(pods) == ["run-l-0", "run-l-1", "run-l-2"]
+    assert len({p["spec"]["nodeName"] for p in pods.values()}) == 3
+    lost = pods["run-l-1"]
+    kube.lose_node(lost["spec"]["nodeName"])
+
+    node = core.read_node(lost["spec"]["nodeName"])
+    assert {c.type: c.status for c in node.status.conditions}["Ready"] == "Unknown"
+    assert {(t.key, t.effect) for t in node.spec.taints} >= {("node.kubernetes.io/unreachable", "NoSchedule"),
+                                                            ("node.kubernetes.io/unreachable", "NoExecute")}
+    terminating = core.read_namespaced_pod(lost["metadata"]["name"], NS)
+    assert terminating.metadata.deletion_timestamp is not None and terminating.status.phase == "Running"
+    disruption = {c.type: c for c in terminating.status.conditions}["DisruptionTarget"]
+    assert (disruption.status, disruption.reason) == ("True", "DeletionByTaintManager")
+    status = batch.read_namespaced_job_status("run-l", NS).status
+    assert (status.active, status.terminating, status.failed) == (2, 1, None)
+    assert len(kube.pods(NS, "run-l")) == 3  # no replacement while the old pod is Terminating
+
+    # Evicting it (a drain, replace_nodes) changes nothing: no kubelet is left to end it.
+    core.create_namespaced_pod_eviction(lost["metadata"]["name"], NS, kubernetes.client.V1Eviction(
+        metadata=kubernetes.client.V1ObjectMeta(name=lost["metadata"]["name"], namespace=NS)))
+    assert core.read_namespaced_pod(lost["metadata"]["name"], NS).status.phase == "Running"
+    assert len(kube.pods(NS, "run-l")) == 3
+
+    kube.remove_node(lost["spec"]["nodeName"])  # PodGC: the orphaned pod fails, the index is recreated
+    pods = [p for p in kube.pods(NS, "run-l") if p["status"]["phase"] == "Running"]
+    replacement = [p for p in pods if p["spec"]["hostname"] == "run-l-1"]
+    assert len(pods) == 3 and len(replacement) == 1
+    assert replacement[0]["metadata"]["name"] != lost["metadata"]["name"]
+    assert replacement[0]["spec"]["nodeName"] == "gpu-d"  # the one node left that anti-affinity allows
+    status = batch.read_namespaced_job_status("run-l", NS).status
+    assert (status.active, status.terminating, status.failed) == (3, 0, None)  # Ignore: not counted
+
+    # No podFailurePolicy: podReplacementPolicy defaults to TerminatingOrFailed, replaced at once.
+    for name in ("gpu-e", "gpu-f", "gpu-g"):
+        add_gpu_node(kube, name)
+    plain = training_job("run-p", completions=1, backoff_limit=1)
+    del plain["spec"]["podFailurePolicy"]
+    batch.create_namespaced_job(NS, plain)
+    assert batch.read_namespaced_job("run-p", NS).spec.pod_replacement_policy == "TerminatingOrFailed"
+    (first,) = kube.pods(NS, "run-p")
+    kube.lose_node(first["spec"]["nodeName"])
+    pods = kube.pods(NS, "run-p")
+    assert len(pods) == 2 and [p["spec"]["hostname"] for p in pods] == ["run-p-0", "run-p-0"]
+    status = batch.read_namespaced_job_status("run-p", NS).status
+    assert (status.active, status.terminating) == (1, 1)
+    core.delete_namespaced_pod(first["metadata"]["name"], NS, grace_period_seconds=0)  # a force delete ends it
+    assert [p["metadata"]["name"] for p in kube.pods(NS, "run-p")] != [first["metadata"]["name"]]
+    assert len(kube.pods(NS, "run-p")) == 1  # its replacement; the failure counted (no podFailurePolicy)
+    assert batch.read_namespaced_job_status("run-p", NS).status.failed == 1
+
+
 def test_success_sets_success_criteria_and_complete(kube, api):
     for name in ("gpu-a", "gpu-b"):
         add_gpu_node(kube, name)

@@ -1,6 +1,7 @@
 """Launch idempotence, a trigger that survives a triggerer restart, and a run another launcher
-already trains, on real local jobs; and a trigger that sees a launch end (its final event, a lost
-node) between its polls, on stand-in launchers."""
+already trains, on real local jobs; a trigger that sees a launch end (its final event, a lost
+node) between its polls, and the keeper of a launch's spare pool (its trigger, the quarantine and
+the new spare, its bounds), on stand-in launchers."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from conftest import REPO, TRAINING_PYTHON, make_dataset, script_backend
 from fsdp_resilience import ladder
 from fsdp_resilience.backends import JobHandle, LocalProcessBackend, get_backend
 from fsdp_resilience.progress import LaunchChanges, check_progress
-from fsdp_resilience.triggers import TrainingProgressTrigger
+from fsdp_resilience.triggers import SparePoolTrigger, TrainingProgressTrigger
 from training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events
 
 FAST = FAST_RUN
@@ -248,3 +249,183 @@ def test_launch_changes_name_only_this_launchs_final_event_and_changed_job_files
     job_file.write_text('{"exit_code": -9}')
     assert "job.json changed" in changes.poll()
     assert changes.poll() is None
+
+
+# --------------------------------------------------------------------------------------------
+# Keeping the spare pool whole: the trigger, and keep_spare_pool on the local backend
+# --------------------------------------------------------------------------------------------
+
+#: A launcher that only waits: the test decides what happens to its node (lost, cancelled).
+IDLE_LAUNCHER = """#!/bin/sh
+exec sleep 300
+"""
+
+
+class _XComs:
+    """What ``SparePoolKeeper`` pulls from the task instance: task id -> XCom."""
+
+    def __init__(self, **by_task):
+        self.by_task = by_task
+
+    def xcom_pull(self, task_ids):
+        return self.by_task[task_ids]
+
+
+@pytest.fixture()
+def spared(tmp_path):
+    """A local backend of 4 slots with idle stand-in launchers, and launch 0 of a run of 2 nodes and
+    1 spare submitted through the ladder (what launch_training does)."""
+    backend = script_backend(tmp_path / "spared", IDLE_LAUNCHER, slots=4, cancel_grace_s=2)
+    cfg = RunConfig(**{**FAST, "run_id": "spared", "run_dir": str(tmp_path / "run"),
+                       "dataset_dir": str(tmp_path / "no-data"), "steps": 4, "nodes": 2, "spare_nodes": 1,
+                       "restart_mode": "injob"})
+    run = {"config": cfg.to_dict(), "backend": backend.to_config(), "max_node_replacements": 1}
+    launch = ladder.launch(run, launch_no=0)
+    handle = JobHandle.from_dict(launch["handle"])
+    deadline = time.time() + 60
+    while backend.status(handle).state != "running" and time.time() < deadline:
+        time.sleep(0.1)
+    yield backend, run, launch
+    backend.cancel(handle)
+
+
+def _lose(backend, launch, index: int) -> str:
+    """The machine under node ``index`` goes: its launcher dies, nothing reports. Its slot."""
+    node = backend._store.read_job(launch["handle"]["job_name"])["nodes"][index]
+    os.kill(node["pid"], signal.SIGKILL)
+    return node["node_id"]
+
+
+def _pool_trigger(backend, launch, handled=()) -> SparePoolTrigger:
+    return SparePoolTrigger(backend=backend.to_config(), handle=launch["handle"], run_dir=launch["run_dir"],
+                            handled=list(handled), poll_interval_s=3600.0)  # only the look between polls fires it
+
+
+def test_the_pool_trigger_fires_on_a_lost_node_not_yet_handled_and_on_the_launchs_end(spared):
+    backend, run, launch = spared
+    handle = JobHandle.from_dict(launch["handle"])
+    trigger = _pool_trigger(backend, launch)
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "fsdp_resilience.triggers.SparePoolTrigger" and json.loads(json.dumps(kwargs)) == kwargs
+
+    event = asyncio.run(_fire_after(trigger, lambda: _lose(backend, launch, 1), timeout_s=60))
+    assert event is not None, "the trigger waited for its next poll"
+    assert not event["ended"] and event["state"] == "running", event  # a spare covers the node
+    assert [(n["index"], n["state"]) for n in event["nodes"]] == [(1, "lost")]
+    assert "node lost" in event["nodes"][0]["message"]
+
+    # Handled: the same lost node does not fire it again; the launch's end does.
+    key = event["nodes"][0]["key"]
+    assert key == f"1@{event['nodes'][0]['node_id']}"  # the index and the machine: one node
+    event = asyncio.run(_fire_after(_pool_trigger(backend, launch, handled=[key]), lambda: backend.cancel(handle),
+                                    timeout_s=60))
+    assert event is not None and event["ended"] and event["state"] == "failed", event
+    assert event["nodes"] == [] and event["handled"] == [key]
+
+
+def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from fsdp_resilience.sensors import SparePoolKeeper
+
+    backend, run, launch = spared
+    handle = JobHandle.from_dict(launch["handle"])
+    keeper = SparePoolKeeper(task_id="keep_spare_pool", launch=launch)
+    context = {"ti": _XComs(validate_config=run, launch_training=launch)}
+    with pytest.raises(TaskDeferred) as deferred:
+        keeper.execute(context)
+    lost_slot = _lose(backend, launch, 1)
+    event = asyncio.run(_watch(deferred.value.trigger, seconds=60))
+    assert event is not None and event["nodes"][0]["index"] == 1, event
+
+    with pytest.raises(TaskDeferred) as deferred:  # it acts, then waits again
+        keeper.execute_complete(context, event=event)
+    assert deferred.value.trigger.handled == [f"1@{lost_slot}"]
+    assert backend.capacity().quarantined == [lost_slot]
+    added = read_events(Path(launch["run_dir"]) / "events.jsonl", "spare_added")
+    assert len(added) == 1, added
+    record = backend._store.read_job(handle.job_name)
+    spare = record["nodes"][-1]
+    assert (added[0]["lost_node_id"], added[0]["lost_node_rank"]) == (lost_slot, 1)
+    assert added[0]["quarantined"] == [lost_slot]
+    assert (added[0]["node_id"], added[0]["node_rank"], added[0]["launch_id"]) == (spare["node_id"], 3, "0")
+    assert added[0]["role"] == "control-plane" and spare["node_id"] != lost_slot
+    assert backend.status(handle).state == "running"
+
+    # A retried task (or a stale event) never handles the same node twice.
+    again = ladder.keep_spare_pool(run, launch, event["nodes"], since=launch["launched_at"], log=lambda _: None)
+    assert [r["refilled"] for r in again] == [False] and "already handled" in again[0]["why"]
+    assert ladder.handled_nodes(run, launch) == [f"1@{lost_slot}"]
+    assert len(read_events(Path(launch["run_dir"]) / "events.jsonl", "spare_added")) == 1
+
+    # The launch ends (here: stopped): the keeper ends quietly, with what it did.
+    backend.cancel(handle)
+    event = asyncio.run(_watch(deferred.value.trigger, seconds=60))
+    assert event["ended"], event
+    summary = keeper.execute_complete(context, event=event)
+    assert summary["state"] == "failed" and summary["nodes_handled"] == [f"1@{lost_slot}"]
+    assert summary["spares_added"] == [{"lost_node_id": lost_slot, "lost_node_rank": 1, "quarantined": [lost_slot],
+                                        "node_id": spare["node_id"], "node_rank": 3}]
+
+
+def test_keep_spare_pool_refills_nothing_past_its_budget_and_says_why(spared):
+    backend, run, launch = spared
+    handle = JobHandle.from_dict(launch["handle"])
+    # One escalation of this DAG run already spent max_node_replacements=1.
+    cfg = RunConfig.from_dict(run["config"])
+    EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit("escalation", rung=1)
+    lost_slot = _lose(backend, launch, 1)
+    deadline = time.time() + 30
+    while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
+        time.sleep(0.1)
+    said = []
+    results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch["launched_at"] - 1,
+                                     log=said.append)
+    assert [r["refilled"] for r in results] == [False] and "max_node_replacements=1 spent" in results[0]["why"]
+    assert any("not refilled" in line and lost_slot in line for line in said), said
+    assert backend.capacity().quarantined == []  # a replacement is not done by halves
+    assert not read_events(cfg.layout.events, "spare_added")
+    assert len(backend._store.read_job(handle.job_name)["nodes"]) == 3
+
+
+def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path):
+    backend = script_backend(tmp_path / "full", IDLE_LAUNCHER, slots=3, cancel_grace_s=2)
+    cfg = RunConfig(**{**FAST, "run_id": "full", "run_dir": str(tmp_path / "run"), "dataset_dir": str(tmp_path / "x"),
+                       "steps": 4, "nodes": 2, "spare_nodes": 1, "restart_mode": "injob"})
+    run = {"config": cfg.to_dict(), "backend": backend.to_config(), "max_node_replacements": 2}
+    launch = ladder.launch(run, launch_no=0)
+    handle = JobHandle.from_dict(launch["handle"])
+    try:
+        deadline = time.time() + 60
+        while backend.status(handle).state != "running" and time.time() < deadline:
+            time.sleep(0.1)
+        lost_slot = _lose(backend, launch, 2)  # the spare's machine goes, before it ever trained
+        while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
+            time.sleep(0.1)
+        results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch["launched_at"],
+                                         log=lambda _: None)
+        assert [r["refilled"] for r in results] == [False], results
+        assert "no free healthy" in results[0]["why"] and results[0]["quarantined"] == [lost_slot]
+        assert backend.capacity().quarantined == [lost_slot]
+        assert backend.status(handle).state == "running"  # two training nodes: it trains on, with no spare
+        assert not read_events(cfg.layout.events, "spare_added")
+    finally:
+        backend.cancel(handle)
+
+
+def test_a_run_without_spares_skips_its_keepers_and_spares_count_in_capacity(launched):
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from fsdp_resilience.sensors import SparePoolKeeper
+    from training.contract import ConfigError
+
+    run = run_config("no-spares")
+    launch = {"handle": {"launch_id": "0", "job_name": "never-submitted"}}
+    with pytest.raises(AirflowSkipException, match="spare_nodes=0"):
+        SparePoolKeeper(task_id="keep_spare_pool", launch=launch).execute({"ti": _XComs(validate_config=run)})
+    spared = run_config("with-spares", nodes=2, spare_nodes=1, restart_mode="injob")
+    assert spared["config"]["spare_nodes"] == 1
+    with pytest.raises(ConfigError, match="needs in-job restarts"):
+        run_config("spares-need-injob", nodes=2, spare_nodes=1, restart_mode="inprocess")
+    with pytest.raises(ConfigError, match="capacity: .*5"):  # 3 + 2 launchers on 4 local slots
+        run_config("too-many", nodes=3, spare_nodes=2, restart_mode="injob")

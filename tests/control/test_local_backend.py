@@ -429,3 +429,198 @@ def test_a_user_bug_is_never_blamed_on_a_node(backend, tmp_path, dataset):
     assert any("InjectedUserBug" in line for line in diagnosis.evidence), diagnosis.evidence
     assert backend.replace_nodes(diagnosis.bad_node_ids, reason="none").replaced == []
     assert backend.capacity().healthy == 4
+
+
+# --------------------------------------------------------------------------------------------
+# Hot spares: a lost node is covered in-job, the pool is refilled, a bad slot's spare never trains
+# --------------------------------------------------------------------------------------------
+
+
+def node_has_ft_launcher(job_name: str, node: int) -> bool:
+    """Whether node ``node``'s launcher has started ft_launcher (a spare parks inside it)."""
+    for pid in local_backend._tagged_processes(job_name, node):
+        try:
+            if b"ft_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@needs_training
+@pytest.mark.slow
+def test_a_spare_covers_a_lost_node_and_the_pool_is_refilled_on_healthy_slots(tmp_path, dataset):
+    """Two training nodes and one spare; node 1 is lost at step 5. The job stays running with node
+    1 lost while the spare takes its place in-job (no relaunch), then succeeds. Meanwhile the pool is
+    refilled: never on a quarantined slot, refused when no healthy slot is free, and a parked spare
+    on a slot quarantined later is stopped before it can be promoted."""
+    backend = LocalProcessBackend(tmp_path / "state", slots=6, training_python=str(TRAINING_PYTHON),
+                                  cancel_grace_s=10, max_unhealthy_share=1)
+    try:
+        backend.replace_nodes(["slot-1"], reason="test: bad before the submit")
+        cfg = run_config(tmp_path, dataset, "spare", nodes=2, spare_nodes=1, procs_per_node=1, steps=120,
+                         faults=[{"kind": "node_loss", "step": 5, "node": 1}])
+        handle = backend.submit(cfg, launch_id="1")
+        assert handle.extra["node_ids"] == ["slot-0", "slot-2", "slot-3"]  # slot-1 is quarantined
+        record = backend._store.read_job(handle.job_name)
+        assert record["train_nodes"] == 2 and [n["standby"] for n in record["nodes"]] == [False, False, True]
+
+        # The loss: node 1 is gone without a word, and the job goes on.
+        lost = wait_until(lambda: (s := backend.status(handle)).nodes[1].state == "lost" and s, timeout=WAIT_S)
+        assert lost, backend.logs(handle, tail=40)
+        assert lost.state == "running", lost.message
+        assert "node 1 (slot-2) lost" in lost.message and "a spare covers it" in lost.message
+
+        # The refill, asked for at once: it waits until the spare has taken node 1's place (a
+        # refill parked in the rendezvous sooner could take a survivor's). Quarantined slots are
+        # skipped; then no healthy slot is left.
+        backend.replace_nodes(["slot-4"], reason="test: bad during the run")
+        refill = backend.add_spare(handle, reason="node 1 (slot-2) lost; its spare was promoted")
+        assert (refill.index, refill.node_id, refill.state) == (3, "slot-5", "running"), refill
+        promoted = wait_for_event(cfg.run_dir, lambda r: r["event"] == "spare_promoted", timeout=1)
+        assert (promoted["node_rank"], promoted["node_id"], promoted["replaced_node_ranks"]) == (2, "slot-3", [1])
+        with pytest.raises(InsufficientCapacityError, match="no free healthy slot"):
+            backend.add_spare(handle, reason="one more")
+        record = backend._store.read_job(handle.job_name)
+        assert record["nodes"][3]["standby"] and record["nodes"][3]["added_reason"].startswith("node 1")
+
+        # A spare parked on a slot that is then quarantined is stopped: it never trains.
+        assert backend.return_nodes(["slot-4"], reason="test: checked").returned == ["slot-4"]
+        doomed = backend.add_spare(handle, reason="a second refill")
+        assert (doomed.index, doomed.node_id) == (4, "slot-4")
+        assert wait_until(lambda: node_has_ft_launcher(handle.job_name, 4), timeout=60), backend.logs(handle, 4)
+        replaced = backend.replace_nodes(["slot-4"], reason="test: bad after all")
+        assert replaced.replaced == ["slot-4"] and "node 4 of job" in replaced.reason, replaced
+        dropped = backend.status(handle)
+        assert dropped.state == "running" and dropped.nodes[4].state == "failed", dropped
+        assert dropped.nodes[4].message.startswith("spare dropped before it trained: stopped by quarantine")
+        assert not local_backend._tagged_processes(handle.job_name, 4)
+
+        status = wait_for(backend, handle)
+        assert status.state == "succeeded" and status.failure_class == "success", \
+            f"{status.message}\n{backend.logs(handle, tail=60)}"
+        states = [n.state for n in status.nodes]
+        assert states[:3] == ["succeeded", "lost", "succeeded"] and states[4] == "failed", status
+        assert "node 1 (slot-2) lost" in status.message
+    finally:
+        for record in backend._store.jobs():
+            backend.cancel(JobHandle("local", record["run_id"], record["launch_id"], record["job_name"]))
+
+    events = read_events(Path(cfg.run_dir) / "events.jsonl")
+    # One launch, no relaunch; the refills parked (standby) and never trained.
+    assert {r["launch_id"] for r in events if r["event"] == "launch_begin"} == {"1"}
+    assert len(backend._store.jobs()) == 1
+    standby = {r["node_rank"]: r["standby"] for r in events if r["event"] == "launch_begin"}
+    assert standby == {0: False, 1: False, 2: True, 3: True, 4: True}, standby
+    trained = {r["node_rank"] for r in events if r["event"] == "train_begin"}
+    assert trained == {0, 1, 2}, trained
+    assert len([r for r in events if r["event"] == "spare_promoted"]) == 1
+    finals = {r["node_rank"]: r["failure_class"] for r in events if r["event"] == "final"}
+    assert finals[0] == finals[2] == "success" and 1 not in finals, finals
+    print(f"\n[observed] refill node 3 ended {status.nodes[3].state}: {status.nodes[3].message}")
+    assert CheckpointCatalog(cfg.run_dir).latest().step == 120
+    with pytest.raises(BackendError, match="not running"):
+        backend.add_spare(handle, reason="too late")
+    assert not backend.diagnose(handle).replaceable
+
+
+@needs_training
+@pytest.mark.slow
+def test_two_lost_nodes_with_one_spare_fail_the_job_and_blame_both_slots(backend, tmp_path, dataset):
+    """Three training nodes and one spare; nodes 1 and 2 are lost at the same moment. One spare
+    cannot cover two: the job fails as a lost node always did, and both slots are blamed.
+
+    The machines die from outside (every process of both nodes at once): two node_loss drills at
+    one step cannot do it, since a drill fires once per (kind, step, attempt) in the whole run."""
+    cfg = run_config(tmp_path, dataset, "twolost", nodes=3, spare_nodes=1, procs_per_node=1, steps=400)
+    handle = backend.submit(cfg, launch_id="1")
+    assert handle.extra["node_ids"] == ["slot-0", "slot-1", "slot-2", "slot-3"]
+    for rank in range(3):
+        wait_for_event(cfg.run_dir, lambda r: r["event"] == "train_begin" and r["rank"] == rank)
+    for node in (1, 2):
+        for pid in local_backend._tagged_processes(handle.job_name, node):
+            os.kill(pid, signal.SIGKILL)
+    status = wait_for(backend, handle, states=("failed", "succeeded"))
+    assert status.state == "failed" and status.failure_class == "restarts_exhausted", \
+        f"{status.message}\n{backend.logs(handle, tail=40)}"
+    assert [n.state for n in status.nodes][1:3] == ["lost", "lost"], status
+    assert status.message.startswith("node 1 (slot-1) lost") and "node 2 (slot-2) lost" in status.message
+    assert "2 node(s) left to train, the launch needs 3" in status.message
+    diagnosis = backend.diagnose(handle)
+    assert diagnosis.replaceable and diagnosis.bad_node_ids == ["slot-1", "slot-2"], diagnosis
+    backend.cancel(handle)  # what the DAG does next; the verdict stays
+    assert backend.diagnose(handle).bad_node_ids == ["slot-1", "slot-2"]
+    assert local_backend._tagged_processes(handle.job_name) == []
+
+
+#: Stands in for training.launch in the spare bookkeeping test (no training): nodes 0 and 1 begin
+#: training at once, spares only idle; node N reports success and exits once ``<run_dir>/done-N``
+#: exists; with ``<run_dir>/unhealthy-N`` it leaves at once, as a launcher whose ft_launcher a
+#: health check turned away (``-said``: and whose final says so, as training.launch's does when
+#: it can tell). Arguments as the backend passes them: -m training.launch --config CFG
+#: --node-rank N ...
+SPARE_STAND_IN = """#!/bin/sh
+run_dir=$(dirname "$(dirname "$4")")
+rank=$6
+if [ -e "$run_dir/unhealthy-$rank" ]; then
+  echo "[INFO] [ft_launcher] Storage path health check failed: missing:/mnt/ok/slot$rank"
+  printf '{"event": "final", "failure_class": "restarts_exhausted", "exit_code": 75, "launch_id": "%s", "message": "ft_launcher gave up", "node_rank": %s, "ts": %s}\n' "$TRAINING_LAUNCH_ID" "$rank" "$(date +%s)" >> "$run_dir/events.jsonl"
+  exit 75
+fi
+if [ -e "$run_dir/unhealthy-said-$rank" ]; then
+  printf '{"event": "final", "failure_class": "unknown", "exit_code": 1, "launch_id": "%s", "message": "spare dropped before it trained: NVRx turned the node away: Storage path health check failed", "node_rank": %s, "ts": %s}\n' "$TRAINING_LAUNCH_ID" "$rank" "$(date +%s)" >> "$run_dir/events.jsonl"
+  exit 1
+fi
+if [ "$rank" -lt 2 ]; then
+  printf '{"event": "train_begin", "launch_id": "%s", "node_rank": %s, "rank": %s, "ts": %s}\\n' "$TRAINING_LAUNCH_ID" "$rank" "$rank" "$(date +%s)" >> "$run_dir/events.jsonl"
+fi
+while [ ! -e "$run_dir/done-$rank" ]; do sleep 0.05; done
+printf '{"event": "final", "failure_class": "success", "exit_code": 0, "launch_id": "%s", "message": "stand-in done", "node_rank": %s, "ts": %s}\\n' "$TRAINING_LAUNCH_ID" "$rank" "$(date +%s)" >> "$run_dir/events.jsonl"
+"""
+
+
+def test_dropped_spares_and_a_covered_loss_fail_nothing_and_parked_spares_are_stopped_at_the_end(tmp_path):
+    """Bookkeeping only (stand-in launchers): a spare turned away by a health check is dropped,
+    with the reason, and fails nothing; a lost node with spares behind it is no failure, so the
+    failure policy stops nobody; a spare that trained in its place counts as a training node; and
+    once no node trains any more, the spare still parked is stopped, and the job succeeds."""
+    backend = script_backend(tmp_path / "spares", SPARE_STAND_IN, slots=6, cancel_grace_s=2, failure_grace_s=1)
+    cfg = run_config(tmp_path, tmp_path / "no-data", "standin", nodes=2, spare_nodes=4, procs_per_node=1,
+                     restart_mode="injob")
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "unhealthy-4").touch()
+    (run_dir / "unhealthy-said-5").touch()
+    handle = backend.submit(cfg, launch_id="1")
+    try:
+        turned_away = wait_until(lambda: (s := backend.status(handle)).nodes[4].state == "failed"
+                                 and s.nodes[5].state == "failed" and s)
+        assert turned_away and turned_away.state == "running", turned_away
+        # Its final blames restarts: the reason comes from its log. Or its final says why.
+        assert turned_away.nodes[4].message.startswith("spare dropped before it trained: ft_launcher gave up")
+        assert "Storage path health check failed" in turned_away.nodes[4].message
+        assert turned_away.nodes[5].message == ("spare dropped before it trained: NVRx turned the node away: "
+                                                "Storage path health check failed")
+        pids = {n["index"]: n["pid"] for n in backend._store.read_job(handle.job_name)["nodes"]}
+        os.kill(pids[1], signal.SIGKILL)  # node 1's machine goes
+        lost = wait_until(lambda: (s := backend.status(handle)).nodes[1].state == "lost" and s)
+        assert lost and lost.state == "running" and "a spare covers it" in lost.message, lost
+        time.sleep(3)  # three failure_grace_s: the failure policy would have stopped the others by now
+        record = backend._store.read_job(handle.job_name)
+        assert [n["stopped_by"] for n in record["nodes"]] == [None] * 6
+        assert all(local_backend._alive(pids[i]) for i in (0, 2, 3))
+
+        # Spare 2 takes node 1's place (its worker's train_begin), then both training nodes finish.
+        with open(run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps({"event": "train_begin", "launch_id": "1", "node_rank": 2, "rank": 1,
+                                "ts": time.time()}) + "\n")
+        for i in (0, 2):
+            (run_dir / f"done-{i}").touch()
+        status = wait_for(backend, handle, timeout=60)
+        assert status.state == "succeeded" and status.failure_class == "success", status
+        assert [n.state for n in status.nodes] == ["succeeded", "lost", "succeeded", "failed", "failed", "failed"]
+        assert status.nodes[3].message.startswith("spare dropped before it trained: stopped by the supervisor")
+        assert status.message.startswith("2 of 6 node(s) succeeded") and "node 1 (slot-1) lost" in status.message
+        assert backend.diagnose(handle).bad_node_ids == []
+    finally:
+        backend.cancel(handle)

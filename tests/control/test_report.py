@@ -202,7 +202,31 @@ def relaunch_run(run_dir: Path) -> SimulatedRun:
     return run
 
 
-SCENARIOS = {"clean": clean_run, "inprocess": inprocess_run, "injob": injob_run, "relaunch": relaunch_run}
+def spare_run(run_dir: Path) -> SimulatedRun:
+    """Hot spares: node-b (node 1) is lost at step 13; the spare node-c takes its place at the
+    in-job restart (spare_promoted), and the control plane quarantines node-b and adds node-d as
+    a new spare while training goes on (spare_added; its launcher logs a standby launch_begin)."""
+    run = SimulatedRun(run_dir, "spare-run")
+    run.launch(startup_s=4.0, launch_id="0")
+    run.train(1, 12)
+    run.inject("node_loss", 13, rank=1)
+    run.detect("injob", 13, after=0.05)
+    run.restart_injob(down_s=6.0, start_step=10)
+    run.emit(run.rank0, Event.SPARE_PROMOTED, node_id="node-c", node_rank=2, replaces=["node-b"],
+             replaced_node_ranks=[1], members=["node-a", "node-c"], previous_attempt=0, launch_id="0")
+    run.train(11, 14, resumed_layer="injob")
+    run.emit(run.log.bind(pid=7, role="control-plane"), Event.SPARE_ADDED, launch_id="0", lost_node_id="node-b",
+             lost_node_rank=1, quarantined=["node-b"], node_id="node-d", node_rank=3,
+             reason="launch 0: node 1 lost while training went on")
+    run.emit(run.log.bind(pid=8, node_rank=3, node_id="node-d", role="launcher", launch_id="0"), Event.LAUNCH_BEGIN,
+             nodes=2, spare_nodes=1, procs_per_node=1, restart_mode="injob", command="ft", standby=True)
+    run.train(15, STEPS)
+    run.final()
+    return run
+
+
+SCENARIOS = {"clean": clean_run, "inprocess": inprocess_run, "injob": injob_run, "relaunch": relaunch_run,
+             "spare": spare_run}
 
 
 def assert_adds_up(accounting: dict) -> None:
@@ -369,6 +393,27 @@ def test_report_names_the_restart_layers_and_the_escalation(tmp_path):
     assert "**Status:** `success`" in relaunch
     assert "restarts_exhausted" in relaunch and "launch-1" in relaunch and "launch-2" in relaunch
     assert "peer gone \\| see logs" in texts["injob"]  # table cells are escaped
+
+
+def test_report_shows_which_node_left_which_spare_joined_and_the_refill(tmp_path):
+    run = spare_run(tmp_path / "spare")
+    text = assert_report_files(build_report(run.layout.root))
+    assert "| spares promoted / added | 1 / 1 |" in text
+    assert "## Hot spares" in text and "## Escalations" not in text
+    rows = [line for line in text.splitlines() if "| spare promoted |" in line or "| spare added |" in line]
+    assert len(rows) == 2, rows
+    promoted, added = rows
+    assert "| node-b |" in promoted and "node-c (node 2)" in promoted and "attempt 1" in promoted
+    assert "node-b (node 1); out of service" in added and "node-d (node 3)" in added
+    assert "out of service: node-b" in added
+    assert "| injob | 1 |" in text and "## Launches" not in text  # one launch, recovered in-job
+    # The spare events change no goodput category: the same accounting without them.
+    events = read_events(run.layout.events)
+    without = [r for r in events if r["event"] not in ("spare_promoted", "spare_added")
+               and not (r["event"] == "launch_begin" and r.get("standby"))]
+    assert goodput(events) == goodput(without)
+    clean = assert_report_files(build_report(clean_run(tmp_path / "clean").layout.root))
+    assert "| spares promoted / added | none |" in clean and "## Hot spares" not in clean
 
 
 def test_report_of_a_failed_run_states_its_failure_class(tmp_path):

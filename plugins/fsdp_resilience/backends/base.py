@@ -195,12 +195,25 @@ class NodeStatus(_Serializable):
     exit_code: int | None = None
     message: str = ""
 
+    @property
+    def key(self) -> str:
+        """Which node of the job this is: its index and machine. On EKS a pod the Job recreates
+        for a lost index keeps the index on another machine, and is another node."""
+        return node_key(self.index, self.node_id)
+
+
+def node_key(index: int, node_id: str | None) -> str:
+    """``NodeStatus.key`` from its parts (as events record them)."""
+    return f"{int(index)}@{node_id}"
+
 
 @dataclass(frozen=True)
 class JobStatus(_Serializable):
     """A job's state: ``failed`` as soon as any node failed (or was lost), ``succeeded`` when every
-    node did. ``failure_class`` is a ``training.contract.FailureClass`` value once the job is done
-    (``success`` when it succeeded), None while it runs."""
+    node did. With spares (``spare_nodes``), a lost node, or a spare dropped before it trained,
+    fails the job only when too few nodes are left to train (``job_can_train``); ``succeeded``
+    then means every other node did. ``failure_class`` is a ``training.contract.FailureClass``
+    value once the job is done (``success`` when it succeeded), None while it runs."""
 
     state: JobState
     failure_class: str | None = None

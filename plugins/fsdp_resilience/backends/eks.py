@@ -36,6 +36,12 @@ How each failure class plays out (see also the Job's ``podFailurePolicy`` in eks
   lost node           a pod disrupted (node gone, evicted, OOMKilled launcher) -> restarts_exhausted;
                       the Job replaces up to backoff_limit + max_pod_disruptions failed pods, then
                       fails; a Job whose budget disruptions used up -> restarts_exhausted
+  ... with spares     (cfg.spare_nodes: the Job runs nodes + spare_nodes pods) the job stays running
+                      while enough nodes are left (base.job_can_train): the lost node shows as lost,
+                      a spare takes its place at the next in-job restart, and the Job controller
+                      recreates the lost pod for its index, whose launcher parks as the new spare
+                      (add_spare checks it). Too few nodes left (more lost than spares, or a lost
+                      pod's replacement that cannot be scheduled) -> failed, restarts_exhausted
   unknown             other exit codes count against backoffLimit; then the Job fails, no replacement
 """
 
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import dataclasses
 import json
 import re
 import time
@@ -69,6 +76,7 @@ from fsdp_resilience.backends.base import (
     ServiceReturn,
     TrainingBackend,
     current_operator,
+    job_can_train,
     most_telling_failure,
     plan_replacement,
     require_reason,
@@ -242,6 +250,13 @@ def node_from_pod(index: int, pod: dict[str, Any] | None, stopped: str | None) -
                               + (f" (exit {code})" if code is not None else "") + (f": {detail}" if detail else ""))
         failure = failure_class_for_exit(int(code)).value
         return NodeStatus(index, node, "failed", failure, int(code), f"{where} exited {code} ({reason or 'Error'})")
+    if disrupted and (pod.get("metadata") or {}).get("deletionTimestamp"):
+        # Deleted from outside and not yet terminal: its node stopped reporting and the taint
+        # manager deleted it (it stays Terminating until PodGC fails it), or an eviction runs.
+        target = _conditions(pod).get("DisruptionTarget") or {}
+        why = f"{target.get('reason') or 'disrupted'}" + (f": {target['message']}" if target.get("message") else "")
+        return NodeStatus(index, node, LOST, FailureClass.RESTARTS_EXHAUSTED.value, None,
+                          f"{where} lost: {why} (terminating; the Job replaces it once it is terminal)")
     if stopped and (pod.get("metadata") or {}).get("deletionTimestamp"):
         return NodeStatus(index, node, "failed", FailureClass.UNKNOWN.value, None, f"{where} stopped: {stopped}")
     if phase == "Running":
@@ -251,10 +266,75 @@ def node_from_pod(index: int, pod: dict[str, Any] | None, stopped: str | None) -
     return NodeStatus(index, node, "pending", None, None, f"{where} pending: {why}")
 
 
-def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
-    """A launch's state from its Job and pods, in the backend interface's terms."""
+def _unschedulable(pod: dict[str, Any]) -> str | None:
+    """The scheduler's message when it found no node for the pod (None: scheduled, or not tried)."""
+    scheduled = _conditions(pod).get("PodScheduled") or {}
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return scheduled.get("message") or "Unschedulable"
+    return None
+
+
+def _age_key(pod: dict[str, Any]) -> tuple[str, int]:
+    """Orders the pods of one index oldest first. Creation times have whole seconds, so within
+    one second a pod still live is the newer: the Job replaces a pod only once it is ending."""
+    meta, phase = pod.get("metadata") or {}, (pod.get("status") or {}).get("phase")
+    ending = phase in ("Succeeded", "Failed") or bool(meta.get("deletionTimestamp"))
+    return meta.get("creationTimestamp") or "", 0 if ending else 1
+
+
+def _newest_pods(pods: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """index -> the newest pod of that completion index."""
+    newest: dict[int, dict[str, Any]] = {}
+    for pod in pods:
+        index = pod_index(pod)
+        if index is None:
+            continue
+        if index not in newest or _age_key(pod) >= _age_key(newest[index]):
+            newest[index] = pod
+    return newest
+
+
+def recreated_indexes(job: dict[str, Any], newest: dict[int, dict[str, Any]]) -> list[int]:
+    """Indices whose newest pod the Job controller recreated after the launch started: created
+    after the Job's pods were (its startTime, set when submit resumed it), in a Job that counted a
+    failed pod. The pod it replaced may be gone (PodGC and evictions delete it)."""
+    status = job.get("status") or {}
+    if not status.get("failed"):
+        return []
+    started = status.get("startTime") or min((p["metadata"].get("creationTimestamp") or "" for p in newest.values()),
+                                             default="")
+    return sorted(i for i, p in newest.items() if (p["metadata"].get("creationTimestamp") or "") > started)
+
+
+def lost_before(pods: list[dict[str, Any]], newest: dict[int, dict[str, Any]]) -> dict[int, NodeStatus]:
+    """index -> the node status of the newest pod of that index that was lost (disrupted, its
+    node gone) and that the Job controller has since replaced: a node the job lost while it ran."""
+    out: dict[int, tuple[tuple[str, int], NodeStatus]] = {}
+    for pod in pods:
+        index = pod_index(pod)
+        if index is None or pod is newest.get(index):
+            continue
+        status = node_from_pod(index, pod, None)
+        created = _age_key(pod)
+        if status.state == LOST and (index not in out or created >= out[index][0]):
+            out[index] = (created, status)
+    return {index: status for index, (_, status) in out.items()}
+
+
+def job_status(job: dict[str, Any], pods: list[dict[str, Any]], *, provisions_on_demand: bool = False) -> JobStatus:
+    """A launch's state from its Job and pods, in the backend interface's terms.
+
+    One pod per completion index: ``cfg.nodes`` train, the rest (``cfg.spare_nodes``) are hot
+    spares. While the Job runs, a lost node (its pod disrupted, or that pod's replacement unable
+    to find a node) fails the launch only when too few nodes are left to train
+    (``job_can_train``), or when it is node 0, which hosts the rendezvous store: with a spare
+    behind it, the job stays running and the node shows lost.
+    ``provisions_on_demand`` (Karpenter): an unschedulable pod is what makes a node come, so a
+    replacement waiting for one is pending, not lost."""
     name = job["metadata"]["name"]
     completions = int((job.get("spec") or {}).get("completions") or 1)
+    cfg = run_config_of(job)
+    train_nodes = min(cfg.nodes, completions) if cfg else completions
     conds = {t: c for t, c in _conditions(job).items() if c.get("status") == "True"}
     cancel = cancel_verdict(job)
     failed_cond = conds.get("Failed") or conds.get("FailureTarget")
@@ -263,15 +343,28 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         stopped = f"job {name} failed ({failed_cond.get('reason')}: {failed_cond.get('message', '')})"
     elif cancel:
         stopped = cancel["message"]
-    newest: dict[int, dict[str, Any]] = {}
-    for pod in pods:
-        index = pod_index(pod)
-        if index is None:
-            continue
-        if index not in newest or (pod["metadata"].get("creationTimestamp") or "") >= \
-                (newest[index]["metadata"].get("creationTimestamp") or ""):
-            newest[index] = pod
+    newest = _newest_pods(pods)
     nodes = [node_from_pod(i, newest.get(i), stopped) for i in range(completions)]
+    if not stopped:
+        # A lost pod's replacement that no node can take (the pool has no healthy node left) does
+        # not bring the node back: the node is still lost, blamed on the node it was lost on (when
+        # the old pod is still there to say which).
+        was_lost = lost_before(pods, newest)
+        for index in sorted(set(was_lost) | set(recreated_indexes(job, newest))):
+            was = was_lost.get(index)
+            pod_name = newest[index]["metadata"]["name"]
+            lost_on = f"pod lost on {was.node_id or 'no node'}" if was else "a failed pod"
+            why = _unschedulable(newest[index]) if nodes[index].state == "pending" and not provisions_on_demand \
+                else None
+            if why:
+                nodes[index] = NodeStatus(index, was.node_id if was else None, LOST,
+                                          FailureClass.RESTARTS_EXHAUSTED.value, was.exit_code if was else None,
+                                          f"{was.message if was else f'node {index} was lost'}; its replacement pod "
+                                          f"{pod_name} cannot be scheduled: {why}")
+            elif nodes[index].state in ("pending", "running"):
+                nodes[index] = dataclasses.replace(nodes[index], message=(
+                    f"{nodes[index].message} (the Job recreated it for {lost_on}; its launcher rejoins the "
+                    "rendezvous, as a spare once another node took the lost one's place)"))
     # Pods the job controller already replaced (their failures counted against backoffLimit) are
     # part of the story too: a node that lost a pod is suspect even if a new pod now runs there.
     replaced = [node_from_pod(pod_index(p), p, stopped) for p in pods
@@ -288,7 +381,13 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
     # A node that failed with a class the Job's podFailurePolicy fails the Job on: failed now,
     # even if the job controller has not written its condition yet.
     fatal = [n for n in failed if n.failure_class in FINAL_FAILURES and n.state == "failed"]
-    if failed_cond or cancel or fatal:
+    lost = [n for n in nodes if n.state == LOST]
+    # More nodes lost than spares behind them: the launch cannot train; the ladder takes over
+    # (stop_launch suspends the Job, diagnose blames the lost nodes).
+    # Node 0 hosts the rendezvous store (the pod every node rendezvouses at): no spare takes its place.
+    store_lost = not stopped and any(n.index == 0 for n in lost)
+    too_few = bool(lost) and not stopped and (store_lost or not job_can_train(train_nodes, nodes))
+    if failed_cond or cancel or fatal or too_few:
         failure = most_telling_failure([n.failure_class for n in failed + replaced]
                                        + ([cancel["failure_class"]] if cancel else []))
         parts = []
@@ -302,6 +401,14 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
                          f"its backoffLimit={(job.get('spec') or {}).get('backoffLimit')} allows "
                          "(PodTemplateSettings.backoff_limit + max_pod_disruptions)")
         failure = failure or FailureClass.UNKNOWN.value
+        if too_few and not (failed_cond or cancel or fatal):
+            left = sum(1 for n in nodes if n.state not in ("failed", LOST))
+            if store_lost:
+                parts.append("node 0 was lost, and it hosts the rendezvous store every node meets at: no spare can "
+                             "take its place")
+            if not job_can_train(train_nodes, nodes):
+                parts.append(f"too few nodes left to train: {left} of the {train_nodes} needed "
+                             f"({completions - train_nodes} spare(s) launched, {len(lost)} node(s) lost)")
         telling = [n for n in failed + replaced if n.failure_class == failure]
         parts += [n.message for n in telling[:3]]
         if cancel and failure == cancel["failure_class"]:
@@ -314,6 +421,13 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]]) -> JobStatus:
         return JobStatus("pending", None, exit_codes,
                          f"job {name} is suspended until its Service and NetworkPolicy exist and submit resumes it "
                          "(a submit that did not finish: retry the launch task)", nodes)
+    if lost:
+        # Covered: a spare takes each lost node's place at the next in-job restart.
+        left = sum(1 for n in nodes if n.state not in ("failed", LOST))
+        covered = {n.index for n in lost}
+        nodes = [dataclasses.replace(n, message=f"{n.message}; a spare covers it ({left} node(s) left for the "
+                                                f"{train_nodes} that train)") if n.index in covered else n
+                 for n in nodes]
     running = [n for n in nodes if n.state == "running"]
     if running and len(running) == len(nodes):
         return JobStatus("running", None, exit_codes,
@@ -600,7 +714,8 @@ class EksBackend(TrainingBackend):
     def status(self, handle: JobHandle) -> JobStatus:
         with self._kube() as kube:
             job = self._job(kube, handle)
-            return job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"))
+            return job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
+                              provisions_on_demand=self.replacement == "karpenter")
 
     async def status_async(self, handle: JobHandle) -> JobStatus:
         """``status`` through ``AsyncKubernetesHook``: what the triggerer calls between sleeps."""
@@ -639,13 +754,12 @@ class EksBackend(TrainingBackend):
                         self.namespace, label_selector=f"{LABEL_JOB}={handle.job_name}"))["items"]
             except (async_client.ApiException, aiohttp.ClientError, OSError) as e:
                 raise kube_error(e, doing, self.namespace) from e
-        return job_status(job, pods)
+        return job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
 
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
         with self._kube() as kube:
             job = self._job(kube, handle)
-            pods = {pod_index(p): p for p in sorted(kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
-                                                    key=lambda p: p["metadata"].get("creationTimestamp") or "")}
+            pods = _newest_pods(kube.list_pods(f"{LABEL_JOB}={handle.job_name}"))
             completions = int(job["spec"].get("completions") or 1)
             indexes = [node] if node is not None else list(range(completions))
             if node is not None and not 0 <= node < completions:
@@ -662,27 +776,106 @@ class EksBackend(TrainingBackend):
 
     def cancel(self, handle: JobHandle) -> None:
         """Stop a running launch, keeping the Job and its finished pods as evidence: the Job is
-        suspended (the job controller terminates its pods) and annotated with the verdict — no
-        progress if no checkpoint was committed for ``stall_timeout_s``, else unknown — and the
+        suspended (the job controller terminates its pods) and annotated with the verdict — the
+        launch's failure if its status already says failed (too few nodes left behind its spares),
+        no progress if no checkpoint was committed for ``stall_timeout_s``, else unknown — and the
         nodes it ran on. A finished job is left as it is, so ``diagnose`` still says why it failed."""
         with self._kube() as kube:
             job = self._job(kube, handle)
             if job_finished(job):
                 return
-            status = job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"))
+            status = job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
+                                provisions_on_demand=self.replacement == "karpenter")
             cfg = run_config_of(job)
             run_dir = cfg.run_dir if cfg else handle.extra.get("run_dir", "")
             stall = cfg.stall_timeout_s if cfg else float("inf")
-            verdict = verdict_at_cancel(run_dir, _ts(job["metadata"].get("creationTimestamp")), stall, status.state)
+            if status.state == "failed":
+                # Failed while its Job still runs (too few nodes left behind the spares): the
+                # verdict is that failure, kept for diagnose once the suspended Job's pods are gone.
+                verdict = {"at": time.time(), "failure_class": status.failure_class, "message": status.message}
+            else:
+                verdict = verdict_at_cancel(run_dir, _ts(job["metadata"].get("creationTimestamp")), stall,
+                                            status.state)
             verdict["nodes"] = {str(n.index): n.node_id for n in status.nodes if n.node_id}
             kube.patch_job(handle.job_name, {"metadata": {"annotations": {CANCEL_ANNOTATION: json.dumps(verdict)}},
                                              "spec": {"suspend": True}})
+
+    def add_spare(self, handle: JobHandle, reason: str) -> NodeStatus:
+        """Check that the pool of a running job is whole again after a spare took a lost node's
+        place, and return the new spare's status. Nothing is created: the Job controller recreates
+        a lost pod for its completion index (the podFailurePolicy counts the disruption and does
+        not fail the Job; podReplacementPolicy Failed: once the old pod is terminal), and the new
+        pod's launcher parks in the rendezvous as a spare. So the backend needs no grant to create
+        pods. Returns the replacement pod of the most recently lost index (pending or running).
+
+        A lost pod still Terminating on its unreachable node is replaced once the node object is
+        deleted (PodGC then fails the pod): when replace_nodes took that node out of service and
+        has its instance replaced (replacement=asg or karpenter), that is under way, and the
+        index's status comes back pending. Under replacement=cordon, or before replace_nodes ran,
+        BackendError says what to do.
+
+        Raises InsufficientCapacityError when the replacement pod cannot be scheduled (no healthy
+        node left in the pool), BackendError when the job is not running or lost no node, each
+        saying what to do."""
+        reason = (reason or "").strip() or "spare pool refill"
+        with self._kube() as kube:
+            job = self._job(kube, handle)
+            pods = kube.list_pods(f"{LABEL_JOB}={handle.job_name}")
+            status = job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
+            kube_nodes = {n.node_id: kube.get_node(n.node_id) for n in status.nodes
+                          if n.state == LOST and n.node_id}
+        if status.state != "running":
+            raise BackendError(f"cannot add a spare to job {handle.job_name}: it is {status.state} ({status.message})")
+        newest = _newest_pods(pods)
+        replaced = set(lost_before(pods, newest)) | set(recreated_indexes(job, newest))
+        waiting = [n for n in status.nodes if n.state == LOST and n.index not in replaced]
+        if waiting:
+            return self._spare_to_come(kube_nodes, handle, job, waiting[0], reason)
+        if not replaced:
+            raise BackendError(f"job {handle.job_name} lost no node: its {len(status.nodes)} pod(s) are the ones it "
+                               "launched, so the spare pool is whole; nothing to add")
+        index = max(replaced, key=lambda i: (_age_key(newest[i]), i))
+        node, pod = status.nodes[index], newest[index]
+        if node.state == LOST:  # the replacement cannot be scheduled (job_status says why)
+            raise InsufficientCapacityError(
+                f"the replacement pod {pod['metadata']['name']} of job {handle.job_name}'s lost node {index} has no "
+                f"node to run on: {node.message}. Wait for replace_nodes' new node to join (capacity()), or scale the "
+                f"node group {self.pool_selector} up; the Job starts it there as the new spare")
+        if node.state not in ("pending", "running"):
+            raise BackendError(f"the replacement pod {pod['metadata']['name']} of job {handle.job_name}'s lost node "
+                               f"{index} is {node.state}: {node.message}")
+        return dataclasses.replace(node, message=f"{reason}: {node.message}")
+
+    def _spare_to_come(self, kube_nodes: dict[str, dict[str, Any] | None], handle: JobHandle, job: dict[str, Any],
+                       lost: NodeStatus, reason: str) -> NodeStatus:
+        """add_spare for an index whose lost pod the Job has not replaced yet (see add_spare)."""
+        node = kube_nodes.get(lost.node_id) if lost.node_id else None
+        where = f"job {handle.job_name} lost node {lost.index} ({lost.message})"
+        if lost.node_id and node is not None and not quarantined_by_us(node):
+            raise BackendError(f"{where}, and its node {lost.node_id} is still in service: take it out with "
+                               "replace_nodes first (its pod is replaced once the node object is deleted)")
+        if self.replacement == "cordon" and node is not None:
+            raise BackendError(f"{where}. Under replacement=cordon nothing deletes node {lost.node_id}, so the Job "
+                               f"controller keeps waiting for the pod to end: once the machine is dealt with, run "
+                               f"`kubectl delete node {lost.node_id}` (PodGC then fails the pod and the Job recreates "
+                               "it as the new spare)")
+        if node is None and lost.node_id is None:
+            budget = (job.get("spec") or {}).get("backoffLimit")
+            raise BackendError(f"{where}, and the Job controller has not recreated its pod: see `kubectl -n "
+                               f"{self.namespace} describe job {handle.job_name}` (its backoffLimit={budget} counts "
+                               "PodTemplateSettings.backoff_limit + max_pod_disruptions)")
+        how = ("its node object is gone, so PodGC fails the pod" if node is None else
+               f"{lost.node_id} is out of service and its instance is being replaced ({self.replacement}); once "
+               "the node object is deleted, PodGC fails the pod")
+        return NodeStatus(lost.index, None, "pending", None, None,
+                          f"{reason}: {how} and the Job controller recreates node {lost.index}'s pod on a healthy "
+                          "node, where its launcher parks as the new spare")
 
     def diagnose(self, handle: JobHandle) -> Diagnosis:
         with self._kube() as kube:
             job = self._job(kube, handle)
             pods = kube.list_pods(f"{LABEL_JOB}={handle.job_name}")
-            status = job_status(job, pods)
+            status = job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
             failure = status.failure_class
             if status.state != "failed":
                 return Diagnosis(failure, [], False, [f"job {handle.job_name} is {status.state}: nothing to diagnose"])
@@ -760,7 +953,12 @@ class EksBackend(TrainingBackend):
         """Cordon and taint each node, evict the pods of ours left on it, then have the platform
         replace it: terminate its instance in its Auto Scaling group (the group launches a new one;
         desired capacity unchanged), or delete its Karpenter NodeClaim, or (``cordon``) leave the
-        replacement to a human. Refuses more than ``max_unhealthy_share`` of the pool at once."""
+        replacement to a human. Refuses more than ``max_unhealthy_share`` of the pool at once.
+
+        A hot spare parked on the node goes too, before the node could be promoted at the next
+        in-job restart: its pod is evicted (the Eviction API deletes it with a DisruptionTarget
+        condition, through the grant the worker already has), the Job recreates it for the same
+        index, and the cordon and quarantine taint keep the new pod off this node."""
         with self._kube() as kube:
             pool = {n["metadata"]["name"]: n for n in self._pool(kube)}
             out = [name for name, n in pool.items() if out_of_service(n)]

@@ -597,6 +597,9 @@ def _container(settings: PodTemplateSettings, command: list[str], env: list[dict
 #: with a final code) it never fails the Job at once; but it counts against backoffLimit, which
 #: holds PodTemplateSettings.max_pod_disruptions on top of backoff_limit: with "Ignore", the Job
 #: controller would replace evicted pods for ever (Kubernetes has no separate budget for them).
+#: "Count" still has the Job recreate the pod for the same index (only "FailJob" stops it), so a
+#: node lost behind a hot spare costs one disruption of the budget and its pod comes back as the
+#: new spare; past the budget the Job fails and the ladder takes over.
 _COUNT_DISRUPTION = {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
 #: Exit codes after which another pod of the same Job cannot help: a bug or a bad config, training
 #: state that turns NaN/inf again after its rollbacks, a full or read-only run dir fail the same
@@ -647,8 +650,18 @@ def evaluation_pod_failure_policy() -> dict[str, Any]:
 
 def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
                  airflow_run_id: str | None = None, suspend: bool = True) -> dict[str, Any]:
-    """The Indexed Job of one launch: ``cfg.nodes`` pods, one per machine, completion index =
-    node rank (training/launch.py reads JOB_COMPLETION_INDEX), all rendezvousing at pod 0.
+    """The Indexed Job of one launch: ``cfg.launch_nodes`` pods, one per machine, completion
+    index = node rank (training/launch.py reads JOB_COMPLETION_INDEX), all rendezvousing at pod 0.
+    Indices ``cfg.nodes`` and up are hot spares: their launchers wait until the training nodes
+    train, then park in the rendezvous and take a lost node's place at the next in-job restart.
+    Node 0 hosts the rendezvous store, so index 0 is always a training node (never a spare).
+
+    A pod lost with its node (DisruptionTarget: the podFailurePolicy counts it against the
+    disruption budget, it does not fail the Job) is recreated by the Job controller for the same
+    index once the old pod is terminal (podReplacementPolicy Failed, the default with a
+    podFailurePolicy): the new pod's launcher finds its launch training and parks as a spare, so
+    the pool is whole again without the backend creating a pod. A spare exits 0 when the launch
+    ends well, which completes its index: the Job succeeds when every index did.
 
     Created suspended (``suspend``): no pod starts before the backend has created the launch's
     Service and NetworkPolicy and resumes it (``spec.suspend: false``), so no pod ever runs
@@ -690,8 +703,8 @@ def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, 
         "metadata": _metadata(name, settings.namespace, labels, annotations),
         "spec": {
             "completionMode": "Indexed",
-            "completions": cfg.nodes,
-            "parallelism": cfg.nodes,
+            "completions": cfg.launch_nodes,
+            "parallelism": cfg.launch_nodes,
             "suspend": bool(suspend),
             "backoffLimit": training_backoff_limit(settings),
             "activeDeadlineSeconds": settings.active_deadline_s,

@@ -52,6 +52,29 @@ def final_events(run_dir: str | Path, launch_id: str) -> dict[int, dict[str, Any
     return out
 
 
+def trained_nodes(run_dir: str | Path, launch_id: str) -> set[int]:
+    """Node indices (as launched) whose workers began training in this launch: a ``train_begin``
+    of this launch id from a rank on that node. How a spare that stood by is told from one that
+    took a lost node's place. Parses only the lines that can be one, as ``final_events``."""
+    out: set[int] = set()
+    needle = json.dumps(launch_id)
+    try:
+        with open(Path(run_dir) / "events.jsonl", errors="replace") as f:
+            for line in f:
+                if '"train_begin"' not in line or needle not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if (isinstance(rec, dict) and rec.get("event") == Event.TRAIN_BEGIN.value
+                        and rec.get("launch_id") == launch_id and isinstance(rec.get("node_rank"), int)):
+                    out.add(rec["node_rank"])
+    except FileNotFoundError:
+        pass
+    return out
+
+
 def blame_from_events(run_dir: str | Path, launch_id: str, status: JobStatus,
                       node_ids: list[str]) -> tuple[list[str], list[str]]:
     """The node(s) to blame for restarts running out (or no progress), and why.

@@ -10,15 +10,17 @@ another process submitted and then left::
       slots.json                    per slot: healthy | quarantined, reason, since (a slot returned to
                                     service: who returned it and the quarantine it ended)
       jobs/<job_name>.json          per node: slot, command, log path, pid, pgid, start time,
-                                    exit code; cancel and failure-policy marks
+                                    exit code, standby (a spare) and why it was added; cancel and
+                                    failure-policy marks; train_nodes (the launch's cfg.nodes)
       jobs/<job_name>.supervisor.log
 
 Detaching. ``submit`` starts a small *supervisor* process that forks once and exits, and reaps
 that exit at once, so the caller keeps no child (a long-lived triggerer collects no zombies). The
 forked supervisor, adopted by init, starts the node launchers, each in its own session, and waits
 for them, so no launcher is left a zombie either; it records their exit codes and acts like a
-Kubernetes Job controller's failure policy: once a node has failed, the other nodes get
-``failure_grace_s`` to end by themselves and are then stopped. Every process of a job carries
+Kubernetes Job controller's failure policy: once the job has failed (the rule of ``judge_job``,
+which ``status`` applies too), the other nodes get ``failure_grace_s`` to end by themselves and
+are then stopped; so are spares still parked once no node trains any more. Every process of a job carries
 ``FSDP_RESILIENCE_LOCAL_JOB=<job>/<node>`` in its environment (read from /proc; psutil where there
 is none), so ``cancel`` also finds what a launcher started in other sessions (ft_launcher,
 workers, checkpoint writers), orphans included.
@@ -28,6 +30,15 @@ wrote its ``final`` event for this launch (``launch_id``). A node whose launcher
 one, and that nobody stopped, is *lost*: the job fails with ``restarts_exhausted`` (the restart
 layers went down with the node) and ``diagnose`` blames that slot.
 
+Hot spares (``spare_nodes``): a job runs ``launch_nodes`` launchers, those with index >= ``nodes``
+as standbys (``training.launch`` parks them in the rendezvous). One rule, ``job_can_train``, says
+whether the job goes on: a lost node with a spare behind it leaves the job running (the spare takes
+its place at the next in-job restart). A standby that ends without ever training (its launcher
+left the rendezvous, or we stopped it because its slot was quarantined) is a *dropped* spare: it
+fails nothing by itself. ``add_spare`` appends a node to a running job's record; the supervisor
+starts it at its next poll. ``replace_nodes`` stops a parked spare on a slot it quarantines, so a
+bad slot's spare is never promoted.
+
 Each launch's config is written to ``<run_dir>/launches/<launch_id>.json`` and each node logs to
 ``<run_dir>/logs/<job_name>-node<i>.log``. To debug the supervisor, run
 ``supervisor_main(["--state-dir", DIR, "--job", NAME, "--foreground"])`` on a submitted job record.
@@ -36,6 +47,7 @@ Each launch's config is written to ``<run_dir>/launches/<launch_id>.json`` and e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import os
@@ -52,6 +64,7 @@ from typing import Any, Callable, Iterator
 from training.contract import (
     FailureClass,
     RunConfig,
+    RunDir,
     atomic_write_text,
     failure_class_for_exit,
     NODE_ID_ENV,
@@ -73,13 +86,14 @@ from fsdp_resilience.backends.base import (
     ServiceReturn,
     TrainingBackend,
     current_operator,
+    job_can_train,
     job_name_for,
     most_telling_failure,
     plan_replacement,
     require_reason,
     what_to_do,
 )
-from fsdp_resilience.backends.evidence import blame_from_events, final_events, verdict_at_cancel
+from fsdp_resilience.backends.evidence import blame_from_events, final_events, trained_nodes, verdict_at_cancel
 
 #: plugins/fsdp_resilience/backends/local.py -> the repository root, where ``training`` lives.
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -93,9 +107,16 @@ SLOT_PREFIX = "slot-"
 RECORD_VERSION = 1
 #: The supervisor's failure-policy clock; a launcher's exit wakes it at once (where Linux has pidfds).
 SUPERVISOR_POLL_S = 0.5
+#: How long ``add_spare`` waits for a spare to take a lost node's place before it adds the new
+#: spare anyway (measured: ~15 s on NVRx 0.4.1, ~5 s on 0.7, plus the restart; more on a busy host).
+PROMOTION_WAIT_S = 120.0
 #: Training processes per CPU past which a local run only thrashes (gloo on CPU; tests run 2 per core).
 MAX_PROCS_PER_CPU = 4
 _HAVE_PROC = Path("/proc/self/stat").exists()
+
+
+def _spares_note(cfg: RunConfig) -> str:
+    return f" ({cfg.nodes} to train + {cfg.spare_nodes} spare(s))" if cfg.spare_nodes else ""
 
 
 class LocalProcessBackend(TrainingBackend):
@@ -156,10 +177,11 @@ class LocalProcessBackend(TrainingBackend):
         if existing is not None:
             return self._existing(existing, cfg, launch_id)
         self.check_training_environment()
-        if cfg.nodes > self.slots:
+        if cfg.launch_nodes > self.slots:
             raise InsufficientCapacityError(
-                f"run {cfg.run_id} needs {cfg.nodes} nodes but this machine has only {self.slots} slot(s); "
-                f"lower nodes or start the local backend with slots >= {cfg.nodes}")
+                f"run {cfg.run_id} needs {cfg.launch_nodes} nodes{_spares_note(cfg)} but this machine has only "
+                f"{self.slots} slot(s); lower nodes (or spare_nodes) or start the local backend with slots >= "
+                f"{cfg.launch_nodes}")
         self._supersede_failed_launches(cfg.run_id, launch_id)
 
         with self._store.locked():
@@ -176,12 +198,13 @@ class LocalProcessBackend(TrainingBackend):
             busy = {n["node_id"] for r in active for n in r["nodes"]}
             quarantined = set(self._store.quarantined())
             free = [s for s in self.slot_ids if s not in quarantined and s not in busy]
-            if len(free) < cfg.nodes:
+            if len(free) < cfg.launch_nodes:
                 raise InsufficientCapacityError(
-                    f"run {cfg.run_id} needs {cfg.nodes} free healthy slot(s); capacity: {self.slots} slots, "
+                    f"run {cfg.run_id} needs {cfg.launch_nodes} free healthy slot(s){_spares_note(cfg)}; "
+                    f"capacity: {self.slots} slots, "
                     f"{len(quarantined)} quarantined {sorted(quarantined)}, {len(busy)} busy {sorted(busy)}, "
                     f"{len(free)} free. Wait for running jobs to end, or return repaired slots to service")
-            record = self._new_record(cfg, launch_id, job_name, free[: cfg.nodes])
+            record = self._new_record(cfg, launch_id, job_name, free[: cfg.launch_nodes])
             record["airflow_run_id"] = airflow_run_id
             self._store.write_job(record)
 
@@ -233,9 +256,10 @@ class LocalProcessBackend(TrainingBackend):
         """Local slots are not replaced: a quarantined one is gone until someone returns it. And
         the processes share this machine's CPUs: past a few per core, a run only thrashes."""
         capacity = super().check_capacity(cfg)
-        if cfg.nodes > capacity.healthy:
+        if cfg.launch_nodes > capacity.healthy:
             raise InsufficientCapacityError(
-                f"run {cfg.run_id} needs {cfg.nodes} node(s); of {capacity.total} local slots, "
+                f"run {cfg.run_id} needs {cfg.launch_nodes} node(s){_spares_note(cfg)}; "
+                f"of {capacity.total} local slots, "
                 f"{len(capacity.quarantined)} are quarantined {capacity.quarantined} and {capacity.healthy} healthy. "
                 "Lower nodes, or return repaired slots to service (README: \"Quarantined nodes\")")
         max_procs = MAX_PROCS_PER_CPU * (os.cpu_count() or 1)
@@ -260,26 +284,32 @@ class LocalProcessBackend(TrainingBackend):
         if safe != launch_id:
             safe = f"{safe}-{job_name.rsplit('-', 1)[-1]}"  # keep it unique per launch id
         config_path = cfg.layout.launch_config(safe)
-        nodes = []
-        for index, slot in enumerate(slots):
-            nodes.append({
-                "index": index, "node_id": slot,
-                "command": [self.training_python, "-m", "training.launch", "--config", str(config_path),
-                            "--node-rank", str(index), "--rdzv-host", "127.0.0.1"],
-                "env": {LAUNCH_ID_ENV: launch_id, NODE_ID_ENV: slot, "PYTHONUNBUFFERED": "1",
-                        JOB_TAG_ENV: f"{job_name}/{index}"},
-                "log_path": str(cfg.layout.logs / f"{job_name}-node{index}.log"),
-                "pid": None, "pgid": None, "start_ticks": None, "started_at": None,
-                "exit_code": None, "ended_at": None, "stopped_by": None,
-            })
+        nodes = [self._node_entry(job_name, launch_id, str(config_path), cfg.run_dir, index, slot,
+                                  standby=index >= cfg.nodes)
+                 for index, slot in enumerate(slots)]
         return {"version": RECORD_VERSION, "job_name": job_name, "run_id": cfg.run_id, "launch_id": launch_id,
                 "run_dir": cfg.run_dir, "config_path": str(config_path), "cwd": str(self.repo_root),
+                "train_nodes": cfg.nodes, "node_rank_limit": cfg.node_rank_limit,
                 "created_at": time.time(), "stall_timeout_s": cfg.stall_timeout_s,
                 "failure_grace_s": self.failure_grace_s,
                 "cancel_grace_s": self.cancel_grace_s, "start_timeout_s": self.start_timeout_s,
                 "supervisor": {"pid": None, "start_ticks": None,
                                "log_path": str(self._store.job_path(job_name).with_suffix(".supervisor.log"))},
                 "cancel": None, "error": None, "nodes": nodes}
+
+    def _node_entry(self, job_name: str, launch_id: str, config_path: str, run_dir: str, index: int, slot: str,
+                    standby: bool, added_reason: str | None = None) -> dict[str, Any]:
+        """One node of the job record: what the supervisor starts, and what it learns of it."""
+        return {
+            "index": index, "node_id": slot, "standby": standby, "added_reason": added_reason,
+            "command": [self.training_python, "-m", "training.launch", "--config", config_path,
+                        "--node-rank", str(index), "--rdzv-host", "127.0.0.1"],
+            "env": {LAUNCH_ID_ENV: launch_id, NODE_ID_ENV: slot, "PYTHONUNBUFFERED": "1",
+                    JOB_TAG_ENV: f"{job_name}/{index}"},
+            "log_path": str(RunDir(run_dir).logs / f"{job_name}-node{index}.log"),
+            "pid": None, "pgid": None, "start_ticks": None, "started_at": None,
+            "exit_code": None, "ended_at": None, "stopped_by": None, "start_error": None,
+        }
 
     def _spawn_supervisor(self, record: dict[str, Any]) -> None:
         # -c rather than -m: the supervisor imports this module as itself, and the launchers it
@@ -318,87 +348,80 @@ class LocalProcessBackend(TrainingBackend):
 
     # -- status -------------------------------------------------------------------------------
     def status(self, handle: JobHandle) -> JobStatus:
-        record = self._record(handle)
-        # Liveness first, then the events: a node seen gone has written any final event it ever will.
-        alive = {n["index"]: _alive(n["pid"], n["start_ticks"]) for n in record["nodes"]}
-        finals = final_events(Path(record["run_dir"]), record["launch_id"])
-        nodes = [self._node_status(record, n, alive[n["index"]], finals.get(n["index"])) for n in record["nodes"]]
-        exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
-        failed = [n for n in nodes if n.state in ("failed", LOST)]
-        cancel = record["cancel"]
-        if cancel and not all(n.state == "succeeded" for n in nodes):
-            # Stopped while running: the verdict taken at cancel time, unless a node ended with a
-            # more telling one by itself (the launcher beat the SIGTERM).
-            failure = most_telling_failure([n.failure_class for n in failed] + [cancel["failure_class"]])
-            if failure == cancel["failure_class"]:
-                return JobStatus("failed", failure, exit_codes, cancel["message"], nodes)
-        if failed:
-            failure = most_telling_failure([n.failure_class for n in failed])
-            # Name the node that explains the failure: lost before merely failed, then by index.
-            first = min(failed, key=lambda n: (n.failure_class != failure, n.state != LOST, n.index))
-            others = [f"node {n.index} ({n.node_id}) {n.state}: {n.failure_class}" for n in failed if n is not first]
-            message = f"node {first.index} ({first.node_id}) {first.state}: {first.failure_class}"
-            exit_note = f" (exit {first.exit_code})" if first.exit_code is not None else ""
-            message += f"{exit_note}: {first.message}"
-            if others:
-                message += "; also " + "; ".join(others)
-            return JobStatus("failed", failure, exit_codes, message, nodes)
-        if all(n.state == "succeeded" for n in nodes):
-            return JobStatus("succeeded", FailureClass.SUCCESS.value, exit_codes,
-                             f"all {len(nodes)} node(s) succeeded: {nodes[0].message}", nodes)
-        running = [n for n in nodes if n.state == "running"]
-        if running:
-            return JobStatus("running", None, exit_codes,
-                             f"{len(running)} of {len(nodes)} node(s) running on {[n.node_id for n in running]}", nodes)
-        return JobStatus("pending", None, exit_codes, f"waiting for {len(nodes)} node(s) to start", nodes)
+        return judge_job(self._store, self._record(handle))
 
-    def _node_status(self, record: dict[str, Any], node: dict[str, Any], alive: bool,
-                     final: dict[str, Any] | None) -> NodeStatus:
-        index, slot = node["index"], node["node_id"]
-        if final is not None:
-            failure = final.get("failure_class")
-            state = "succeeded" if failure == FailureClass.SUCCESS.value else "failed"
-            message = final.get("message", "")
-            if node.get("stopped_by") and state == "failed":
-                message = f"stopped by {node['stopped_by']}: {message}"
-            return NodeStatus(index, slot, state, failure, final.get("exit_code"), message)
+    # -- spares -------------------------------------------------------------------------------
+    def add_spare(self, handle: JobHandle, reason: str) -> NodeStatus:
+        """Start one more spare for a running job on a free healthy slot (never a quarantined one,
+        nor one any active job holds), with the next node index. The job's supervisor starts its
+        launcher at its next poll; this waits (up to ``start_timeout_s``) until it has. The
+        launcher finds the training nodes training and parks in the rendezvous.
+
+        A spare added while a lost node's place is still being taken would join that very round:
+        on NVRx 0.4.1 the nodes parked in the rendezvous join before the survivors, so the new
+        spare could take a survivor's place. So this first waits (up to ``PROMOTION_WAIT_S``) until
+        the training nodes have recorded their membership after the last loss
+        (control/membership.json, written as each attempt starts)."""
+        reason = reason.strip() if isinstance(reason, str) else ""
+        if not reason:
+            raise BackendError("add_spare needs a reason (e.g. 'node 1 (slot-1) lost; its spare was promoted')")
+        job_name = handle.job_name
+        deadline = time.monotonic() + PROMOTION_WAIT_S
+        while True:
+            record = self._record(handle)
+            status = judge_job(self._store, record)
+            if status.state != "running":
+                raise BackendError(f"job {job_name} is {status.state}, not running: a spare is added only to a "
+                                   f"running job ({status.message})")
+            if not _promotion_pending(record, status) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        with self._store.locked():
+            record = self._store.read_job(job_name)
+            supervisor = record["supervisor"]
+            if record["cancel"] or supervisor.get("ended_at") or \
+                    not _alive(supervisor["pid"], supervisor["start_ticks"]):
+                raise BackendError(f"job {job_name} is ending (cancelled, or its supervisor is gone): no spare added")
+            index = len(record["nodes"])
+            limit = record.get("node_rank_limit", index)
+            if index >= limit:
+                raise BackendError(f"job {job_name} has used all {limit} node indices its config allows "
+                                   f"(launch_nodes + MAX_SPARE_REFILLS): no more spares can join this launch; "
+                                   "let the ladder relaunch it")
+            active = [r for r in self._store.jobs() if _job_active(r)]
+            busy = {n["node_id"] for r in active for n in r["nodes"]} | {n["node_id"] for n in record["nodes"]}
+            quarantined = set(self._store.quarantined())
+            free = [s for s in self.slot_ids if s not in quarantined and s not in busy]
+            if not free:
+                raise InsufficientCapacityError(
+                    f"no free healthy slot for a spare of job {job_name}: {self.slots} slots, {len(quarantined)} "
+                    f"quarantined {sorted(quarantined)}, {len(busy)} busy {sorted(busy)}. Return repaired slots to "
+                    "service, or go on without a spare")
+            node = self._node_entry(job_name, record["launch_id"], record["config_path"], record["run_dir"],
+                                    index, free[0], standby=True, added_reason=reason)
+            record["nodes"].append(node)
+            self._store.write_job(record)
+        return self._wait_added(job_name, index)
+
+    def _wait_added(self, job_name: str, index: int) -> NodeStatus:
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            record = self._store.read_job(job_name)
+            node = record["nodes"][index]
+            if node["pid"] is not None or node.get("start_error"):
+                break
+            supervisor = record["supervisor"]
+            if supervisor.get("ended_at") or not _alive(supervisor["pid"], supervisor["start_ticks"]):
+                break  # judged below: a node the supervisor never started is a failed one
+            if time.monotonic() > deadline:
+                raise BackendError(f"job {job_name}: the supervisor did not start spare node {index} within "
+                                   f"{self.start_timeout_s:.0f}s; see {supervisor['log_path']}")
+            time.sleep(0.05)
+        status = judge_job(self._store, record).nodes[index]
         if node["pid"] is None:
-            if record["error"]:
-                return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None, record["error"])
-            supervisor = record["supervisor"]
-            started = supervisor["pid"] is not None
-            if (started and not _alive(supervisor["pid"], supervisor["start_ticks"])) or \
-                    (not started and time.time() - record["created_at"] > 2 * record["start_timeout_s"]):
-                return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None,
-                                  f"the supervisor ended before starting this node; see {supervisor['log_path']}")
-            return NodeStatus(index, slot, "pending", None, None, "starting")
-        if alive:
-            return NodeStatus(index, slot, "running", None, None, f"launcher pid {node['pid']}")
-        rc = node["exit_code"]
-        if node["stopped_by"]:  # we stopped it (SIGKILL after the grace period): not a lost node
-            return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value,
-                              rc if rc is not None and rc >= 0 else None,
-                              f"stopped by {node['stopped_by']} before it reported (exit {rc})")
-        if rc is None:
-            # Gone, and no exit code in the record read above. Its supervisor reaps it within a poll
-            # and records the code before it ends itself: look again after checking on it. Judging
-            # it meanwhile would call a launcher that exited by itself (73: another launcher holds
-            # the run; 2: a bad config) a lost node, and replace a healthy machine.
-            supervisor = record["supervisor"]
-            supervising = _alive(supervisor["pid"], supervisor["start_ticks"])
-            rc = ((self._store.read_job(record["job_name"]) or record)["nodes"][index]).get("exit_code")
-            if rc is None and supervising:
-                return NodeStatus(index, slot, "running", None, None,
-                                  f"launcher pid {node['pid']} ended; its exit code is being recorded")
-        if rc is not None and rc >= 0:
-            # Exited without a final event: rejected before training started (exit 2), or crashed.
-            failure = failure_class_for_exit(rc).value
-            return NodeStatus(index, slot, "failed", failure, rc,
-                              f"the launcher exited {rc} without a final event; see {node['log_path']}")
-        how = f"killed by signal {-rc}" if rc is not None else "gone"
-        # The restart layers went with the node: to the control plane this is restarts exhausted.
-        return NodeStatus(index, slot, LOST, FailureClass.RESTARTS_EXHAUSTED.value, None,
-                          f"node lost: launcher pid {node['pid']} {how} without reporting")
+            raise BackendError(f"job {job_name}: spare node {index} ({node['node_id']}) was not started: "
+                               f"{status.message}")
+        return status
 
     def change_paths(self, handle: JobHandle) -> list[str]:
         """The job record: its supervisor records each launcher's exit there as it reaps it."""
@@ -477,7 +500,9 @@ class LocalProcessBackend(TrainingBackend):
     # -- nodes --------------------------------------------------------------------------------
     def replace_nodes(self, node_ids: list[str], reason: str) -> Replacement:
         """Quarantine slots: no job is placed on them again (the local machine cannot add new
-        slots, so capacity drops). A job still running on a quarantined slot is left alone."""
+        slots, so capacity drops). A job still training on a quarantined slot is left alone; a
+        spare parked on one (a standby that has not trained) is stopped, so that a bad slot's
+        spare is never promoted."""
         with self._store.locked():
             slots = self._store.read_slots()
             out = [s for s, info in slots.items() if info.get("state") == "quarantined"]
@@ -490,9 +515,31 @@ class LocalProcessBackend(TrainingBackend):
         healthy = self.slots - len(set(out) | set(replace))
         parts = [f"quarantined {replace}: {reason}; capacity now {healthy} of {self.slots} slot(s) "
                  "(local slots are not replaced by new ones)"] if replace else []
+        stopped = self._stop_parked_spares(replace)
+        if stopped:
+            parts.append(f"stopped the spare(s) parked there, never to be promoted: {', '.join(stopped)}")
         if note:
             parts.append(note)
         return Replacement(replace, refused, "; ".join(parts) or "nothing to replace")
+
+    def _stop_parked_spares(self, slots: list[str]) -> list[str]:
+        """Stop every standby on ``slots`` that has not trained, in every active job. One still
+        being started is marked, and its supervisor stops it (or never starts it)."""
+        stopped = []
+        for record in self._store.jobs():
+            hosted = [n for n in record["nodes"] if n["node_id"] in slots and n.get("standby")]
+            if not hosted or not _job_active(record):
+                continue
+            trained = trained_nodes(record["run_dir"], record["launch_id"])
+            finals = final_events(Path(record["run_dir"]), record["launch_id"])
+            parked = [n["index"] for n in hosted if n["index"] not in trained and n["index"] not in finals
+                      and n["exit_code"] is None and not n.get("start_error")
+                      and (n["pid"] is None or _alive(n["pid"], n["start_ticks"]))]
+            if not parked:
+                continue
+            stop_nodes(self._store, record["job_name"], parked, "quarantine (its slot was taken out of service)")
+            stopped += [f"node {i} of job {record['job_name']}" for i in parked]
+        return stopped
 
     def quarantined_nodes(self) -> list[dict[str, Any]]:
         slots = self._store.read_slots()
@@ -553,6 +600,168 @@ class LocalProcessBackend(TrainingBackend):
         healthy = [s for s in pool if s not in quarantined]
         return Capacity(total=len(pool), healthy=len(healthy), quarantined=[s for s in pool if s in quarantined],
                         healthy_node_ids=healthy)
+
+
+# --------------------------------------------------------------------------------------------
+# Judging a job from its record and its run dir (status and the supervisor's failure policy)
+# --------------------------------------------------------------------------------------------
+
+#: Lines of a dropped spare's log searched for why its launcher left the rendezvous.
+_DROP_REASON = re.compile(r"health ?check|unhealthy|exception|error", re.IGNORECASE)
+
+
+def judge_job(store: "_StateStore", record: dict[str, Any]) -> JobStatus:
+    """The job's state from its record, its nodes' liveness and the run's events. One function for
+    ``status`` and for the supervisor's failure policy, so that both apply the same rule.
+
+    The job fails when a node that is not a dropped spare failed (a failing ``final`` of a node
+    that trained, a training node that could not start), or when it can no longer train
+    (``job_can_train``: fewer nodes neither lost nor failed than ``train_nodes``). Without spares
+    that is any failed or lost node, as it always was."""
+    # Liveness first, then the events: a node seen gone has written any final event it ever will.
+    alive = {n["index"]: _alive(n["pid"], n["start_ticks"]) for n in record["nodes"]}
+    finals = final_events(Path(record["run_dir"]), record["launch_id"])
+    has_standby = any(n.get("standby") for n in record["nodes"])
+    trained = trained_nodes(record["run_dir"], record["launch_id"]) if has_standby else set()
+    nodes = [_node_status(store, record, n, alive[n["index"]], finals.get(n["index"])) for n in record["nodes"]]
+    # A standby that ended without ever training: its launcher left the rendezvous (NVRx's health
+    # check at join turned it away, the launch ended), or we stopped it (its slot was quarantined).
+    dropped = {n["index"] for n, s in zip(record["nodes"], nodes)
+               if n.get("standby") and n["index"] not in trained and s.state == "failed"}
+    nodes = [_dropped_spare(s, n) if s.index in dropped else s for n, s in zip(record["nodes"], nodes)]
+    return _verdict(record, nodes, dropped)
+
+
+def _promotion_pending(record: dict[str, Any], status: JobStatus) -> bool:
+    """Whether a node that trained was lost after the training nodes last recorded who trains
+    (control/membership.json, written by global rank 0 as each attempt starts): a spare is still
+    taking its place."""
+    lost = [record["nodes"][n.index] for n in status.nodes if n.state == LOST]
+    if not lost:
+        return False
+    trained = trained_nodes(record["run_dir"], record["launch_id"])
+    lost_at = [n["ended_at"] or time.time() for n in lost if n["index"] in trained]
+    if not lost_at:
+        return False  # only spares that never trained were lost: nobody's place is being taken
+    try:
+        membership = _read_json(RunDir(record["run_dir"]).membership) or {}
+    except BackendError:  # torn by a full disk: no record to go by
+        membership = {}
+    recorded_at = membership.get("ts") if membership.get("launch_id") == record["launch_id"] else None
+    return not isinstance(recorded_at, (int, float)) or recorded_at < max(lost_at)
+
+
+#: How a dropped spare's status message begins (training.launch writes the same in its final).
+DROPPED_SPARE = "spare dropped before it trained: "
+
+
+def _dropped_spare(status: NodeStatus, node: dict[str, Any]) -> NodeStatus:
+    reason = status.message
+    if reason.startswith(DROPPED_SPARE):
+        reason = reason[len(DROPPED_SPARE):]  # its launcher already said why (NVRx's reason)
+    elif not node.get("stopped_by"):
+        # Not stopped by us: the launcher's log says why it left (NVRx names the failed check).
+        lines = [line.strip() for line in _tail(Path(node["log_path"]), 60).splitlines() if _DROP_REASON.search(line)]
+        if lines:
+            reason += f"; its log: {lines[-1][:300]}"
+    return dataclasses.replace(status, message=DROPPED_SPARE + reason)
+
+
+def _verdict(record: dict[str, Any], nodes: list[NodeStatus], dropped: set[int]) -> JobStatus:
+    exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
+    failed = [n for n in nodes if n.state in ("failed", LOST)]
+    train_nodes = record.get("train_nodes", len(record["nodes"]))
+    cancel = record["cancel"]
+    if cancel and not all(n.state == "succeeded" or n.index in dropped for n in nodes):
+        # Stopped while running: the verdict taken at cancel time, unless a node ended with a
+        # more telling one by itself (the launcher beat the SIGTERM).
+        failure = most_telling_failure([n.failure_class for n in failed] + [cancel["failure_class"]])
+        if failure == cancel["failure_class"]:
+            return JobStatus("failed", failure, exit_codes, cancel["message"], nodes)
+    fatal = [n for n in failed if n.state == "failed" and n.index not in dropped]
+    if fatal or not job_can_train(train_nodes, nodes):
+        # A dropped spare explains a failure only when nothing else does.
+        blamed = [n for n in failed if n.index not in dropped] or failed
+        failure = most_telling_failure([n.failure_class for n in blamed])
+        # Name the node that explains the failure: lost before merely failed, then by index.
+        first = min(blamed, key=lambda n: (n.failure_class != failure, n.state != LOST, n.index))
+        others = [f"node {n.index} ({n.node_id}) {n.state}: {n.failure_class}" for n in failed if n is not first]
+        message = f"node {first.index} ({first.node_id}) {first.state}: {first.failure_class}"
+        exit_note = f" (exit {first.exit_code})" if first.exit_code is not None else ""
+        message += f"{exit_note}: {first.message}"
+        if others:
+            message += "; also " + "; ".join(others)
+        if dropped or len(nodes) > train_nodes:
+            left = sum(1 for n in nodes if n.state not in ("failed", LOST))
+            message += f" ({left} node(s) left to train, the launch needs {train_nodes})"
+        return JobStatus("failed", failure, exit_codes, message, nodes)
+    # The job can train: a lost node has a spare behind it, a dropped spare is one fewer.
+    notes = [f"node {n.index} ({n.node_id}) lost ({n.message}): a spare covers it (in-job restart, no relaunch)"
+             for n in nodes if n.state == LOST]
+    notes += [f"node {n.index} ({n.node_id}): {n.message}" for n in nodes if n.index in dropped]
+    suffix = "; " + "; ".join(notes) if notes else ""
+    counted = [n for n in nodes if n.state != LOST and n.index not in dropped]
+    if all(n.state == "succeeded" for n in counted):
+        count = f"all {len(nodes)}" if len(counted) == len(nodes) else f"{len(counted)} of {len(nodes)}"
+        return JobStatus("succeeded", FailureClass.SUCCESS.value, exit_codes,
+                         f"{count} node(s) succeeded: {counted[0].message}{suffix}", nodes)
+    running = [n for n in nodes if n.state == "running"]
+    if running:
+        return JobStatus("running", None, exit_codes,
+                         f"{len(running)} of {len(nodes)} node(s) running on {[n.node_id for n in running]}{suffix}",
+                         nodes)
+    return JobStatus("pending", None, exit_codes, f"waiting for {len(nodes)} node(s) to start{suffix}", nodes)
+
+
+def _node_status(store: "_StateStore", record: dict[str, Any], node: dict[str, Any], alive: bool,
+                 final: dict[str, Any] | None) -> NodeStatus:
+    index, slot = node["index"], node["node_id"]
+    if final is not None:
+        failure = final.get("failure_class")
+        state = "succeeded" if failure == FailureClass.SUCCESS.value else "failed"
+        message = final.get("message", "")
+        if node.get("stopped_by") and state == "failed":
+            message = f"stopped by {node['stopped_by']}: {message}"
+        return NodeStatus(index, slot, state, failure, final.get("exit_code"), message)
+    if node["pid"] is None:
+        if record["error"]:
+            return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None, record["error"])
+        if node.get("start_error"):
+            return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None, node["start_error"])
+        supervisor = record["supervisor"]
+        started = supervisor["pid"] is not None
+        if (started and not _alive(supervisor["pid"], supervisor["start_ticks"])) or \
+                (not started and time.time() - record["created_at"] > 2 * record["start_timeout_s"]):
+            return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None,
+                              f"the supervisor ended before starting this node; see {supervisor['log_path']}")
+        return NodeStatus(index, slot, "pending", None, None, "starting")
+    if alive:
+        return NodeStatus(index, slot, "running", None, None, f"launcher pid {node['pid']}")
+    rc = node["exit_code"]
+    if node["stopped_by"]:  # we stopped it (SIGKILL after the grace period): not a lost node
+        return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value,
+                          rc if rc is not None and rc >= 0 else None,
+                          f"stopped by {node['stopped_by']} before it reported (exit {rc})")
+    if rc is None:
+        # Gone, and no exit code in the record read above. Its supervisor reaps it within a poll
+        # and records the code before it ends itself: look again after checking on it. Judging
+        # it meanwhile would call a launcher that exited by itself (73: another launcher holds
+        # the run; 2: a bad config) a lost node, and replace a healthy machine.
+        supervisor = record["supervisor"]
+        supervising = _alive(supervisor["pid"], supervisor["start_ticks"])
+        rc = ((store.read_job(record["job_name"]) or record)["nodes"][index]).get("exit_code")
+        if rc is None and supervising:
+            return NodeStatus(index, slot, "running", None, None,
+                              f"launcher pid {node['pid']} ended; its exit code is being recorded")
+    if rc is not None and rc >= 0:
+        # Exited without a final event: rejected before training started (exit 2), or crashed.
+        failure = failure_class_for_exit(rc).value
+        return NodeStatus(index, slot, "failed", failure, rc,
+                          f"the launcher exited {rc} without a final event; see {node['log_path']}")
+    how = f"killed by signal {-rc}" if rc is not None else "gone"
+    # The restart layers went with the node: to the control plane this is restarts exhausted.
+    return NodeStatus(index, slot, LOST, FailureClass.RESTARTS_EXHAUSTED.value, None,
+                      f"node lost: launcher pid {node['pid']} {how} without reporting")
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,18 +1026,31 @@ def supervise(state_dir: Path, job_name: str) -> int:
         return 0
 
     procs: dict[int, subprocess.Popen] = {}
+    launched: set[int] = set()  # every node index this supervisor started, or tried to
+    exits = _ExitWaiter()
+
+    def launch(node: dict[str, Any]) -> dict[str, Any]:
+        launched.add(node["index"])
+        with open(node["log_path"], "ab") as log:
+            # Own session per launcher: cancel can signal the node as a group, and the
+            # launcher's own SIGTERM handling (pod deletion) applies unchanged.
+            proc = subprocess.Popen(node["command"], cwd=record["cwd"], env={**os.environ, **node["env"]},
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        procs[node["index"]] = proc
+        exits.add(node["index"], proc)
+        return {"pid": proc.pid, "pgid": proc.pid, "start_ticks": _start_ticks(proc.pid), "started_at": time.time()}
+
+    def record_started(started: dict[int, dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
+        def change(r: dict[str, Any]) -> None:
+            for index, fields in started.items():
+                r["nodes"][index].update(fields)
+        return change
+
     started: dict[int, dict[str, Any]] = {}
     try:
         for node in record["nodes"]:
-            with open(node["log_path"], "ab") as log:
-                # Own session per launcher: cancel can signal the node as a group, and the
-                # launcher's own SIGTERM handling (pod deletion) applies unchanged.
-                proc = subprocess.Popen(node["command"], cwd=record["cwd"], env={**os.environ, **node["env"]},
-                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-            procs[node["index"]] = proc
-            started[node["index"]] = {"pid": proc.pid, "pgid": proc.pid, "start_ticks": _start_ticks(proc.pid),
-                                      "started_at": time.time()}
+            started[node["index"]] = launch(node)
     except OSError as e:
         for proc in procs.values():
             proc.kill()
@@ -838,24 +1060,20 @@ def supervise(state_dir: Path, job_name: str) -> int:
         print(error, file=sys.stderr)
         return 1
 
-    def record_started(r: dict[str, Any]) -> None:
-        for n in r["nodes"]:
-            n.update(started[n["index"]])
-
-    record = store.update_job(job_name, record_started)
+    record = store.update_job(job_name, record_started(started))
     if record["cancel"]:  # cancelled while we were starting: cancel saw no launcher to stop
         stop_job_processes(record, grace_s=record["cancel_grace_s"])
     print(f"supervisor {me}: started {len(procs)} launcher(s): "
           f"{ {i: p.pid for i, p in procs.items()} }", flush=True)
 
-    failures: list[tuple[float, int]] = []  # (when, node index), in order
-    exits = _ExitWaiter(procs)
-
-    def reap() -> None:
+    def reap() -> bool:
+        """Record the exit of every launcher that ended; whether any did."""
+        any_ended = False
         for index, proc in list(procs.items()):
             rc = proc.poll()
             if rc is None:
                 continue
+            any_ended = True
             del procs[index]
             exits.forget(index)
             # Whatever the launcher left behind (it reaps its session itself unless it was killed).
@@ -867,26 +1085,93 @@ def supervise(state_dir: Path, job_name: str) -> int:
 
             store.update_job(job_name, ended)
             print(f"supervisor {me}: node {index} exited {rc}", flush=True)
-            if rc != 0:
-                failures.append((now, index))
+        return any_ended
 
-    while procs:
+    def pending(r: dict[str, Any]) -> list[dict[str, Any]]:
+        """Nodes add_spare appended that this supervisor has not started yet."""
+        return [n for n in r["nodes"] if n["pid"] is None and n["index"] not in launched and not n.get("start_error")]
+
+    def start_added() -> bool:
+        """Start the spares ``add_spare`` appended to the record since the last poll; whether any."""
+        new = pending(store.read_job(job_name))
+        if not new:
+            return False
+        started: dict[int, dict[str, Any]] = {}
+        refused: dict[int, str] = {}
+        for node in new:
+            if node["stopped_by"]:  # its slot was quarantined, or the job cancelled, before it started
+                launched.add(node["index"])
+                refused[node["index"]] = f"not started: stopped by {node['stopped_by']} before it started"
+                continue
+            try:
+                started[node["index"]] = launch(node)
+            except OSError as e:
+                refused[node["index"]] = f"could not start its launcher: {e}"
+
+        def change(r: dict[str, Any]) -> None:
+            record_started(started)(r)
+            for index, why in refused.items():
+                r["nodes"][index]["start_error"] = why
+
+        r = store.update_job(job_name, change)
+        print(f"supervisor {me}: added node(s) started { {i: f['pid'] for i, f in started.items()} }"
+              + (f", not started {refused}" if refused else ""), flush=True)
+        # Marked to stop (quarantine, cancel) between our read and our record: stop them now.
+        stop_now = [i for i in started if r["nodes"][i]["stopped_by"] or r["cancel"]]
+        if stop_now:
+            stop_job_processes(r, grace_s=r["cancel_grace_s"], nodes=stop_now, reap=reap)
+        return True
+
+    def finished(r: dict[str, Any]) -> None:
+        # Under the lock that add_spare appends under: once this is set, it adds nothing more.
+        if not pending(r):
+            r["supervisor"]["ended_at"] = time.time()
+
+    failed_at: float | None = None  # when the job could no longer train (the rule of judge_job)
+    parked_at: float | None = None  # since when only spares that never trained are left running
+    verdict: JobStatus | None = None
+    while True:
         exits.wait(SUPERVISOR_POLL_S)
-        reap()
-        if failures and procs and time.time() - failures[0][0] > record["failure_grace_s"]:
-            # The Job failure policy: a node failed, the launch cannot succeed; stop the others.
-            others = sorted(procs)
-            print(f"supervisor {me}: node {failures[0][1]} failed; stopping nodes {others}", flush=True)
-
-            def mark(r: dict[str, Any]) -> None:
-                for i in others:
-                    r["nodes"][i]["stopped_by"] = r["nodes"][i]["stopped_by"] or \
-                        f"the failure policy (node {failures[0][1]} failed)"
-
-            record = store.update_job(job_name, mark)
-            stop_job_processes(record, grace_s=record["cancel_grace_s"], nodes=others, reap=reap)
+        if reap() | start_added():
+            record = store.read_job(job_name)
+            verdict = judge_job(store, record)
+            now = time.time()
+            if verdict.state == "failed":
+                failed_at = failed_at or now
+            standby = {n["index"] for n in record["nodes"] if n.get("standby")}
+            trained = trained_nodes(record["run_dir"], record["launch_id"]) if standby else set()
+            going = [n.index for n in verdict.nodes if n.state in ("pending", "running")]
+            parked = bool(going) and all(i in standby and i not in trained for i in going)
+            parked_at = (parked_at or now) if parked else None
+        if not procs:
+            record = store.update_job(job_name, finished)
+            if record["supervisor"].get("ended_at"):
+                break
+            continue
+        if failed_at is not None and time.time() - failed_at > record["failure_grace_s"]:
+            # The Job failure policy: the launch cannot succeed any more (a node that is no mere
+            # spare failed, or too few nodes are left to train); stop the others.
+            why = f"the failure policy ({verdict.message.split(': ')[0]})"
+            stop_nodes(store, job_name, sorted(procs), why, reap)
+        elif parked_at is not None and time.time() - parked_at > record["failure_grace_s"]:
+            # No node trains any more, and a spare cannot train on its own: the launch is over.
+            why = "the supervisor (no node left training; a spare on its own cannot train)"
+            stop_nodes(store, job_name, sorted(procs), why, reap)
     print(f"supervisor {me}: all launchers ended", flush=True)
     return 0
+
+
+def stop_nodes(store: "_StateStore", job_name: str, indices: list[int], why: str,
+               reap: Callable[[], Any] = lambda: None) -> None:
+    """Mark nodes ``indices`` stopped by ``why`` (a mark set earlier stays), then stop them."""
+    print(f"stopping nodes {indices} of {job_name}: {why}", flush=True)
+
+    def mark(r: dict[str, Any]) -> None:
+        for i in indices:
+            r["nodes"][i]["stopped_by"] = r["nodes"][i]["stopped_by"] or why
+
+    record = store.update_job(job_name, mark)
+    stop_job_processes(record, grace_s=record["cancel_grace_s"], nodes=indices, reap=reap)
 
 
 class _ExitWaiter:
@@ -894,22 +1179,22 @@ class _ExitWaiter:
     learns of a lost node (no ``final`` event), and the watch reacts to the record: recorded at
     once, not at the next poll. Linux pidfds; elsewhere (or an old kernel) a plain sleep."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen]):
+    def __init__(self) -> None:
         self.fds: dict[int, int] = {}
         self.poller = select.poll() if hasattr(os, "pidfd_open") and hasattr(select, "poll") else None
-        for index, proc in procs.items():
-            if self.poller is None:
-                break
-            try:
-                fd = os.pidfd_open(proc.pid)
-            except OSError:  # ENOSYS on a kernel without pidfds
-                self.poller = None
-                break
-            self.fds[index] = fd
-            self.poller.register(fd, select.POLLIN)
+
+    def add(self, index: int, proc: subprocess.Popen) -> None:
         if self.poller is None:
-            for index in list(self.fds):
-                self.forget(index)
+            return
+        try:
+            fd = os.pidfd_open(proc.pid)
+        except OSError:  # ENOSYS on a kernel without pidfds: plain sleeps from now on
+            for known in list(self.fds):
+                self.forget(known)
+            self.poller = None
+            return
+        self.fds[index] = fd
+        self.poller.register(fd, select.POLLIN)
 
     def wait(self, timeout_s: float) -> None:
         if self.poller is None or not self.fds:
