@@ -270,42 +270,29 @@ def assign_attempts(drills: list[dict[str, Any]], restart_mode: str, slot_prefix
     on slot i and node nodes - 1 on slot nodes - 1 + L.
 
     With ``spare_nodes`` a node loss is an in-job restart (a spare takes the node's place), and
-    the k-th loss is aimed at node ``nodes - 1 + k``: node ``nodes - 1``, then
-    the spares started with the launch (a drill can name only the launch's own nodes, not spares
-    the control plane adds later, so at most spare_nodes + 1 losses can be scheduled). One node
-    per loss, never two at once. Which launchers train is the rendezvous's choice, though: NVRx
-    0.4.1 was seen promoting a refilled spare before the launch's own, and promoting a spare at an
-    in-job restart after a rank's fault (the rank's node then parked), which also starts the
-    restart round over, or not advancing it. So with spares every drill fires ``once``, on any
-    round (``attempt`` null): the first time its step is reached on its rank (its node, for a
-    loss), whoever holds it. A loss whose node is parked at its step does not fire. The chaos
-    run reports faults injected against those scheduled.
+    which launchers train is the rendezvous's choice: NVRx 0.4.1 was seen promoting a refilled
+    spare before the launch's own, and swapping a spare in at an in-job restart after a rank's
+    fault (that node then parked), which starts the restart round over or does not advance it.
+    So with spares every drill fires ``once``, on whatever round first reaches it (``attempt``
+    null), and a node loss takes ``node`` null: the training node holding the highest rank off
+    node 0 (which hosts the rendezvous store, which no spare covers) when its step comes.
     """
     last = nodes - 1
-    candidates = list(range(last, nodes + spare_nodes))
-    losses = sum(1 for d in drills if d["kind"] == "node_loss")
     if nodes < 2 and spare_nodes:
         raise ValueError("spares need nodes >= 2: node 0 hosts the rendezvous store, so its loss ends the launch")
-    if spare_nodes and losses > len(candidates):
-        raise ValueError(f"{losses} node losses with {spare_nodes} spare(s): a drill can name at most "
-                         f"{len(candidates)} nodes (nodes {last}..{nodes + spare_nodes - 1}); add spares or "
-                         "schedule fewer faults")
 
     def slot(node: int, launch: int) -> str:
         return f"{slot_prefix}{node if node < last else last + launch}"
 
-    attempt, launch, lost = 0, 0, 0
+    attempt, launch = 0, 0
     out = []
     for d in sorted(drills, key=lambda d: d["step"]):
         d = {**d, "attempt": attempt}
         if d["kind"] == "node_loss":
             d["node"] = last
         if spare_nodes:
-            # Once, on any round: with spares the round is not predictable (see above).
-            if d["kind"] == "node_loss":
-                d["node"] = candidates[lost]
-                lost += 1
-            out.append({**d, "attempt": None, "once": True})
+            # Once, on any round, on whichever node trains then: see above.
+            out.append({**d, "attempt": None, "once": True, **({"node": None} if d["kind"] == "node_loss" else {})})
             continue
         if slot_prefix is not None:
             d["node_id"] = slot(d["node"] if d["kind"] == "node_loss" else d["rank"] // procs_per_node, launch)

@@ -197,8 +197,8 @@ def _chaos_side_by_side(plain: dict[str, Any], spared: dict[str, Any]) -> list[s
             ("relaunches", str(len(plain.get("rungs") or [])), str(len(spared.get("rungs") or []))),
             ("spare pool", "—", refill(spared))]
     return [f"Side by side with the same fault schedule's mix and seed, with a hot spare (`{spared['command'].strip()}`): "
-            "its node losses hit the last training node, a spare takes its place in-job, and the pool is refilled "
-            f"while training goes on. {_load(spared)}.", ""] + _table(("", "without spares", "with spares"), rows)
+            "a node loss takes the training node holding the highest rank off node 0 (the rendezvous host), a spare "
+            f"takes its place in-job, and the pool is refilled while training goes on. {_load(spared)}.", ""] + _table(("", "without spares", "with spares"), rows)
 
 
 def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:

@@ -54,16 +54,16 @@ def test_schedule_with_spares_aims_node_losses_past_node_0_and_counts_them_as_in
     kinds = ["sigkill", "node_loss", "oom", "node_loss", "exception"]
     drills = spread_schedule(kinds, first_step=20, last_step=400, min_gap=16, interval=7, world_size=2, seed=5)
     # two nodes of one rank each and one spare: a node loss is an in-job restart (the launch
-    # stays), aimed at node 1, then at the spare that took its place; which rounds come is the
-    # rendezvous's choice with spares, so every drill fires once, on whatever round reaches it
+    # stays); which rounds come and which nodes train is the rendezvous's choice with spares, so
+    # every drill fires once, on whatever round reaches it, and a loss takes whichever training
+    # node holds the highest rank off node 0 (node null)
     spared = assign_attempts(drills, "layered", nodes=2, procs_per_node=1, spare_nodes=1)
-    assert [(d["kind"], d["attempt"], d.get("node"), d["once"]) for d in spared] == [
-        ("sigkill", None, None, True), ("node_loss", None, 1, True), ("oom", None, None, True),
-        ("node_loss", None, 2, True), ("exception", None, None, True)]
+    assert [(d["kind"], d["attempt"], d.get("node", "-"), d["once"]) for d in spared] == [
+        ("sigkill", None, "-", True), ("node_loss", None, None, True), ("oom", None, "-", True),
+        ("node_loss", None, None, True), ("exception", None, "-", True)]
     assert all("node_id" not in d for d in spared)
-    with pytest.raises(ValueError, match="add spares or schedule fewer faults"):
-        assign_attempts(drills + [{"kind": "node_loss", "step": 500, "node": 0}], "layered", nodes=2,
-                        procs_per_node=1, spare_nodes=1)
+    with pytest.raises(ValueError, match="node 0 hosts the rendezvous store"):
+        assign_attempts(drills, "layered", nodes=1, procs_per_node=2, spare_nodes=1)
     # without spares the loss of node 1 relaunches on the next free slot: node 0 stays on slot-0
     plain = assign_attempts(drills, "layered", slot_prefix="slot-", nodes=2, procs_per_node=1)
     assert [(d["kind"], d["attempt"], d.get("node"), d["node_id"]) for d in plain] == [

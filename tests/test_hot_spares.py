@@ -47,6 +47,10 @@ def test_spares_need_in_job_restarts_and_are_bounded(tmp_path, dataset):
     RunConfig(**base, faults=[{"kind": "sigkill", "step": 1, "rank": 1, "attempt": None, "once": True}])
     with pytest.raises(ConfigError, match="attempt null"):
         RunConfig(**base, faults=[{"kind": "sigkill", "step": 1, "rank": 1, "attempt": 0, "once": True}])
+    # node null: whichever training node holds the highest rank off node 0 (with spares only).
+    RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": None}])
+    with pytest.raises(ConfigError, match="node=null"):
+        RunConfig(**base, faults=[{"kind": "node_loss", "step": 1, "node": None}])
 
 
 def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, dataset, capsys):
@@ -73,7 +77,8 @@ def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, datas
 def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, dataset):
     """Two training nodes and one spare (one rank each). Node 1 dies whole at step 5 (launcher,
     ranks, NVRx helpers); the spare (node 2) takes its place at the in-job restart. Nothing is
-    relaunched, and every step's loss equals that of a run with no fault and no spare."""
+    relaunched, and every step's loss equals that of a run with no fault and no spare. The drill
+    names no node: it takes the training node that holds the highest rank off node 0, once."""
     common = dict(steps=10, nodes=2, procs_per_node=1)
     clean_cfg = write_config(tmp_path, dataset, "clean", **common)
     codes, logs = run_nodes(tmp_path, clean_cfg, 2)
@@ -81,7 +86,7 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
     clean = Run(clean_cfg, 0, logs)
 
     cfg = write_config(tmp_path, dataset, "spare", spare_nodes=1, **common,
-                       faults=[{"kind": "node_loss", "step": 5, "node": 1}])
+                       faults=[{"kind": "node_loss", "step": 5, "node": None, "attempt": None, "once": True}])
     codes, logs = run_nodes(tmp_path, cfg, 3)
     assert codes == [0, -9, 0], logs
     run = Run(cfg, 0, logs)

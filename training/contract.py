@@ -196,7 +196,10 @@ class FaultDrill:
     ``attempt`` is the launcher restart round it fires in (0 = the first launch; null = every
     round, as a faulty machine would); ``once`` (with ``attempt`` null): it fires the first time
     any round reaches it and never again, whatever the rounds are numbered (with spares on NVRx
-    0.4.1 a round that swaps a spare in is a membership change, which keeps the round); ``node`` selects the node for ``node_loss`` (rank is
+    0.4.1 a round that swaps a spare in is a membership change, which keeps the round); ``node``
+    (for ``node_loss``, with spares) may be null: the training node that holds the highest global
+    rank outside node 0, which hosts the rendezvous store (with spares, which node trains is the
+    rendezvous' choice, so an index may be parked when the step comes); ``node`` selects the node for ``node_loss`` (rank is
     ignored there); ``node_id``, when set, limits the drill to processes on that node or local
     slot (``TRAINING_NODE_ID``), so a "bad node" drill stops once the node is replaced. A
     ``user_bug`` fires on every attempt, by definition.
@@ -206,7 +209,7 @@ class FaultDrill:
     step: int
     rank: int = 0
     attempt: int | None = 0
-    node: int = 0
+    node: int | None = 0
     node_id: str | None = None
     once: bool = False
 
@@ -217,7 +220,11 @@ class FaultDrill:
             raise ConfigError(f"{where}.step={self.step} must be between 1 and steps={cfg.steps}")
         if not 0 <= self.rank < cfg.world_size:
             raise ConfigError(f"{where}.rank={self.rank} must be a global rank in [0, {cfg.world_size})")
-        if not 0 <= self.node < cfg.launch_nodes:
+        if self.node is None:
+            if self.kind != "node_loss" or not cfg.spare_nodes or cfg.nodes < 2:
+                raise ConfigError(f"{where}.node=null (a training node other than node 0) is for a node_loss in a run "
+                                  "with spare_nodes and at least 2 nodes; give a node index otherwise")
+        elif not 0 <= self.node < cfg.launch_nodes:
             raise ConfigError(f"{where}.node={self.node} must be a node index in [0, {cfg.launch_nodes}) "
                               f"(nodes {cfg.nodes} + spare_nodes {cfg.spare_nodes})")
         if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)
@@ -603,8 +610,9 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
     def fault_at(self, step: int, rank: int, attempt: int, node: int,
-                 node_id: str | None = None) -> FaultDrill | None:
-        """The drill that fires at this step in this rank, launcher attempt and node, if any."""
+                 node_id: str | None = None, loss_target: int | None = None) -> FaultDrill | None:
+        """The drill that fires at this step in this rank, launcher attempt and node, if any
+        (``loss_target``: the node a ``node_loss`` with node null takes down, see FaultDrill)."""
         for f in self.faults:
             if f.step != step:
                 continue
@@ -612,7 +620,7 @@ class RunConfig:
                 continue
             if f.node_id is not None and f.node_id != node_id:
                 continue
-            if f.kind == "node_loss" and f.node == node:
+            if f.kind == "node_loss" and (f.node == node or (f.node is None and node == loss_target)):
                 return f
             if f.kind != "node_loss" and f.rank == rank:
                 return f

@@ -208,6 +208,7 @@ class Trainer:
         self.store = restart.app_store()  # outlives in-process restarts; process groups do not
         self.fired: set[tuple[int, int | None, str]] = set()  # drills fire once per process
         self.iteration = 0
+        self.loss_target: int | None = None  # see _record_membership
         self.attempt = env.attempt  # the job's restart round, agreed by every rank in run()
         self.shards = TokenShards(cfg.dataset_dir, "train")
 
@@ -253,6 +254,8 @@ class Trainer:
         spare that took a lost node's place (``spare_promoted``)."""
         members: list = [None] * self.env.world_size
         dist.all_gather_object(members, (self.env.node_rank, node_id()))
+        # A node_loss drill with node null takes down the node of the highest rank off node 0.
+        self.loss_target = max(((r, n) for r, (n, _) in enumerate(members) if n != 0), default=(None, None))[1]
         if self.env.rank == 0:
             record_membership(self.layout, self.events, os.environ.get("TRAINING_LAUNCH_ID", ""), self.attempt,
                               members)
@@ -402,7 +405,7 @@ class Trainer:
         """Fire the drill configured for this step and rank, if any; returns it when training
         goes on (the writer drills, ``nan``), else None. The writer drills act on the save that
         just started (``before_save=False``), every other drill before the step."""
-        drill = self.cfg.fault_at(step, self.env.rank, self.attempt, self.env.node_rank, node_id())
+        drill = self.cfg.fault_at(step, self.env.rank, self.attempt, self.env.node_rank, node_id(), self.loss_target)
         if drill is None or (drill.kind in ("checkpoint_crash", "writer_hang")) == before_save:
             return None
         key = (step, drill.attempt, drill.kind)
@@ -423,7 +426,8 @@ class Trainer:
         round alone cannot keep a drill to once per round."""
         if drill.once:
             where = ("node_rank", drill.node) if drill.kind == "node_loss" else ("rank", drill.rank)
-            return any(r.get("kind") == drill.kind and r.get("step") == step and r.get(where[0]) == where[1]
+            return any(r.get("kind") == drill.kind and r.get("step") == step
+                       and (where[1] is None or r.get(where[0]) == where[1])
                        for r in read_events(self.layout.events, Event.FAULT_INJECTED))
         return any(r.get("kind") == drill.kind and r.get("step") == step and r.get("attempt") == self.attempt
                    for r in read_events(self.layout.events, Event.FAULT_INJECTED))
