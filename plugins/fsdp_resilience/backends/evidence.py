@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from training.contract import CheckpointCatalog, Event, FailureClass, read_events
 
@@ -30,49 +30,37 @@ def when(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
 
 
-def final_events(run_dir: str | Path, launch_id: str) -> dict[int, dict[str, Any]]:
-    """node rank -> its launcher's ``final`` event for this launch. Parses only the lines that
-    can be one, so polling stays cheap on a long run's events log."""
-    out: dict[int, dict[str, Any]] = {}
+def _launch_records(run_dir: str | Path, launch_id: str, event: Event) -> Iterator[dict[str, Any]]:
+    """The ``event`` records of one launch that name their node. Parses only the lines that can be
+    one, so polling stays cheap on a long run's events log."""
     needle = json.dumps(launch_id)  # as it appears in the line, quotes and escapes included
+    marker = json.dumps(event.value)
     try:
         with open(Path(run_dir) / "events.jsonl", errors="replace") as f:
             for line in f:
-                if '"final"' not in line or needle not in line:
+                if marker not in line or needle not in line:
                     continue
                 try:
                     rec = json.loads(line)
                 except ValueError:
                     continue  # a torn line
-                if (isinstance(rec, dict) and rec.get("event") == Event.FINAL.value
+                if (isinstance(rec, dict) and rec.get("event") == event.value
                         and rec.get("launch_id") == launch_id and isinstance(rec.get("node_rank"), int)):
-                    out[rec["node_rank"]] = rec
+                    yield rec
     except FileNotFoundError:
-        pass
-    return out
+        return
+
+
+def final_events(run_dir: str | Path, launch_id: str) -> dict[int, dict[str, Any]]:
+    """node rank -> its launcher's ``final`` event for this launch."""
+    return {rec["node_rank"]: rec for rec in _launch_records(run_dir, launch_id, Event.FINAL)}
 
 
 def trained_nodes(run_dir: str | Path, launch_id: str) -> set[int]:
     """Node indices (as launched) whose workers began training in this launch: a ``train_begin``
     of this launch id from a rank on that node. How a spare that stood by is told from one that
-    took a lost node's place. Parses only the lines that can be one, as ``final_events``."""
-    out: set[int] = set()
-    needle = json.dumps(launch_id)
-    try:
-        with open(Path(run_dir) / "events.jsonl", errors="replace") as f:
-            for line in f:
-                if '"train_begin"' not in line or needle not in line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if (isinstance(rec, dict) and rec.get("event") == Event.TRAIN_BEGIN.value
-                        and rec.get("launch_id") == launch_id and isinstance(rec.get("node_rank"), int)):
-                    out.add(rec["node_rank"])
-    except FileNotFoundError:
-        pass
-    return out
+    took a lost node's place."""
+    return {rec["node_rank"] for rec in _launch_records(run_dir, launch_id, Event.TRAIN_BEGIN)}
 
 
 def blame_from_events(run_dir: str | Path, launch_id: str, status: JobStatus,
