@@ -112,7 +112,8 @@ def nodes_to_handle(status: JobStatus, handled: list[str]) -> list[dict[str, Any
 
 class SparePoolTrigger(BaseTrigger):
     """Fires once a running launch shows a node out of the job (lost, or a spare dropped) that is
-    not in ``handled`` (node indices the spare pool keeper already dealt with), or once the launch
+    not in ``handled`` (``NodeStatus.key``s: index and machine, the nodes the spare pool keeper
+    already dealt with), or once the launch
     has ended. The event: ``ended`` (bool), ``state`` and ``message`` (the job's), ``nodes`` (the
     nodes to handle, ``NodeStatus`` dicts) and ``handled`` (as given).
 
