@@ -39,16 +39,16 @@ $(CKSTAMP): requirements/checkov.txt
 # The whole pipeline: Airflow stages real text, trains with a drill on every rung of the ladder
 # (in-process, in-job, node replacement), evaluates and reports.
 demo: $(STAMP) $(AFSTAMP)
-	PYTHONPATH=plugins $(AFBIN)/python -m fsdp_resilience.demo
+	$(AFBIN)/python -m fsdp_resilience.control.demo
 
 # Training alone, without Airflow: a local 2-rank run with one fault per restart layer.
 demo-training: $(STAMP)
-	$(BIN)/python -m training.demo
+	$(BIN)/python -m fsdp_resilience.training.demo
 
 test: test-training test-nvrx07 test-control lint-deploy
 
 test-training: $(STAMP)
-	$(BIN)/python -m pytest -q tests --ignore=tests/control
+	$(BIN)/python -m pytest -q tests/training
 
 # The training tests again on nvidia-resiliency-ext 0.7.0 (Python 3.14, Debian's CPU torch). The
 # first run builds the root (a few minutes); later runs restore it from
@@ -79,9 +79,9 @@ gpu-check: $(STAMP)
 # findings not in deploy/checkov-exceptions.yaml fail).
 lint-deploy: $(AFSTAMP) $(CKSTAMP)
 	$(AFBIN)/python deploy/render.py --check
-	PYTHONPATH=plugins:. $(AFBIN)/python deploy/backend_objects.py --check
+	$(AFBIN)/python deploy/backend_objects.py --check
 	$(AFBIN)/hadolint --failure-threshold style images/training/Dockerfile images/airflow/Dockerfile
-	PYTHONPATH=plugins:. $(AFBIN)/python deploy/scan.py --checkov $(CKVENV)/bin/checkov
+	$(AFBIN)/python deploy/scan.py --checkov $(CKVENV)/bin/checkov
 
 clean:
 	rm -rf $(VENV) $(AFVENV) $(CKVENV) runs build *.egg-info .pytest_cache

@@ -5,7 +5,7 @@ fsdp_training DAG (local backend; node losses climb the escalation ladder and re
     .venv-airflow/bin/python -m bench.chaos [--duration-s 600] [--mtbf-s 60] [--seed 1234] [--spare-nodes N]
 
 Reports ETTR (productive time / wall time) and the badput breakdown with the run report's own
-accounting (``fsdp_resilience.report.goodput``), the time lost per fault, and the checkpoint
+accounting (``fsdp_resilience.control.report.goodput``), the time lost per fault, and the checkpoint
 interval the Young/Daly rule picks from the measured save cost for a given MTBF, with the ETTR
 at that interval, 2x and 1/2x. Those three ETTRs come from a first-order model fed with the
 costs this run measured (three more 10-minute runs do not fit the 30-minute budget of `make
@@ -64,7 +64,6 @@ from bench.common import (
     log,
     machine,
     nvrx_version,
-    plugins_on_path,
     read_json,
     restart_trials,
     spread_schedule,
@@ -74,11 +73,9 @@ from bench.common import (
     young_interval,
 )
 
-plugins_on_path()
-
 from bench.drive import drive, relaunch_trials, spare_trials  # noqa: E402
-from fsdp_resilience.report import build_report, goodput, save_windows, step_executions, steps_during_saves  # noqa: E402
-from training.contract import RunConfig, read_events  # noqa: E402
+from fsdp_resilience.control.report import build_report, goodput, save_windows, step_executions, steps_during_saves  # noqa: E402
+from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
 
 #: Job-level MTBF of Llama 3 405B pre-training: 54 days, 419 unexpected interruptions.
 LLAMA3_MTBF_S = 54 * 86400 / 419
@@ -113,11 +110,11 @@ def calibration(args: argparse.Namespace, work: Path, dataset: Path) -> dict[str
                        "checkpoint_interval": 10, "restart_mode": "layered", "rdzv_port": free_port()})
     cfg_path = work / "calibration.json"
     cfg_path.write_text(cfg.to_json())
-    # Every node of the calibration run: one training.launch each, as the local backend starts them.
+    # Every node of the calibration run: one fsdp_resilience.training.launch each, as the local backend starts them.
     logs = [open(work / f"calibration-node{i}.log", "w") for i in range(cfg.nodes)]
     nodes: list[subprocess.Popen] = []
     try:
-        nodes += [subprocess.Popen([str(TRAINING_PYTHON), "-m", "training.launch", "--config", str(cfg_path),
+        nodes += [subprocess.Popen([str(TRAINING_PYTHON), "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path),
                                    "--node-rank", str(i), "--rdzv-host", "127.0.0.1"], cwd=REPO, stdout=log_file,
                                   stderr=subprocess.STDOUT)
                  for i, log_file in enumerate(logs)]

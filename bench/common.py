@@ -27,6 +27,7 @@ from typing import Any, Iterable
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
+#: Airflow's plugins folder (a shim: the control plane is the installed package).
 PLUGINS = REPO / "plugins"
 TRAINING_PYTHON = REPO / ".venv" / "bin" / "python"
 AIRFLOW_PYTHON = REPO / ".venv-airflow" / "bin" / "python"
@@ -120,12 +121,6 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def plugins_on_path() -> None:
-    """Make the control plane's package (``plugins/fsdp_resilience``) importable, as Airflow does."""
-    if str(PLUGINS) not in sys.path:
-        sys.path.insert(0, str(PLUGINS))
-
-
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
@@ -136,7 +131,7 @@ def log(message: str) -> None:
 
 
 def ensure_dataset(dst: Path, python: str | os.PathLike = TRAINING_PYTHON) -> Path:
-    """A byte-token dataset at ``dst`` made by ``training.prepare_data`` from a few stdlib
+    """A byte-token dataset at ``dst`` made by ``fsdp_resilience.training.prepare_data`` from a few stdlib
     packages (a no-op when it is there). The sampler loops over epochs, so a long run needs no
     bigger corpus."""
     dst = Path(dst)
@@ -149,7 +144,7 @@ def ensure_dataset(dst: Path, python: str | os.PathLike = TRAINING_PYTHON) -> Pa
             out = src / package / f.relative_to(stdlib / package)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(f.read_bytes())
-    subprocess.run([str(python), "-m", "training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
+    subprocess.run([str(python), "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
                    check=True, cwd=REPO, capture_output=True)
     shutil.rmtree(src, ignore_errors=True)  # copies of .py files: tools that walk the repo need not see them
     return dst

@@ -55,15 +55,12 @@ from bench.common import (
     log,
     machine,
     nvrx_version,
-    plugins_on_path,
     read_json,
     summarize,
     write_json,
 )
 
-plugins_on_path()
-
-from fsdp_resilience.backends import JobStatus, TrainingBackend  # noqa: E402
+from fsdp_resilience.control.backends import JobStatus, TrainingBackend  # noqa: E402
 
 
 def airflow_env(work: Path) -> dict[str, str]:
@@ -149,9 +146,9 @@ RunDirJob = type("RunDirJob", (TrainingBackend,), {
 def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, Any]:
     """Commit the final checkpoint at a random phase of the trigger's poll loop (and mark the job
     succeeded) and time until the trigger fires: how long a commit waits to be seen."""
-    from fsdp_resilience.backends import JobHandle, register_backend
-    from fsdp_resilience.triggers import TrainingProgressTrigger
-    from training.contract import CheckpointCatalog, RunDir, write_rank_sums
+    from fsdp_resilience.control.backends import JobHandle, register_backend
+    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.training.contract import CheckpointCatalog, RunDir, write_rank_sums
 
     register_backend(RunDirJob.name, RunDirJob)
     rng = random.Random(seed)
@@ -224,7 +221,7 @@ def bench_slots(work: Path, steps: int) -> dict[str, Any]:
     import airflow.sdk.execution_time.supervisor as supervisor
     from airflow.dag_processing.dagbag import DagBag
 
-    from training.contract import read_events
+    from fsdp_resilience.training.contract import read_events
 
     airflow = Path(sys.executable).with_name("airflow")
     subprocess.run([str(airflow), "db", "migrate"], check=True, capture_output=True, env=os.environ.copy())
@@ -307,8 +304,8 @@ RELAUNCH_TARGET_S = 10.0
 
 def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[str, Any]:
     from bench.drive import drive, relaunch_trials
-    from fsdp_resilience.progress import CHANGE_TICK_S
-    from training.contract import RunConfig
+    from fsdp_resilience.control.progress import CHANGE_TICK_S
+    from fsdp_resilience.training.contract import RunConfig
 
     from bench.common import free_port
 
@@ -359,7 +356,7 @@ def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[st
 def _recovered_and_refilled(cfg: Any) -> Any:
     """Stop condition of a spare trial: a step completed after the node loss, and the pool keeper
     has added the new spare (or a launch failed: the watch sees that by itself)."""
-    from training.contract import read_events
+    from fsdp_resilience.training.contract import read_events
 
     def stop() -> bool:
         events = read_events(cfg.layout.events)
@@ -374,7 +371,7 @@ def _recovered_and_refilled(cfg: Any) -> Any:
 
 def bench_spare(work: Path, trials: int, poll_s: float, relaunch: dict[str, Any] | None) -> dict[str, Any]:
     from bench.drive import drive, spare_trials
-    from training.contract import RunConfig
+    from fsdp_resilience.training.contract import RunConfig
 
     from bench.common import free_port
 

@@ -2,14 +2,14 @@
 plane's part of each relaunch.
 
 ``drive`` submits launch 0 to a backend, watches it with the deferrable sensor's own trigger
-(``fsdp_resilience.triggers.TrainingProgressTrigger``, run with asyncio as the triggerer runs it:
+(``fsdp_resilience.control.triggers.TrainingProgressTrigger``, run with asyncio as the triggerer runs it:
 a full check every ``poll_s``, 5 s like the sensor, and a look for the launch's end every 0.2 s in
 between), and when a launch fails with a retryable class climbs the escalation ladder with the DAG's own
-functions (``fsdp_resilience.ladder``): diagnose and replace the node, wait for capacity (the
+functions (``fsdp_resilience.control.ladder``): diagnose and replace the node, wait for capacity (the
 check the DAG's ``wait_for_capacity`` trigger makes, first at once, then every 10 s), relaunch
 from the newest committed checkpoint. With hot spares (``spare_nodes``) the pool keeper runs next
 to the watch, as the DAG's ``keep_spare_pool`` task does: the spare pool trigger
-(``fsdp_resilience.triggers.SparePoolTrigger``) fires when a node of the running launch is out of
+(``fsdp_resilience.control.triggers.SparePoolTrigger``) fires when a node of the running launch is out of
 the job (a spare takes its place in-job; the job stays running), and ``ladder.keep_spare_pool``
 quarantines that node and adds a new spare, then the trigger is started again.
 What this leaves out of a real deployment: the scheduler starting each task (seconds per task in
@@ -22,14 +22,12 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from bench.common import injected_faults, log, plugins_on_path
+from bench.common import injected_faults, log
 
-plugins_on_path()
-
-from fsdp_resilience import ladder  # noqa: E402
-from fsdp_resilience.backends import JobHandle, get_backend  # noqa: E402
-from fsdp_resilience.triggers import SparePoolTrigger, TrainingProgressTrigger  # noqa: E402
-from training.contract import RunConfig, read_events  # noqa: E402
+from fsdp_resilience.control import ladder  # noqa: E402
+from fsdp_resilience.control.backends import JobHandle, get_backend  # noqa: E402
+from fsdp_resilience.control.triggers import SparePoolTrigger, TrainingProgressTrigger  # noqa: E402
+from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
 
 CAPACITY_POLL_S = 10.0  # the DAG's wait_for_capacity (NodeCapacitySensor) poll interval
 

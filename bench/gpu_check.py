@@ -5,15 +5,15 @@
 World size = the number of GPUs (NCCL needs one rank per GPU; one GPU is enough). Checks, each
 in its own processes and bounded by its own timeout, so one that hangs cannot block the rest:
 
-  train       bf16 FSDP2 training with the product command, ``python -m training.launch``
+  train       bf16 FSDP2 training with the product command, ``python -m fsdp_resilience.training.launch``
               (``small`` preset, NCCL, layered restarts): step time, tokens/s, final loss, exit 0
-  checkpoint  training.checkpoint.AsyncCheckpointer on CUDA with a few hundred MB of state: its
+  checkpoint  fsdp_resilience.training.checkpoint.AsyncCheckpointer on CUDA with a few hundred MB of state: its
               stall against a pinned-memory memcpy of the same bytes, peak /dev/shm use during
               saves, and that the writer process holds no CUDA context
   exception   an exception in rank 0, recovered in-process on NCCL (restart latency)
   hang        a hang in rank 0, recovered in-process on NCCL (restart latency)
   sigkill     rank 0 SIGKILLed, recovered in-job by ft_launcher (restart latency)
-  evaluate    ``python -m training.evaluate`` on the ``train`` run's checkpoint: exit 0, finite loss
+  evaluate    ``python -m fsdp_resilience.training.evaluate`` on the ``train`` run's checkpoint: exit 0, finite loss
   memory      the ``1b`` preset sharded over the GPUs, AdamW as training builds it, a few steps at
               RunConfig's default seq_len and batch size: peak memory allocated per GPU
 
@@ -21,7 +21,7 @@ Writes docs/gpu.md (figures and versions: torch, CUDA, NCCL, NVRx, GPUs, driver)
 bench/results/gpu.json; run dirs and logs stay in runs/gpu-check/. Exit 0 when every check passed.
 
 Without a GPU, or with --dry-run, it checks its own wiring instead, in seconds: every run config
-validates, ``training.launch --dry-run`` prints a launcher command for each scenario, the modules
+validates, ``fsdp_resilience.training.launch --dry-run`` prints a launcher command for each scenario, the modules
 and command lines it uses resolve, and the report writer works (on a temp path: docs/gpu.md is
 never touched by a dry run). Then it exits 0.
 """
@@ -51,7 +51,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from bench.common import REPO, RESULTS, ensure_dataset, free_port, log, machine, write_json
-from training.contract import CheckpointCatalog, ConfigError, Event, RunConfig, final_status, read_events
+from fsdp_resilience.training.contract import CheckpointCatalog, ConfigError, Event, RunConfig, final_status, read_events
 
 DOC = REPO / "docs" / "gpu.md"
 JSON_OUT = RESULTS / "gpu.json"
@@ -66,7 +66,7 @@ GPU_RUN: dict[str, Any] = {
     "restart_mode": "layered", "hang_timeout_s": 15.0, "heartbeat_timeout_s": 60.0,
     "initial_heartbeat_timeout_s": 300.0, "keep_checkpoints": 2, "eval_batches": 8,
 }
-#: The ``python -m training.launch`` runs. Drills fire at step 12, after the step-10 checkpoint,
+#: The ``python -m fsdp_resilience.training.launch`` runs. Drills fire at step 12, after the step-10 checkpoint,
 #: so each recovery also restores a committed checkpoint.
 LAUNCH_SCENARIOS: dict[str, dict[str, Any]] = {
     "train": {"steps": 40, "checkpoint_interval": 10},
@@ -78,7 +78,7 @@ CHECKPOINT_SAVES = 5  # the first one pins its buffers and waits for the writer'
 MEMORY_STEPS = 3
 WARMUP_STEPS = 5  # steps left out of step-time medians (allocator, cuBLAS and NCCL warm-up)
 STALL_TARGET = 2.0  # stall <= 2x the memcpy floor: the target docs/benchmarks.md measures on CPU
-STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL: training.launch and torchrun stop their workers first
+STOP_GRACE_S = 30.0  # SIGTERM -> SIGKILL: fsdp_resilience.training.launch and torchrun stop their workers first
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,9 +97,9 @@ def build_configs(work: Path, dataset: Path, gpus: int) -> dict[str, RunConfig]:
     configs["checkpoint"] = RunConfig(**GPU_RUN, run_id="gpu-check-checkpoint",
                                       run_dir=str(work / "runs" / "checkpoint"), dataset_dir=str(dataset),
                                       procs_per_node=gpus, steps=CHECKPOINT_SAVES, checkpoint_interval=1)
-    # The 1b preset's default run (training.model.PRESET_RUNS): its tokens per rank per step, so
+    # The 1b preset's default run (fsdp_resilience.training.model.PRESET_RUNS): its tokens per rank per step, so
     # the figure can be set beside the README's estimate (memory_per_gpu).
-    from training.model import PRESET_RUNS  # torch: imported only where a config needs it
+    from fsdp_resilience.training.model import PRESET_RUNS  # torch: imported only where a config needs it
 
     preset = PRESET_RUNS["1b"]
     configs["memory"] = RunConfig(run_id="gpu-check-memory", run_dir=str(work / "runs" / "memory"),
@@ -118,7 +118,7 @@ def write_configs(configs: dict[str, RunConfig], folder: Path) -> dict[str, Path
 
 
 def launch_command(cfg_path: Path, dry_run: bool = False) -> list[str]:
-    return [sys.executable, "-m", "training.launch", "--config", str(cfg_path)] + (["--dry-run"] if dry_run else [])
+    return [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)] + (["--dry-run"] if dry_run else [])
 
 
 def worker_command(worker: str, cfg_path: Path, result: Path, gpus: int) -> list[str]:
@@ -133,7 +133,7 @@ def worker_command(worker: str, cfg_path: Path, result: Path, gpus: int) -> list
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc. Needed because torchrun and training.launch put
+    """Every process below ``pid``, from /proc. Needed because torchrun and fsdp_resilience.training.launch put
     their workers in sessions of their own: killing one process group would orphan them."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -168,7 +168,7 @@ def run_bounded(command: list[str], log_path: Path, timeout_s: float) -> tuple[i
     past ``timeout_s`` and was stopped, wall seconds)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)}
     t0 = time.monotonic()
     with open(log_path, "w") as out:
         out.write(f"$ {shlex.join(command)}\n")
@@ -258,7 +258,7 @@ def nccl_timeouts(cfg: RunConfig) -> dict[str, float]:
 
 
 def launch_run(ctx: Context, check: Check, name: str) -> tuple[list[str], int | None, float, list[dict]]:
-    """``python -m training.launch`` for scenario ``name`` in a fresh run dir; its events."""
+    """``python -m fsdp_resilience.training.launch`` for scenario ``name`` in a fresh run dir; its events."""
     cfg = ctx.configs[name]
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     command = launch_command(ctx.config_paths[name])
@@ -343,7 +343,7 @@ def check_sigkill(ctx: Context, check: Check) -> CheckResult:
 
 def check_evaluate(ctx: Context, check: Check) -> CheckResult:
     cfg = ctx.configs["train"]
-    command = [sys.executable, "-m", "training.evaluate", "--config", str(cfg.layout.config)]
+    command = [sys.executable, "-m", "fsdp_resilience.training.evaluate", "--config", str(cfg.layout.config)]
     latest = CheckpointCatalog(cfg.run_dir).latest()
     if latest is None:
         return CheckResult(check.key, check.title, passed=False, command=shlex.join(command),
@@ -409,15 +409,15 @@ def check_memory(ctx: Context, check: Check) -> CheckResult:
 
 
 CHECKS: tuple[Check, ...] = (
-    Check("train", f"bf16 FSDP2 training (`training.launch`, `{GPU_RUN['model']}`)", 600, check_train),
+    Check("train", f"bf16 FSDP2 training (`fsdp_resilience.training.launch`, `{GPU_RUN['model']}`)", 600, check_train),
     Check("checkpoint", "async checkpoint on CUDA (AsyncCheckpointer)", 420, check_checkpoint),
     Check("exception", "exception → in-process restart (NCCL)", 600, check_exception),
     Check("hang", "hang → in-process restart (NCCL)", 600, check_hang),
     Check("sigkill", "SIGKILL → in-job restart (ft_launcher)", 600, check_sigkill),
-    Check("evaluate", "evaluation of the trained checkpoint (`training.evaluate`)", 300, check_evaluate),
+    Check("evaluate", "evaluation of the trained checkpoint (`fsdp_resilience.training.evaluate`)", 300, check_evaluate),
     Check("memory", "memory of the `1b` preset (FSDP2 + AdamW)", 420, check_memory),
 )
-#: The checks that run ``python -m training.launch``; the others run a worker of this module.
+#: The checks that run ``python -m fsdp_resilience.training.launch``; the others run a worker of this module.
 LAUNCHED = tuple(LAUNCH_SCENARIOS)
 WORKERS = ("checkpoint", "memory")
 
@@ -446,10 +446,10 @@ def training_api() -> SimpleNamespace:
     import torch
     import torch.distributed as dist
 
-    from training.checkpoint import AsyncCheckpointer, app_state
-    from training.contract import EventLog
-    from training.model import BYTE_VOCAB, PRESET_RUNS, PRESETS, cross_entropy_loss, memory_per_gpu, param_count
-    from training.parallelize import build_optimizer, build_sharded_model, device_mesh
+    from fsdp_resilience.training.checkpoint import AsyncCheckpointer, app_state
+    from fsdp_resilience.training.contract import EventLog
+    from fsdp_resilience.training.model import BYTE_VOCAB, PRESET_RUNS, PRESETS, cross_entropy_loss, memory_per_gpu, param_count
+    from fsdp_resilience.training.parallelize import build_optimizer, build_sharded_model, device_mesh
 
     return SimpleNamespace(torch=torch, dist=dist, AsyncCheckpointer=AsyncCheckpointer, app_state=app_state,
                            EventLog=EventLog, BYTE_VOCAB=BYTE_VOCAB, PRESETS=PRESETS,
@@ -467,7 +467,7 @@ def _worker_setup(api: SimpleNamespace) -> tuple[int, int, Any]:
 
 
 def _model_and_optimizer(api: SimpleNamespace, cfg: RunConfig, device: Any) -> tuple[Any, Any]:
-    """The model and optimizer exactly as training/train.py builds them."""
+    """The model and optimizer exactly as src/fsdp_resilience/training/train.py builds them."""
     mesh = api.device_mesh(device, cfg.nodes, cfg.procs_per_node)
     model = api.build_sharded_model(cfg.model, mesh, device, seed=cfg.seed, max_seq_len=cfg.seq_len)
     return model, api.build_optimizer(model, device, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -513,7 +513,7 @@ def worker_memory(cfg: RunConfig, result_path: Path) -> None:
         write_json(result_path, {
             "model": cfg.model, "params": api.param_count(api.PRESETS[cfg.model]), "world_size": world,
             "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "steps": cfg.steps,
-            "optimizer": f"AdamW (training.parallelize.build_optimizer), lr {cfg.lr}, weight_decay {cfg.weight_decay}",
+            "optimizer": f"AdamW (fsdp_resilience.training.parallelize.build_optimizer), lr {cfg.lr}, weight_decay {cfg.weight_decay}",
             "max_allocated_gib": [round(r["allocated"], 2) for r in ranks],
             "max_reserved_gib": [round(r["reserved"], 2) for r in ranks],
             "gpu_total_gib": round(ranks[0]["total"], 1), "losses": losses, "step_s": step_s,
@@ -775,18 +775,18 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             configs = build_configs(work, dataset, gpus)
         except ConfigError as e:
             print(f"error: a gpu-check run config is invalid: {e}. Fix GPU_RUN / the scenarios in "
-                  "bench/gpu_check.py to match RunConfig.validate (training/contract.py).", file=sys.stderr)
+                  "bench/gpu_check.py to match RunConfig.validate (src/fsdp_resilience/training/contract.py).", file=sys.stderr)
             return 1
         paths = write_configs(configs, work / "configs")
         t = nccl_timeouts(configs["hang"])
         done.append(f"{len(configs)} run configs valid for {gpus} GPU(s) (NCCL: hang {t['hang_timeout_s']:g} s, "
                     f"hard {t['hard_timeout_s']:g} s, collective {t['collective_timeout_s']:g} s, "
                     f"heartbeat {t['heartbeat_timeout_s']:g} s)")
-        for name in LAUNCHED:  # what `training.launch` would start, without starting it
+        for name in LAUNCHED:  # what `fsdp_resilience.training.launch` would start, without starting it
             proc = subprocess.run(launch_command(paths[name], dry_run=True), cwd=REPO, capture_output=True,
                                   text=True, timeout=60)
-            if proc.returncode != 0 or "training.train" not in proc.stdout:
-                print(f"error: `training.launch --dry-run` failed for scenario {name} (exit {proc.returncode}):\n"
+            if proc.returncode != 0 or "fsdp_resilience.training.train" not in proc.stdout:
+                print(f"error: `fsdp_resilience.training.launch --dry-run` failed for scenario {name} (exit {proc.returncode}):\n"
                       f"{proc.stdout}{proc.stderr}", file=sys.stderr)
                 return 1
             print(f"[dry-run] {name}: {proc.stdout.strip().replace(str(REPO) + '/', '')}")
@@ -800,13 +800,13 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             print(f"[dry-run] {name}: {shlex.join(command).replace(str(REPO) + '/', '')}")
         done.append(f"torchrun workers {', '.join(WORKERS)}")
         training_api()
-        for module in ("training.train", "training.evaluate", "nvidia_resiliency_ext.inprocess"):
+        for module in ("fsdp_resilience.training.train", "fsdp_resilience.training.evaluate", "nvidia_resiliency_ext.inprocess"):
             importlib.import_module(module)
         evaluate_help = io.StringIO()
         with contextlib.redirect_stdout(evaluate_help), contextlib.suppress(SystemExit):
-            importlib.import_module("training.evaluate").main(["--help"])
+            importlib.import_module("fsdp_resilience.training.evaluate").main(["--help"])
         if "--config" not in evaluate_help.getvalue() or "--device" not in evaluate_help.getvalue():
-            print("error: `python -m training.evaluate` no longer takes --config and --device; update check_evaluate",
+            print("error: `python -m fsdp_resilience.training.evaluate` no longer takes --config and --device; update check_evaluate",
                   file=sys.stderr)
             return 1
         done.append("modules import")

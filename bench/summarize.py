@@ -403,7 +403,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
                   f"mix below; checkpoint every {chaos['plan']['interval_steps']} steps ({_s(chaos['interval_s'])}: the "
                   f"Young/Daly interval for that MTBF from the save cost and step time of "
                   f"{chaos['calibration']['source']}); node losses climb the escalation ladder (replace the slot, relaunch). "
-                  f"Accounting: `fsdp_resilience.report.goodput`. {_load(chaos)}.", ""]
+                  f"Accounting: `fsdp_resilience.control.report.goodput`. {_load(chaos)}.", ""]
         b = chaos["badput_s"]
         wall = chaos["wall_s"]
         rows = [("**ETTR** (productive ÷ wall)", f"**{chaos['ettr']:.3f}**", ""),
@@ -490,7 +490,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
     if evaluation:
         s = evaluation["seconds"]
         lines += ["### 5. Evaluation load", ""]
-        lines += [f"`training.evaluate.load_model` of a `{evaluation['model']}` checkpoint saved by {evaluation['saved_world_size']} "
+        lines += [f"`fsdp_resilience.training.evaluate.load_model` of a `{evaluation['model']}` checkpoint saved by {evaluation['saved_world_size']} "
                   f"ranks, {evaluation['file_mb']:.0f} MB of files of which {evaluation['model_mb']:.0f} MB are the model "
                   f"(the rest is optimizer state, which evaluation skips), into one process, {evaluation['trials']} "
                   f"trials. Page cache: {evaluation['page_cache']}. Raw read: {evaluation.get('raw_read', 'reads into a buffer')}.", ""]

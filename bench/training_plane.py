@@ -11,10 +11,10 @@ stall      Blocking time per checkpoint save on 2 ranks (FSDP2 shards of a Linea
            over the methods, so load from other work hits them alike. Then writer interference:
            stand-in steps (matmuls) with an async save in flight vs without.
 eval_load  Loading the newest committed checkpoint into the evaluation process
-           (``training.evaluate.load_model``) against raw reads of the same files.
+           (``fsdp_resilience.training.evaluate.load_model``) against raw reads of the same files.
 recovery   Seconds from a fault to the next completed step, per fault kind and restart mode, with
            the breakdown (detect, tear down, rendezvous, restore, first step), from real 2-rank
-           runs of ``python -m training.launch`` with fault drills.
+           runs of ``python -m fsdp_resilience.training.launch`` with fault drills.
 
 Writes DIR/training_plane.json (default DIR: bench/results). On a GPU node the same script uses
 CUDA + NCCL (``--device auto``); sizes, trials and the model are parameters.
@@ -90,7 +90,7 @@ def write_sizes_only(write_fn: Any, checkpoint_dir: str, sums_rank: int, rank: i
     ever loads these folders). Run in the writer process, as ``write_then_checksum`` is."""
     import queue
 
-    from training.contract import CHECKSUM_ALGORITHM, SUMS_DIR, atomic_write_text
+    from fsdp_resilience.training.contract import CHECKSUM_ALGORITHM, SUMS_DIR, atomic_write_text
 
     local: queue.Queue = queue.Queue()
     try:
@@ -145,7 +145,7 @@ def _run_stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> d
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from training.checkpoint import AsyncCheckpointer
+    from fsdp_resilience.training.checkpoint import AsyncCheckpointer
 
     device = torch.device(spec["device"], rank % max(1, torch.cuda.device_count())) \
         if spec["device"] == "cuda" else torch.device("cpu")
@@ -209,9 +209,9 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
     from torch.distributed.fsdp import fully_shard
 
-    import training.checkpoint as checkpoint_module
-    from training.checkpoint import app_state
-    from training.checkpoint_writer import write_then_checksum as real_job
+    import fsdp_resilience.training.checkpoint as checkpoint_module
+    from fsdp_resilience.training.checkpoint import app_state
+    from fsdp_resilience.training.checkpoint_writer import write_then_checksum as real_job
 
     scratch = Path(spec["scratch"])
     layers = max(1, round(target_mb * 1e6 / (12 * (WIDTH * WIDTH + WIDTH))))
@@ -412,9 +412,9 @@ def _save_eval_checkpoint(ckpt: Any, step: int, rank: int, world: int, mesh: Any
     after one step), committed by the project's checkpointer: what evaluation loads."""
     import torch
 
-    from training.checkpoint import app_state
-    from training.model import cross_entropy_loss
-    from training.parallelize import build_sharded_model
+    from fsdp_resilience.training.checkpoint import app_state
+    from fsdp_resilience.training.model import cross_entropy_loss
+    from fsdp_resilience.training.parallelize import build_sharded_model
 
     model = build_sharded_model(spec["eval_model"], mesh, device, seed=1234, max_seq_len=spec["eval_seq_len"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -536,8 +536,8 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from training.contract import CheckpointCatalog, EventLog, RunConfig, verify_checkpoint
-    from training.evaluate import empty_model, load_into, load_model
+    from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunConfig, verify_checkpoint
+    from fsdp_resilience.training.evaluate import empty_model, load_into, load_model
 
     run_dir = work / "eval-run"
     info = CheckpointCatalog(run_dir).latest()
@@ -640,19 +640,19 @@ QUICK_RECOVERY_RUNS = {"layered": ["exception"]}
 
 def run_launch(run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float,
                torchrun_restarts: int | None = None) -> tuple[int, Path, float]:
-    """``python -m training.launch`` on this machine, as a pod runs it; returns (exit code, log, wall s).
+    """``python -m fsdp_resilience.training.launch`` on this machine, as a pod runs it; returns (exit code, log, wall s).
 
     ``torchrun_restarts``: the baseline instead: the same trainer (``restart_mode="none"``: no
     in-process Wrapper, no ft_launcher) under plain ``torchrun --standalone --max-restarts N``,
     which restarts the whole worker group when a worker dies."""
-    from training.contract import RunConfig
+    from fsdp_resilience.training.contract import RunConfig
 
     cfg = RunConfig(**cfg_fields)
     cfg_path = run_dir.parent / f"{cfg.run_id}.json"
     cfg_path.write_text(cfg.to_json())
     log_path = run_dir.parent / f"{cfg.run_id}.launch.log"
     if torchrun_restarts is None:
-        command = [sys.executable, "-m", "training.launch", "--config", str(cfg_path)]
+        command = [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)]
     else:
         if cfg.restart_mode != "none":
             raise ValueError(f"the torchrun baseline runs restart_mode='none', not {cfg.restart_mode!r}")
@@ -660,7 +660,7 @@ def run_launch(run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float,
         cfg.layout.config.write_text(cfg.to_json() + "\n")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={cfg.procs_per_node}", f"--max-restarts={torchrun_restarts}",
-                   "--monitor-interval=0.5", "-m", "training.train", "--config", str(cfg.layout.config)]
+                   "--monitor-interval=0.5", "-m", "fsdp_resilience.training.train", "--config", str(cfg.layout.config)]
     t0 = time.time()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(command, cwd=REPO,
@@ -675,7 +675,7 @@ def run_launch(run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float,
 
 
 def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from training.contract import read_events
+    from fsdp_resilience.training.contract import read_events
 
     dataset = ensure_dataset(work / "data" / "stdlib-text")
     runs = QUICK_RECOVERY_RUNS if args.quick else RECOVERY_RUNS

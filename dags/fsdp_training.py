@@ -43,13 +43,13 @@ import os
 from airflow.sdk import Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from fsdp_resilience import ladder, settings
-from fsdp_resilience.backends import BackendError
-from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
-from fsdp_resilience.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
-from fsdp_resilience.sensors import CheckpointProgressSensor, NodeCapacitySensor, SparePoolKeeper
-from fsdp_resilience.trusted_checkpoint import NoTrustedCheckpoint
-from training.contract import MAX_SPARE_NODES, MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
+from fsdp_resilience.control import ladder, settings
+from fsdp_resilience.control.backends import BackendError
+from fsdp_resilience.control.fsx_staging import FsxDataRepositoryTaskOperator
+from fsdp_resilience.control.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
+from fsdp_resilience.control.sensors import CheckpointProgressSensor, NodeCapacitySensor, SparePoolKeeper
+from fsdp_resilience.control.trusted_checkpoint import NoTrustedCheckpoint
+from fsdp_resilience.training.contract import MAX_SPARE_NODES, MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
 
 
 def schedule_from_env():
@@ -116,7 +116,7 @@ PARAMS = {
                         # Where a run reads and writes is the control plane's to say: refused by the
                         # schema (400 through the REST API) and again by name in validate_config.
                         propertyNames={"not": {"enum": list(ladder.PLACEMENT_FIELDS)}},
-                        description="Other fields of training/contract.py RunConfig, e.g. timeouts or lr. Not "
+                        description="Other fields of src/fsdp_resilience/training/contract.py RunConfig, e.g. timeouts or lr. Not "
                                     f"{', '.join(ladder.PLACEMENT_FIELDS)}: the control plane sets those."),
 }
 
@@ -222,7 +222,7 @@ def fsdp_training():
 
     @task
     def build_report(evaluation: dict) -> dict:
-        from fsdp_resilience.report import build_report as build
+        from fsdp_resilience.control.report import build_report as build
 
         paths = build(run_of_this_dag()["config"]["run_dir"])
         print(f"run report: {paths.to_dict()}")

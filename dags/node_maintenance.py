@@ -21,7 +21,7 @@ list_quarantined -> return_named_nodes -> return_expired_nodes
   runs by itself every 10 minutes; with 0 (the default) it runs only when triggered, and this task
   is skipped.
 
-The same from a shell: `python -m fsdp_resilience.quarantine list | return NODE --reason TEXT |
+The same from a shell: `python -m fsdp_resilience.control.quarantine list | return NODE --reason TEXT |
 return-expired` (README: "Quarantined nodes").
 """
 
@@ -32,7 +32,7 @@ import datetime
 from airflow.sdk import Param, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from fsdp_resilience import settings
+from fsdp_resilience.control import settings
 
 #: Automatic return is off unless FSDP_QUARANTINE_COOLDOWN_S > 0; then look every 10 minutes.
 SCHEDULE = datetime.timedelta(minutes=10) if settings.quarantine_cooldown_s() > 0 else None
@@ -52,7 +52,7 @@ PARAMS = {
 
 
 def _backend():
-    from fsdp_resilience.quarantine import build_backend
+    from fsdp_resilience.control.quarantine import build_backend
 
     return build_backend(get_current_context()["params"].get("backend"))
 
@@ -62,7 +62,7 @@ def _backend():
 def node_maintenance():
     @task
     def list_quarantined() -> list[dict]:
-        from fsdp_resilience.quarantine import format_table
+        from fsdp_resilience.control.quarantine import format_table
 
         nodes = _backend().quarantined_nodes()
         print(format_table(nodes))
@@ -70,8 +70,8 @@ def node_maintenance():
 
     @task
     def return_named_nodes() -> dict:
-        from fsdp_resilience.backends.base import BackendError
-        from fsdp_resilience.quarantine import format_return
+        from fsdp_resilience.control.backends.base import BackendError
+        from fsdp_resilience.control.quarantine import format_return
 
         context = get_current_context()
         params = context["params"]

@@ -5,7 +5,7 @@ validate_source -> choose_staging -> prepare_shards | import_to_fsx -> verify_da
 
 backend=local: staging turns a folder of text files under FSDP_SOURCE_ROOT (default
 <FSDP_RUNS_ROOT>/sources), or the Python standard library's sources ("stdlib"), into byte-level
-token shards under the data root (``python -m training.prepare_data``, run in the training
+token shards under the data root (``python -m fsdp_resilience.training.prepare_data``, run in the training
 environment). Nothing outside those two roots is read or written, whatever the params say.
 
 backend=eks: the source is the ``s3://`` URI of an already-prepared dataset (index.json and the
@@ -26,18 +26,18 @@ from pathlib import Path
 from airflow.sdk import Param, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from fsdp_resilience import ladder, settings
-from fsdp_resilience.assets import DATASET
-from fsdp_resilience.backends import BackendError, get_backend
-from fsdp_resilience.fsx_staging import FsxDataRepositoryTaskOperator
-from training.contract import ConfigError, read_dataset_index
+from fsdp_resilience.control import ladder, settings
+from fsdp_resilience.control.assets import DATASET
+from fsdp_resilience.control.backends import BackendError, get_backend
+from fsdp_resilience.control.fsx_staging import FsxDataRepositoryTaskOperator
+from fsdp_resilience.training.contract import ConfigError, read_dataset_index
 
 PARAMS = {
     "source": Param("stdlib", type="string", minLength=1, maxLength=1024, title="Source",
                     description='backend=local: "stdlib" (the Python standard library sources), or a folder of text '
                                 "files under FSDP_SOURCE_ROOT (its name, or its path there). backend=eks: the s3:// "
                                 "URI of a prepared dataset (index.json and shards from python -m "
-                                "training.prepare_data) under a data repository association."),
+                                "fsdp_resilience.training.prepare_data) under a data repository association."),
     "dataset": Param("python-stdlib", type="string", pattern=ladder.NAME_PATTERN, title="Dataset name",
                      description="backend=local: name of the staged dataset (a folder under the data root). "
                                  "backend=eks: unused; the dataset is the folder the association maps the URI to."),
@@ -82,7 +82,7 @@ def _local_plan(params: dict) -> dict:
 
 
 def _fsx_plan(params: dict) -> dict:
-    from fsdp_resilience import fsx
+    from fsdp_resilience.control import fsx
 
     source = params["source"]
     try:
@@ -122,7 +122,7 @@ def stage_dataset():
     @task
     def prepare_shards(plan: dict) -> None:
         # prepare_data needs numpy: run it in the training environment, not in Airflow's.
-        out = subprocess.run([settings.training_python(), "-m", "training.prepare_data", plan["source"], plan["dst"],
+        out = subprocess.run([settings.training_python(), "-m", "fsdp_resilience.training.prepare_data", plan["source"], plan["dst"],
                               "--max-bytes", str(plan["max_bytes"]), "--val-fraction", str(plan["val_fraction"])],
                              cwd=settings.REPO, capture_output=True, text=True)
         print(out.stdout + out.stderr)

@@ -2,7 +2,7 @@
 backend creates, and the Dockerfiles. It fails on any finding that deploy/checkov-exceptions.yaml
 does not list, and on any listed exception that no longer matches a finding.
 
-    PYTHONPATH=plugins:. .venv-airflow/bin/python deploy/scan.py --checkov .venv-checkov/bin/checkov
+    .venv-airflow/bin/python deploy/scan.py --checkov .venv-checkov/bin/checkov
 
 checkov lives in its own virtual environment (its pins conflict with Airflow's); this script runs
 in the control-plane one, which renders (kubectl's kustomize) and builds the backend's objects.

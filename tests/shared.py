@@ -25,7 +25,7 @@ FAST_RUN = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartb
 
 
 def make_dataset(dst: Path, python: str = sys.executable) -> Path:
-    """Build the dataset at ``dst`` with ``python -m training.prepare_data`` (it needs numpy: the
+    """Build the dataset at ``dst`` with ``python -m fsdp_resilience.training.prepare_data`` (it needs numpy: the
     control-plane tests pass the training venv's python). A no-op if it is already there."""
     if (dst / "index.json").exists():
         return dst
@@ -36,7 +36,7 @@ def make_dataset(dst: Path, python: str = sys.executable) -> Path:
             out = src / pkg / f.relative_to(stdlib / pkg)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(f.read_bytes())
-    subprocess.run([python, "-m", "training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
+    subprocess.run([python, "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
                    check=True, cwd=REPO, capture_output=True)
     return dst
 

@@ -52,7 +52,7 @@ no kubelet delay and no watch.
 
 Use::
 
-    from fake_kube import FakeKube, fake_kube  # noqa: F401  (fake_kube is a pytest fixture)
+    from control.fake_kube import FakeKube, fake_kube  # noqa: F401  (fake_kube is a pytest fixture)
 
     with FakeKube() as kube:
         kube.add_node("gpu-0", allocatable={"nvidia.com/gpu": "8"})

@@ -13,9 +13,9 @@ import time
 
 import kubernetes
 import pytest
-from conftest import MEASURED
-from eks_cluster import cluster  # noqa: F401  (fixture)
-from fake_kube import FakeKube, Request, fake_kube, pod_security_violations, schema_problems  # noqa: F401  (fixture)
+from control.support import MEASURED
+from control.fakes.eks_cluster import cluster  # noqa: F401  (fixture)
+from control.fake_kube import FakeKube, Request, fake_kube, pod_security_violations, schema_problems  # noqa: F401  (fixture)
 from kubernetes.client.exceptions import ApiException
 
 NS = "training"
@@ -899,7 +899,7 @@ def test_pod_security_admission_enforces_and_warns_per_namespace_label(kube, api
 
 
 def test_tokens_rbac_and_admission_policies_once_a_kit_is_loaded(kube, api, tmp_path):
-    from kube_authz import ADMIN, UserInfo, service_account_user
+    from control.kube_authz import ADMIN, UserInfo, service_account_user
 
     add_gpu_node(kube, "gpu-a")
     kube.add_node("cpu-a", labels={"node-type": "cpu"})
@@ -1000,8 +1000,8 @@ def test_tokens_rbac_and_admission_policies_once_a_kit_is_loaded(kube, api, tmp_
 
 
 def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_triggerer_in_triggers(cluster):
-    from eks_cluster import NS as TRAINING_NS, TRIGGERER, WORKER, acting_as, add_gpu_node as add_pool_node
-    from fsdp_resilience.triggers import NodeCapacityTrigger
+    from control.fakes.eks_cluster import NS as TRAINING_NS, TRIGGERER, WORKER, acting_as, add_gpu_node as add_pool_node
+    from fsdp_resilience.control.triggers import NodeCapacityTrigger
 
     kube = cluster
     add_pool_node(kube, "gpu-0")

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kube_authz import ADMIN, AdmissionPolicies, RbacAuthorizer, UserInfo, service_account_user
+from control.kube_authz import ADMIN, AdmissionPolicies, RbacAuthorizer, UserInfo, service_account_user
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "plugins"))
 
 NODE_POLICY = REPO / "deploy/base/node-admission-policy.yaml"
 POD_POLICY = REPO / "deploy/base/pod-security-policy.yaml"
@@ -461,8 +460,8 @@ def test_pod_policy_applies_only_in_the_training_namespace():
 @pytest.mark.parametrize("efa_ipc_lock", [True, False])
 def test_the_backends_pods_pass_the_pod_security_policy(efa_ipc_lock):
     """The pods eks_manifests.py really builds (training with EFA, evaluation) are admitted."""
-    from fsdp_resilience.backends.eks_manifests import PodTemplateSettings, evaluation_job, training_job
-    from training.contract import RunConfig
+    from fsdp_resilience.control.backends.eks_manifests import PodTemplateSettings, evaluation_job, training_job
+    from fsdp_resilience.training.contract import RunConfig
 
     cfg = RunConfig(run_id="7b-llama", run_dir="/fsx/runs/7b-llama", dataset_dir="/fsx/datasets/fineweb",
                     nodes=2, procs_per_node=8)

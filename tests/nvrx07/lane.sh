@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The NVRx 0.7 test lane runs the training tests (tests/ without tests/control) on
+# The NVRx 0.7 test lane runs the training tests (tests/training) on
 # nvidia-resiliency-ext 0.7.0. That version does not install on this project's Debian 12 machines:
 # its wheels are manylinux_2_39 and cp312/cp314 only, and the machines have glibc 2.36 and
 # Python 3.11. So the lane runs the tests in a Debian testing root (Python 3.14, Debian's CPU torch),
@@ -136,10 +136,11 @@ inside() {
             PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             VIRTUAL_ENV=/opt/venv
             PYTHONDONTWRITEBYTECODE=1                # no Python 3.14 bytecode left in the repo
+            PYTHONPATH=/repo/src                     # the package, as `pip install -e .` gives the venvs
             USE_LIBUV=0 NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE=1 TRAINING_TESTS_LANE=nvrx07)
         if [ -n "${PYTEST_ADDOPTS:-}" ]; then env+=("PYTEST_ADDOPTS=$PYTEST_ADDOPTS"); fi
         # One line with what this lane runs, then the tests. With no paths in ARGS, pytest takes
-        # testpaths (tests) from pyproject.toml.
+        # testpaths (tests/training) from pyproject.toml.
         # (The versions come from package metadata: importing torch here would cost seconds.)
         local versions='import platform
 from importlib.metadata import version
@@ -151,7 +152,7 @@ print(f"nvrx07 lane: nvidia-resiliency-ext {nvrx}, torch {torch}, Python {platfo
             cd /repo
             /opt/venv/bin/python -c "$1"
             shift
-            exec /opt/venv/bin/python -m pytest -q --ignore=tests/control -p no:cacheprovider "$@"
+            exec /opt/venv/bin/python -m pytest -q -p no:cacheprovider "$@"
         ' nvrx07-lane "$versions" "$@"
         ;;
     esac

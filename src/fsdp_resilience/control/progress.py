@@ -1,0 +1,178 @@
+"""Is a training launch done, failed, stalled, or still going? One check, used by the deferrable
+trigger (in the triggerer) and by the sensor's poke mode (in a worker).
+
+The check keeps no state of its own: progress is read from the run dir (the newest committed
+checkpoint and its commit time) and the job's state from the backend. A trigger that is restarted
+— the triggerer moved, Airflow upgraded — picks the run up exactly where it was.
+
+Between two checks, ``LaunchChanges`` says when the next one is due at once: a launcher wrote its
+``final`` event, or the backend rewrote a file of the job's state (the local backend's job record,
+when a launcher ended without one: a lost node). It only stats files and reads what was appended,
+so the watch can look every fraction of a second and still see an ended launch in well under its
+poll interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from fsdp_resilience.training.contract import CheckpointCatalog, Event, FailureClass, RunDir
+
+from fsdp_resilience.control.backends import JobHandle, JobStatus, TrainingBackend
+
+SUCCESS, FAILED, NO_PROGRESS = "success", "failed", "no_progress"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a watch saw: ``outcome`` is None while the launch is still healthy and running."""
+
+    outcome: str | None
+    failure_class: str | None
+    message: str
+    step: int  # newest committed step (0: none yet)
+    checkpoint_id: str | None
+    launch_id: str
+    handle: dict[str, Any]  # the launch's JobHandle, so the escalation ladder can act on it
+    job_state: str
+    last_progress_at: float
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def latest_checkpoint(run_dir: str, checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Any:
+    """The run's newest committed checkpoint: from the run dir (FSx mounted here), or from its S3
+    export when ``checkpoints_s3`` is set (a triggerer without the mount). Same rules either way."""
+    if checkpoints_s3:
+        from fsdp_resilience.control.fsx_staging import latest_committed_in_s3
+
+        return latest_committed_in_s3(checkpoints_s3, aws_conn_id=aws_conn_id or "aws_default")
+    return CheckpointCatalog(run_dir).latest()
+
+
+def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str, final_step: int,
+                   stall_timeout_s: float, launched_at: float, now: float | None = None,
+                   checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Progress:
+    """One look at a launch: its job's state, then its newest committed checkpoint."""
+    status = backend.status(handle)
+    latest = latest_checkpoint(run_dir, checkpoints_s3, aws_conn_id)
+    return judge_progress(status, latest, handle, final_step=final_step,
+                          stall_timeout_s=stall_timeout_s, launched_at=launched_at, now=now)
+
+
+def judge_progress(status: JobStatus, latest: Any, handle: JobHandle, *, final_step: int, stall_timeout_s: float,
+                   launched_at: float, now: float | None = None) -> Progress:
+    """The verdict from a job's state and its run's newest committed checkpoint (``latest``: what
+    ``CheckpointCatalog.latest()`` returns, or None). Read the job's state first, then the
+    checkpoint: a job seen done has committed everything it ever will, so the checkpoint read after
+    it sees the final commit (read the other way round, a commit landing between the two reads
+    would make a finished run look short)."""
+    now = time.time() if now is None else now
+    step = latest.step if latest else 0
+    checkpoint_id = latest.checkpoint_id if latest else None
+    # A commit from an earlier launch is not progress of this one: count from the launch.
+    last_progress_at = max(launched_at, (latest.committed_at or 0.0) if latest else 0.0)
+
+    def result(outcome: str | None, failure_class: str | None, message: str) -> Progress:
+        return Progress(outcome, failure_class, message, step, checkpoint_id, handle.launch_id,
+                        handle.to_dict(), status.state, last_progress_at, list(status.nodes))
+
+    if status.state == "succeeded":
+        if step >= final_step:
+            return result(SUCCESS, FailureClass.SUCCESS.value, f"step {final_step} committed as {checkpoint_id}")
+        return result(FAILED, FailureClass.UNKNOWN.value,
+                      f"the job ended successfully but the newest committed step is {step}, not {final_step}")
+    if status.state == "failed":
+        return result(FAILED, status.failure_class or FailureClass.UNKNOWN.value, status.message)
+    stalled_for = now - last_progress_at
+    if stalled_for > stall_timeout_s:
+        return result(NO_PROGRESS, FailureClass.NO_PROGRESS.value,
+                      f"no new committed checkpoint for {stalled_for:.0f}s (stall timeout {stall_timeout_s:.0f}s); "
+                      f"newest committed step {step}")
+    return result(None, None, f"{status.state}: newest committed step {step} of {final_step}")
+
+
+#: How often the watch looks for a ``final`` event or a changed job file between its checks.
+CHANGE_TICK_S = 0.2
+
+
+class LaunchChanges:
+    """What tells, between two progress checks, that a launch may have ended: one of its
+    launchers appended its ``final`` event to the run's events log, or a file the backend keeps
+    the job's state in (``TrainingBackend.change_paths``) was rewritten.
+
+    Create it before the check it follows (``check_progress``/``judge_progress``): whatever is
+    appended or rewritten after that is then seen. Its offsets are only a shortcut: a watch
+    restarted without them (a restarted trigger) loses nothing, since its first check reads the
+    job's state in full.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, launch_id: str, paths: Iterable[str | os.PathLike] = ()):
+        self.events = RunDir(run_dir).events
+        self.launch_id = launch_id
+        self.needle = json.dumps(launch_id).encode()  # as it appears in the line, quotes included
+        self.paths = [Path(p) for p in paths]
+        self.offset = _size(self.events)
+        self.partial = b""  # a line whose end has not been written yet
+        self.seen = {p: _identity(p) for p in self.paths}
+
+    def poll(self) -> str | None:
+        """One look (a few ``stat`` calls, and a read of what was appended): why the launch should
+        be checked now, or None."""
+        why = self._final_event()
+        for path in self.paths:
+            now = _identity(path)
+            if now != self.seen[path]:
+                self.seen[path] = now
+                why = why or f"{path.name} changed"
+        return why
+
+    def _final_event(self) -> str | None:
+        size = _size(self.events)
+        if size < self.offset:  # the log was replaced: read the new one from its start
+            self.offset, self.partial = 0, b""
+        if size == self.offset:
+            return None
+        try:
+            with open(self.events, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(size - self.offset)
+        except OSError:  # a shortcut only: the regular check reads the log and says what is wrong
+            return None
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for line in lines:
+            if b'"final"' not in line or self.needle not in line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                return "a torn line that may be a final event"  # the check reads it properly
+            if not isinstance(record, dict):
+                continue
+            if record.get("event") == Event.FINAL.value and record.get("launch_id") == self.launch_id:
+                return f"node {record.get('node_rank')} of launch {self.launch_id} wrote its final event"
+        return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """What changes when a file is rewritten in place or replaced (atomic writes rename)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size

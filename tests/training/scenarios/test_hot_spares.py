@@ -1,0 +1,155 @@
+"""Hot spares on the training plane: launchers beyond ``nodes`` wait in the rendezvous, and a
+lost node's place is taken by one at the next in-job restart, with no relaunch and the losses of
+a run that never lost a node (ranks, data order and checkpoints stay those of ``nodes`` nodes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+
+import pytest
+
+from fsdp_resilience.training.contract import ConfigError, RunConfig, read_events
+from fsdp_resilience.training.launch import build_command, main as launch_main
+
+from training.support import Run, launch, write_config
+
+
+def run_nodes(tmp_path, cfg, count: int, timeout: float = 400) -> tuple[list[int], str]:
+    """Launch nodes 0..count-1 of ``cfg`` as pods would (one fsdp_resilience.training.launch each); their exit
+    codes and the tail of their logs."""
+    cfg_path = tmp_path / f"{cfg.run_id}.json"
+    nodes = [launch(cfg, cfg_path, node_rank=i) for i in range(count)]
+    try:
+        codes = [p.wait(timeout=timeout) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    logs = "\n".join(cfg_path.with_suffix(f".node{i}.log").read_text()[-2500:] for i in range(count))
+    return codes, logs
+
+
+def test_spares_need_in_job_restarts_and_are_bounded(tmp_path, dataset):
+    base = dict(run_id="x", run_dir=str(tmp_path / "x"), dataset_dir=str(dataset), nodes=2)
+    with pytest.raises(ConfigError, match="needs in-job restarts"):
+        RunConfig(**base, spare_nodes=1, restart_mode="inprocess")
+    with pytest.raises(ConfigError, match="spare_nodes"):
+        RunConfig(**base, spare_nodes=9)
+    cfg = RunConfig(**base, spare_nodes=1)
+    assert (cfg.launch_nodes, cfg.world_size) == (3, 2 * cfg.procs_per_node)
+    # A drill may take down a spare's node too; nothing beyond the launch's nodes.
+    RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": 2}])
+    with pytest.raises(ConfigError, match=r"node index in \[0, 3\)"):
+        RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": 3}])
+    # A drill that fires once, on whatever round first reaches it (rounds are the rendezvous's
+    # to number when spares come and go): any round only.
+    RunConfig(**base, faults=[{"kind": "sigkill", "step": 1, "rank": 1, "attempt": None, "once": True}])
+    with pytest.raises(ConfigError, match="attempt null"):
+        RunConfig(**base, faults=[{"kind": "sigkill", "step": 1, "rank": 1, "attempt": 0, "once": True}])
+    # node null: whichever training node holds the highest rank off node 0 (with spares only).
+    RunConfig(**base, spare_nodes=1, faults=[{"kind": "node_loss", "step": 1, "node": None}])
+    with pytest.raises(ConfigError, match="node=null"):
+        RunConfig(**base, faults=[{"kind": "node_loss", "step": 1, "node": None}])
+
+
+def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, dataset, capsys):
+    cfg = write_config(tmp_path, dataset, "flags", nodes=2, spare_nodes=1)
+    cfg.layout.create()
+    cfg.layout.config.write_text(cfg.to_json())  # node 0's copy, which the other nodes wait for
+    command = " ".join(build_command(cfg, 2, "127.0.0.1", tmp_path / "ft.yaml", tmp_path))
+    from fsdp_resilience.training.launch import nvrx_version
+
+    # 0.7's barrier rendezvous: N:M keeps N training and M-N standing by; 0.4.1's c10d fork
+    # keeps a fixed N and puts the rest on its redundancy list (N:M would grow the world).
+    expected = f"--nnodes=2:{cfg.node_rank_limit}" if nvrx_version() >= (0, 6) else "--nnodes=2 "
+    assert expected in command
+    # Where NVRx checks a joining node (0.7), the run's storage is one of the checks.
+    assert (f"--ft-storage-health-check-path={cfg.layout.checkpoints}" in command) == (nvrx_version() >= (0, 6))
+    # Node indices: the launch's three, then those of spares added while it runs; no further.
+    assert launch_main(["--config", str(tmp_path / "flags.json"), "--node-rank", str(cfg.node_rank_limit - 1),
+                        "--rdzv-host", "127.0.0.1", "--dry-run"]) == 0
+    assert launch_main(["--config", str(tmp_path / "flags.json"), "--node-rank", str(cfg.node_rank_limit),
+                        "--rdzv-host", "127.0.0.1", "--dry-run"]) == 2
+    assert "outside the run's 2 node(s) + 1 spare(s)" in capsys.readouterr().err
+
+
+def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, dataset):
+    """Two training nodes and one spare (one rank each). Node 1 dies whole at step 5 (launcher,
+    ranks, NVRx helpers); the spare (node 2) takes its place at the in-job restart. Nothing is
+    relaunched, and every step's loss equals that of a run with no fault and no spare. The drill
+    names no node: it takes the training node that holds the highest rank off node 0, once."""
+    common = dict(steps=10, nodes=2, procs_per_node=1)
+    clean_cfg = write_config(tmp_path, dataset, "clean", **common)
+    codes, logs = run_nodes(tmp_path, clean_cfg, 2)
+    assert codes == [0, 0], logs
+    clean = Run(clean_cfg, 0, logs)
+
+    cfg = write_config(tmp_path, dataset, "spare", spare_nodes=1, **common,
+                       faults=[{"kind": "node_loss", "step": 5, "node": None, "attempt": None, "once": True}])
+    codes, logs = run_nodes(tmp_path, cfg, 3)
+    assert codes == [0, -9, 0], logs
+    run = Run(cfg, 0, logs)
+    begins = run.of("launch_begin")
+    assert sorted((r["node_rank"], r["standby"]) for r in begins) == [(0, False), (1, False), (2, True)]
+    # The spare waited for the training nodes: node 2 began training only after node 1 was lost.
+    [lost] = run.of("fault_injected")
+    spare_begins = [r for r in run.of("train_begin") if r["node_rank"] == 2]
+    assert spare_begins and min(r["ts"] for r in spare_begins) > lost["ts"]
+    [promoted] = run.of("spare_promoted")
+    assert (promoted["node_rank"], promoted["replaced_node_ranks"]) == (2, [1])
+    assert promoted["ts"] > lost["ts"]
+    assert any(r["layer"] == "injob" for r in run.of("restart_end"))
+    finals = {r["node_rank"]: r["failure_class"] for r in run.of("final")}
+    assert finals == {0: "success", 2: "success"}, finals
+    # One launch; the world stayed two ranks; the same loss at every step.
+    assert {r["world_size"] for r in run.of("train_begin")} == {2}
+    assert run.losses() == clean.losses()
+
+
+def test_a_spare_turned_away_says_why(tmp_path):
+    """A spare whose ft_launcher leaves the rendezvous before its node trained (NVRx's health
+    checks at join) is reported with NVRx's own reason from the node's log."""
+    from fsdp_resilience.training.launch import dropped_spare_reason
+
+    log = tmp_path / "node2.log"
+    log.write_text("starting\n[ERROR] Health check failed for node localhost_77_0: Storage path health check "
+                   "failed: /fsx/runs/r/checkpoints is not reachable\nexit\n")
+    reason = dropped_spare_reason(1, str(log))
+    assert "NVRx turned the node away" in reason and "/fsx/runs/r/checkpoints is not reachable" in reason
+    assert dropped_spare_reason(1, str(tmp_path / "none.log")).startswith("ft_launcher exited 1")
+
+
+def test_a_recreated_node_waits_for_its_lost_predecessors_lock(tmp_path):
+    """On EKS the Job recreates a lost node's pod under the same index while the lost machine's
+    storage client may still hold that index's launch lock: the new launcher of the same launch
+    waits for it (bounded) instead of exiting already_running, which would fail the whole Job. A
+    launcher of another launch, or on the same host, is refused at once as before."""
+    import json
+    import sys
+    import time
+
+    from fsdp_resilience.training.contract import RunDir
+    from fsdp_resilience.training.launch import AlreadyRunning, take_launch_lock
+
+    layout = RunDir(tmp_path / "run")
+    layout.create()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, json, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': 'lost-node', 'launch_id': 'l0'}).encode(), 0)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(float(sys.argv[2]))\n"), str(layout.launch_lock(1)), "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(AlreadyRunning, match="lost-node"):
+            take_launch_lock(layout, 1, "other-launch", predecessor_wait_s=10)
+        t0 = time.monotonic()
+        fd = take_launch_lock(layout, 1, "l0", predecessor_wait_s=60)
+        assert fd is not None and time.monotonic() - t0 > 0.5  # it waited for the holder to go
+        assert json.loads(os.pread(fd, 4096, 0))["launch_id"] == "l0"
+        os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
