@@ -11,7 +11,6 @@ kube_authz.py), and the YAML validates strictly against the Kubernetes 1.30 and 
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest

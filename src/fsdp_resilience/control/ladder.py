@@ -28,11 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_resilience.training.contract import ConfigError, Event, EventLog, FailureClass, RunConfig, read_events
+from fsdp_resilience.training.contract import (
+    ConfigError,
+    Event,
+    EventLog,
+    REPLACEABLE_FAILURES,
+    RunConfig,
+    read_events,
+    what_to_do,
+)
 
 from fsdp_resilience.control import settings
-from fsdp_resilience.control.backends import (LOST, REPLACEABLE_FAILURES, BackendError, InsufficientCapacityError, JobHandle,
-                                     get_backend, what_to_do)
+from fsdp_resilience.control.backends import LOST, BackendError, InsufficientCapacityError, JobHandle, get_backend
 from fsdp_resilience.control.backends.base import node_key
 from fsdp_resilience.control.trusted_checkpoint import CheckpointChoice, choose_checkpoint
 
@@ -171,7 +178,7 @@ def should_escalate(outcome: dict[str, Any], rung: int, max_replacements: int) -
     failure = outcome.get("failure_class")
     if outcome["outcome"] == "success":
         return False, "the launch succeeded"
-    if failure not in (FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value):
+    if failure not in REPLACEABLE_FAILURES:
         return False, f"failure class {failure} is never retried and replaces no node: {what_to_do(failure)}"
     if rung > max_replacements:
         return False, f"max_node_replacements={max_replacements} spent"
@@ -184,7 +191,7 @@ def failure_message(run: dict[str, Any], outcome: dict[str, Any]) -> str:
     failure = outcome.get("failure_class")
     text = (f"training failed: {failure}: {outcome['message']} (after {next_launch_no(outcome)} launch(es), "
             f"max_node_replacements={run['max_node_replacements']})")
-    if failure not in (FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value):
+    if failure not in REPLACEABLE_FAILURES:
         text += f". What to do: {what_to_do(failure)}"
     return text
 

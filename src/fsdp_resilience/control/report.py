@@ -24,9 +24,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
-from fsdp_resilience.training.contract import CheckpointCatalog, Event, RunDir, final_status, read_events, verify_checkpoint
+from fsdp_resilience.training.contract import (
+    CheckpointCatalog,
+    Event,
+    RunDir,
+    WHAT_TO_DO,
+    final_status,
+    read_events,
+    verify_checkpoint,
+)
 
-from fsdp_resilience.control.backends.base import WHAT_TO_DO
+
 
 #: Restart layers, innermost first (the order of ``Event.RESTART_BEGIN``'s ``layer`` values).
 RESTART_LAYERS = ("inprocess", "injob", "relaunch")

@@ -16,11 +16,10 @@ import pytest
 
 from control.fakes.eks_cluster import (NS, add_gpu_node, asg_instances, backend_for, commit_checkpoint, make_asg,
                                        run_config, wait_for)
-from fsdp_resilience.training.contract import Event, EventLog, ExitCode, RunConfig, failure_class_for_exit
+from fsdp_resilience.training.contract import Event, EventLog, ExitCode, RunConfig, failure_class_for_exit, what_to_do
 
-from fsdp_resilience.control.backends import (BackendError, InsufficientCapacityError, JobConflictError, get_backend,
-                                      what_to_do)
-from fsdp_resilience.control.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, EksBackend, kube_error
+from fsdp_resilience.control.backends import BackendError, InsufficientCapacityError, JobConflictError, get_backend
+from fsdp_resilience.control.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, kube_error
 
 def test_submit_creates_one_indexed_job_and_a_headless_service_and_is_idempotent(cluster, tmp_path):
     for i in range(3):

@@ -17,12 +17,13 @@ from types import SimpleNamespace
 
 import boto3
 import pytest
-from botocore.stub import ANY, Stubber
+from botocore.stub import ANY
 
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
 from control.fakes.fsx_stubs import (  # noqa: F401  (stub is a fixture)
-    ASSOCIATIONS, DATASETS, DATASETS_EXTRA, FS, IN_FLIGHT_FILTER, REGION, RUNS, TASK, a_task, expect_associations,
+    ASSOCIATIONS, DATASETS, DATASETS_EXTRA, FS, FS_FILTER, IN_FLIGHT_FILTER, REGION, RUNS, TASK, a_task,
+    expect_associations,
     expect_describe, expect_file_system, expect_in_flight, stub)
 from control.fakes.saved_checkpoints import save_checkpoint
 from control.support import REPO

@@ -19,7 +19,7 @@ from shared import FAST_RUN
 from control.fakes.stand_in_launcher import script_backend
 from control.support import REPO, TRAINING_PYTHON, make_dataset
 from fsdp_resilience.control import ladder
-from fsdp_resilience.control.backends import JobHandle, LocalProcessBackend, get_backend
+from fsdp_resilience.control.backends import JobHandle, get_backend
 from fsdp_resilience.control.progress import LaunchChanges, check_progress
 from fsdp_resilience.control.triggers import SparePoolTrigger, TrainingProgressTrigger
 from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events

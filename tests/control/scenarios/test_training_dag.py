@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared import FAST_RUN
-from control.support import make_dataset
+from control.support import REPO, make_dataset
 from control.support.dag_runs import XComs, first_event, states, trigger, xcom
 from fsdp_resilience.control import settings
 from fsdp_resilience.control.backends import JobHandle, get_backend

@@ -10,10 +10,20 @@ from __future__ import annotations
 import pytest
 
 from fsdp_resilience.control import ladder
-from fsdp_resilience.control.backends import FINAL_FAILURES, REPLACEABLE_FAILURES, JobStatus, NodeStatus, what_to_do
-from fsdp_resilience.control.backends.base import most_telling_failure
+from fsdp_resilience.control.backends import JobStatus, NodeStatus
+
 from fsdp_resilience.control.backends.evidence import blame_from_events
-from fsdp_resilience.training.contract import Event, EventLog, ExitCode, FailureClass, failure_class_for_exit
+from fsdp_resilience.training.contract import (
+    Event,
+    EventLog,
+    ExitCode,
+    FINAL_FAILURES,
+    FailureClass,
+    REPLACEABLE_FAILURES,
+    failure_class_for_exit,
+    most_telling_failure,
+    what_to_do,
+)
 
 NEVER_RETRIED = (FailureClass.USER_ERROR, FailureClass.STORAGE_ERROR, FailureClass.NON_FINITE,
                  FailureClass.ALREADY_RUNNING, FailureClass.UNKNOWN)

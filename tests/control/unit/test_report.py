@@ -9,7 +9,6 @@ just before the first step after a restart, in-job ``restart_begin`` after the n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from fsdp_resilience.training.contract import ConfigError, RunConfig, read_events
+from fsdp_resilience.training.contract import ConfigError, RunConfig
 from fsdp_resilience.training.launch import build_command, main as launch_main
 
 from training.support import Run, launch, write_config

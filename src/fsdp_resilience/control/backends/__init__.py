@@ -15,9 +15,7 @@ from typing import Any
 
 from fsdp_resilience.control.backends.base import (
     DEFAULT_MAX_UNHEALTHY_SHARE,
-    FINAL_FAILURES,
     LOST,
-    REPLACEABLE_FAILURES,
     BackendError,
     Capacity,
     Diagnosis,
@@ -33,14 +31,13 @@ from fsdp_resilience.control.backends.base import (
     get_backend,
     job_name_for,
     register_backend,
-    what_to_do,
 )
 
 __all__ = [
-    "DEFAULT_MAX_UNHEALTHY_SHARE", "FINAL_FAILURES", "LOST", "REPLACEABLE_FAILURES",
+    "DEFAULT_MAX_UNHEALTHY_SHARE", "LOST",
     "BackendError", "Capacity", "Diagnosis", "InsufficientCapacityError", "JobConflictError", "JobHandle",
     "JobNotFoundError", "JobStatus", "LocalProcessBackend", "NodeStatus", "Replacement", "TrainingBackend",
-    "available_backends", "get_backend", "job_name_for", "register_backend", "what_to_do",
+    "available_backends", "get_backend", "job_name_for", "register_backend",
 ]
 
 

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from fsdp_resilience.training.contract import FailureClass, RunConfig
+from fsdp_resilience.training.contract import RunConfig
 
 # --------------------------------------------------------------------------------------------
-# Job and node states, failure classes
+# Job and node states (the failure rules are the contract's: contract.FINAL_FAILURES and co.)
 # --------------------------------------------------------------------------------------------
 
 JobState = Literal["pending", "running", "succeeded", "failed"]
@@ -40,61 +40,6 @@ JOB_STATES: tuple[str, ...] = ("pending", "running", "succeeded", "failed")
 LOST = "lost"
 #: Per node: the job states, plus ``lost``.
 NODE_STATES: tuple[str, ...] = (*JOB_STATES, LOST)
-
-#: Failure classes for which replacing the blamed node(s) and relaunching can help
-#: (``FailureClass.retryable``). Never ``user_error``: a bug fails the same way on any machine.
-REPLACEABLE_FAILURES = frozenset(c.value for c in FailureClass if c.retryable)
-
-#: Failure classes a launcher ends with by its own decision (not killed, not lost): its node's exit
-#: fails the whole job at once (the EKS Job's podFailurePolicy FailJob rules), since no other pod
-#: of the same job can do better.
-FINAL_FAILURES = frozenset(c.value for c in FailureClass if c not in (FailureClass.SUCCESS, FailureClass.UNKNOWN))
-
-#: When the nodes of one job fail differently, the job is reported with the most telling class.
-#: First the classes that must never be retried, most specific first: another launcher owns the
-#: run (whatever else our nodes report follows from that), the storage, the training state, the
-#: user's code; then the restart layers giving up (or a lost node), then no progress; ``unknown``
-#: (e.g. a node stopped because a peer failed) tells least.
-FAILURE_PRIORITY = (FailureClass.ALREADY_RUNNING.value, FailureClass.STORAGE_ERROR.value,
-                    FailureClass.NON_FINITE.value, FailureClass.USER_ERROR.value,
-                    FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value,
-                    FailureClass.UNKNOWN.value)
-
-#: What the user should do about a launch that ended with a class no node replacement can fix.
-#: Diagnosis, the ladder and the DAG's failure message all say it the same way.
-WHAT_TO_DO = {
-    FailureClass.USER_ERROR.value:
-        "a user error fails the same way on any node: fix the code or config, then trigger the run again; "
-        "no node was touched",
-    FailureClass.STORAGE_ERROR.value:
-        "the run dir is full or read-only (storage, not a node fault): free space on it or fix its mount, "
-        "then trigger the run again (it resumes from the newest verified checkpoint); no node was touched",
-    FailureClass.NON_FINITE.value:
-        "the loss or gradient norm became NaN/inf again after max_nonfinite_rollbacks rollbacks to the newest "
-        "verified checkpoint: the run diverges. Lower lr (or grad_clip), or check the data, then trigger the "
-        "run again; no node was touched",
-    FailureClass.ALREADY_RUNNING.value:
-        "another fsdp_resilience.training.launch of this run holds its launch lock: the run is being trained by another "
-        "launcher. This launch did nothing; that launcher was left alone and the run's status is unchanged. "
-        "Watch it (events.jsonl), or stop it before triggering this run again, or pick another run_name",
-    FailureClass.UNKNOWN.value:
-        "not a failure that replacing a node fixes; read the launch's logs (backend.logs)",
-}
-
-
-def what_to_do(failure_class: str | None) -> str:
-    """The advice for a failure class that is never retried (see ``WHAT_TO_DO``)."""
-    return WHAT_TO_DO.get(failure_class or FailureClass.UNKNOWN.value, WHAT_TO_DO[FailureClass.UNKNOWN.value])
-
-
-def most_telling_failure(classes: list[str | None]) -> str | None:
-    """The failure class that describes a job whose nodes failed with ``classes``."""
-    present = [c for c in classes if c and c != FailureClass.SUCCESS.value]
-    if not present:
-        return None
-    rank = {c: i for i, c in enumerate(FAILURE_PRIORITY)}
-    return min(present, key=lambda c: rank.get(c, len(rank)))
-
 
 # --------------------------------------------------------------------------------------------
 # Errors

@@ -56,13 +56,19 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from fsdp_resilience.training.contract import FailureClass, RunConfig, failure_class_for_exit
+from fsdp_resilience.training.contract import (
+    FINAL_FAILURES,
+    FailureClass,
+    REPLACEABLE_FAILURES,
+    RunConfig,
+    failure_class_for_exit,
+    most_telling_failure,
+    what_to_do,
+)
 
 from fsdp_resilience.control.backends.base import (
     DEFAULT_MAX_UNHEALTHY_SHARE,
-    FINAL_FAILURES,
     LOST,
-    REPLACEABLE_FAILURES,
     BackendError,
     Capacity,
     Diagnosis,
@@ -77,10 +83,8 @@ from fsdp_resilience.control.backends.base import (
     TrainingBackend,
     current_operator,
     job_can_train,
-    most_telling_failure,
     plan_replacement,
     require_reason,
-    what_to_do,
 )
 from fsdp_resilience.control.backends.eks_manifests import (
     COMPONENT_TRAINING,

@@ -63,16 +63,18 @@ from typing import Any, Callable, Iterator
 
 from fsdp_resilience.training.contract import (
     FailureClass,
+    NODE_ID_ENV,
+    REPLACEABLE_FAILURES,
     RunConfig,
     RunDir,
     atomic_write_text,
     failure_class_for_exit,
-    NODE_ID_ENV,
+    most_telling_failure,
+    what_to_do,
 )
 
 from fsdp_resilience.control.backends.base import (
     LOST,
-    REPLACEABLE_FAILURES,
     BackendError,
     Capacity,
     Diagnosis,
@@ -88,10 +90,8 @@ from fsdp_resilience.control.backends.base import (
     current_operator,
     job_can_train,
     job_name_for,
-    most_telling_failure,
     plan_replacement,
     require_reason,
-    what_to_do,
 )
 from fsdp_resilience.control.backends.evidence import blame_from_events, final_events, trained_nodes, verdict_at_cancel
 
