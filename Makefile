@@ -17,7 +17,7 @@ CKVENV  := .venv-checkov
 CKSTAMP := $(CKVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo demo-training test test-training test-nvrx07 test-control lint-deploy bench bench-quick gpu-check clean
+.PHONY: setup demo demo-training lint format test test-training test-nvrx07 test-control lint-deploy bench bench-quick gpu-check clean
 
 setup: $(STAMP) $(AFSTAMP) $(CKSTAMP)
 
@@ -45,7 +45,16 @@ demo: $(STAMP) $(AFSTAMP)
 demo-training: $(STAMP)
 	$(BIN)/python -m fsdp_resilience.training.demo
 
-test: test-training test-nvrx07 test-control lint-deploy
+# ruff: lint and format check, first (seconds). `make format` rewrites what the check reports.
+lint: $(AFSTAMP)
+	$(AFBIN)/ruff check .
+	$(AFBIN)/ruff format --check .
+
+format: $(AFSTAMP)
+	$(AFBIN)/ruff check --fix .
+	$(AFBIN)/ruff format .
+
+test: lint test-training test-nvrx07 test-control lint-deploy
 
 test-training: $(STAMP)
 	$(BIN)/python -m pytest -q tests/training
