@@ -180,7 +180,8 @@ def kube_error(e: Exception, doing: str, namespace: str) -> BackendError:
     if status == 404:
         if re.search(r'namespaces? "[^"]*" not found', message):
             return BackendError(f"cannot {doing}: namespace {namespace} does not exist ({message}). Create it by "
-                                "applying the deploy kit (kubectl apply -k deploy/overlays/<cluster>; docs/deploy-on-eks.md), "
+                                "applying the deploy kit (kubectl apply -k deploy/overlays/<cluster>; "
+                                "docs/deploy-on-eks.md), "
                                 "or set FSDP_EKS_NAMESPACE to the training namespace")
         return BackendError(f"cannot {doing}: not found (404: {message}). Is this the right cluster, and is its API "
                             "(and the kit) installed?")
