@@ -22,7 +22,7 @@ list_quarantined -> return_named_nodes -> return_expired_nodes
   is skipped.
 
 The same from a shell: `python -m fsdp_resilience.control.quarantine list | return NODE --reason TEXT |
-return-expired` (README: "Quarantined nodes").
+return-expired` (docs/backends.md: "Quarantined nodes").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ system that the training pods mount. Staging is an import data repository task f
 workers' FSx mount. Set ``FSDP_FSX_FILE_SYSTEM_ID`` (and ``FSDP_FSX_MOUNT_PATH``, default /fsx;
 ``FSDP_AWS_CONN_ID``, default aws_default) in the workers' and triggerer's environment.
 
-Training can be scheduled on the ``fsdp_dataset`` Asset (see README: "Scheduling").
+Training can be scheduled on the ``fsdp_dataset`` Asset (see docs/dags.md: "Scheduling").
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ DRILLS = [
     {"kind": "sigkill", "step": 15, "rank": 0, "attempt": 0},
     {"kind": "sigkill", "step": 25, "rank": 1, "attempt": None, "node_id": "slot-0"},
 ]
-#: Short timeouts so faults resolve in seconds on a laptop CPU (see README: run config).
+#: Short timeouts so faults resolve in seconds on a laptop CPU (see docs/reference/run-config.md).
 FAST = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
         "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu", "faults": DRILLS}
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  run dir:  {run_dir}")
     print(f"  report:   {run_dir / 'report' / 'report.md'}")
     print(f"  events:   {run_dir / 'events.jsonl'}")
-    print(f"  Airflow:  AIRFLOW_HOME={root / 'airflow-home'} (see README: 'Open the UI')")
+    print(f"  Airflow:  AIRFLOW_HOME={root / 'airflow-home'} (see docs/airflow-deployment.md)")
     return 0 if state == "success" else 1
 
 

@@ -13,7 +13,7 @@
                       person returns it; N > 0: the node_maintenance DAG returns nodes quarantined for
                       longer than N seconds, recording why
 
-The EKS backend (``backend_config("eks")``; see README "Run on EKS"):
+The EKS backend (``backend_config("eks")``; see docs/run-on-eks.md):
   FSDP_EKS_IMAGE                 the training image (the DAG's `image` param overrides it)
   FSDP_EKS_IMAGE_ALLOWLIST       comma-separated registry/repository prefixes an image must be under
                                  (whole path components: ".../fsdp-training" allows ".../fsdp-training:1"

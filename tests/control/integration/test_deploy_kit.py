@@ -38,7 +38,7 @@ EXAMPLE = DEPLOY / "overlays" / "example"
 TRAINING_DOCKERFILE = REPO / "images" / "training" / "Dockerfile"
 AIRFLOW_DOCKERFILE = REPO / "images" / "airflow" / "Dockerfile"
 HELM_VALUES = DEPLOY / "helm" / "airflow-values.yaml"
-DOCS = REPO / "README.md"  # its "Deploy on EKS" section
+DOCS = REPO / "docs" / "deploy-on-eks.md"
 
 # What the EKS backend expects to find (src/fsdp_resilience/control/backends/eks_manifests.py, eks.py).
 TRAINING_NAMESPACE = "fsdp-training"
@@ -51,7 +51,7 @@ AIRFLOW_SAS = ("airflow-worker", "airflow-triggerer")
 #: IAM role to (Airflow outside the cluster).
 WORKER = ("airflow-worker", "fsdp-airflow-worker")
 TRIGGERER = ("airflow-triggerer", "fsdp-airflow-triggerer")
-#: The supported EKS range, stated once here and checked against the kit, the backend and README.
+#: The supported EKS range, stated once here and checked against the kit, the backend and the docs.
 SUPPORTED_EKS = ("1.30", "1.33")
 MANAGED_ASG_TAG = "fsdp-resilience/managed"
 #: The file system the base carries until an overlay names a real one.
@@ -109,10 +109,10 @@ def test_the_supported_eks_range_is_stated_the_same_everywhere():
 
     oldest, newest = SUPPORTED_EKS
     assert eks_manifests.OLDEST_SUPPORTED_K8S == oldest, "the backend validates from another oldest version"
-    docs = DOCS.read_text()
+    docs = "\n".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))])
     stated = set(re.findall(r"EKS (\d\.\d+)\s*[–-]\s*(\d\.\d+)", docs))
-    assert stated == {(oldest, newest)}, f"README states the EKS range as {stated}"
-    assert not re.search(r"EKS (≥|>=) ?1\.\d+", docs), "README states an open-ended EKS range somewhere"
+    assert stated == {(oldest, newest)}, f"the docs state the EKS range as {stated}"
+    assert not re.search(r"EKS (≥|>=) ?1\.\d+", docs), "the docs state an open-ended EKS range somewhere"
 
 
 def test_every_component_is_built_by_some_overlay():
@@ -312,7 +312,7 @@ def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
     documented = DOCS.read_text()
     for path in paths:
         for name in re.findall(r"\$\{([A-Z_]+)\}", path.read_text()):
-            assert f"{name}=" in documented, f"{path.name} uses ${{{name}}}, which the README's Deploy on EKS does not set"
+            assert f"{name}=" in documented, f"{path.name} uses ${{{name}}}, which docs/deploy-on-eks.md does not set"
         policy = load_policy(path)
         assert policy["Version"] == "2012-10-17"
         sids = [st.get("Sid", "") for st in policy["Statement"]]
@@ -432,10 +432,10 @@ def test_helm_values_mount_fsx_in_workers_and_triggerer_and_set_the_connections(
     assert roles["workers"] != roles["triggerer"], "the triggerer has its own (describe-only) IAM role"
 
 
-def test_helm_values_work_with_their_defaults_on_the_image_the_readme_builds():
+def test_helm_values_work_with_their_defaults_on_the_image_the_docs_build():
     """The Airflow image has no training environment: the values make EKS the default backend, pin
     the chart, give the log volumes a storage class, and tag both images with the commit the
-    README builds (one --set)."""
+    deploy docs build (one --set)."""
     from fsdp_resilience.control.backends.eks_manifests import image_repository
 
     values = yaml.safe_load(HELM_VALUES.read_text())

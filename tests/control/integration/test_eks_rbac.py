@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "deploy"))
 render = pytest.importorskip("render")
 
 AIRFLOW_NAMESPACE = "airflow"
-#: The groups the README's access entries map the worker's and the triggerer's IAM roles to.
+#: The groups the access entries of docs/deploy-on-eks.md map the worker's and the triggerer's IAM roles to.
 WORKER_GROUP, TRIGGERER_GROUP = "fsdp-airflow-worker", "fsdp-airflow-triggerer"
 #: Airflow outside the cluster, as EKS authenticates an access entry's IAM role.
 WORKER_ROLE = UserInfo("arn:aws:iam::111122223333:role/fsdp-resilience-airflow-worker",

@@ -134,7 +134,7 @@ _DISRUPTION_REASONS = ("NodeLost", "Evicted", "Preempting", "DeadlineExceeded", 
 RBAC_HINT = ("grant it in deploy/base/rbac.yaml (the worker's Role/ClusterRole, bound to the ServiceAccount "
              "airflow/airflow-worker and the group fsdp-airflow-worker; the triggerer's are read-only) and apply "
              "the kit; Airflow outside the cluster needs the EKS access entry that maps its IAM role to that "
-             "group (README, Deploy)")
+             "group (docs/deploy-on-eks.md, 4b)")
 _FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)"'
                         r'(?: in API group "(?P<group>[^"]*)")?(?: in the namespace "(?P<ns>[^"]*)")?')
 
@@ -165,7 +165,7 @@ def kube_error(e: Exception, doing: str, namespace: str) -> BackendError:
     if status == 401:
         return BackendError(f"the Kubernetes API refused the credentials to {doing} (401 Unauthorized: {message}). "
                             "Check the Kubernetes connection's kubeconfig or token; with FSDP_EKS_CLUSTER_NAME, that "
-                            "the AWS connection's IAM identity has an EKS access entry (README, Deploy)")
+                            "the AWS connection's IAM identity has an EKS access entry (docs/deploy-on-eks.md, 4b)")
     if status == 403:
         match = _FORBIDDEN.search(message)
         if match:
@@ -180,7 +180,8 @@ def kube_error(e: Exception, doing: str, namespace: str) -> BackendError:
     if status == 404:
         if re.search(r'namespaces? "[^"]*" not found', message):
             return BackendError(f"cannot {doing}: namespace {namespace} does not exist ({message}). Create it by "
-                                "applying the deploy kit (kubectl apply -k deploy/overlays/<cluster>; README, Deploy), "
+                                "applying the deploy kit (kubectl apply -k deploy/overlays/<cluster>; "
+                                "docs/deploy-on-eks.md), "
                                 "or set FSDP_EKS_NAMESPACE to the training namespace")
         return BackendError(f"cannot {doing}: not found (404: {message}). Is this the right cluster, and is its API "
                             "(and the kit) installed?")
@@ -690,7 +691,7 @@ class EksBackend(TrainingBackend):
         if missing:
             raise BackendError(f"the training pods need {', '.join(missing)} in namespace {self.namespace}, which "
                                "the cluster lacks: apply the deploy kit (kubectl apply -k deploy/overlays/<yours>, "
-                               "README 'Deploy on EKS'), or set FSDP_EKS_POD's service_account / fsx_claim / "
+                               "docs/deploy-on-eks.md), or set FSDP_EKS_POD's service_account / fsx_claim / "
                                "priority_class to objects that exist")
 
     def _check_no_other_launch(self, kube: "_Kube", run_id: str, job_name: str) -> None:

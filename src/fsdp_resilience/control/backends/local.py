@@ -261,7 +261,7 @@ class LocalProcessBackend(TrainingBackend):
                 f"run {cfg.run_id} needs {cfg.launch_nodes} node(s){_spares_note(cfg)}; "
                 f"of {capacity.total} local slots, "
                 f"{len(capacity.quarantined)} are quarantined {capacity.quarantined} and {capacity.healthy} healthy. "
-                "Lower nodes, or return repaired slots to service (README: \"Quarantined nodes\")")
+                "Lower nodes, or return repaired slots to service (docs/backends.md: \"Quarantined nodes\")")
         max_procs = MAX_PROCS_PER_CPU * (os.cpu_count() or 1)
         if cfg.world_size > max_procs:
             raise InsufficientCapacityError(
