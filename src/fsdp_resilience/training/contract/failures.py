@@ -20,6 +20,7 @@ class ConfigError(ValueError):
 class FailureClass(str, enum.Enum):
     """Why a run ended; decides what the control plane does next."""
 
+    #: Trained every step; the final checkpoint is committed.
     SUCCESS = "success"
     #: The user's code or config is wrong. Never retried, never replaces a node.
     USER_ERROR = "user_error"
@@ -47,7 +48,9 @@ class FailureClass(str, enum.Enum):
 class ExitCode(enum.IntEnum):
     """Exit codes of ``python -m fsdp_resilience.training.launch``: the pod's, and so the Job's, exit code."""
 
+    #: Trained every step; the final checkpoint is committed.
     SUCCESS = 0
+    #: Anything else: killed from outside, or the workers never started.
     UNKNOWN = 1
     #: Bad config or arguments: rejected before anything expensive starts.
     CONFIG_ERROR = 2
