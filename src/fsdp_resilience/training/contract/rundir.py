@@ -22,7 +22,7 @@ class RunDir:
 
         <run_dir>/
           run.json                 the config as launched
-          events.jsonl             append-only events log (schema: Event)
+          events.jsonl             append-only events log (schema: EVENT_TYPES, one TypedDict per Event)
           eval.json                written by fsdp_resilience.training.evaluate
           timeouts.json            ft_launcher's timeouts as derived from the measured steps and
                                    saves (DerivedTimeouts), by rank 0 at each derivation; run.json
