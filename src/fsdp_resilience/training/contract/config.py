@@ -222,7 +222,7 @@ class RunConfig:
     device: str = "auto"
     """Where ranks train: one of ``DEVICES`` (``auto``: CUDA when present, else CPU)."""
     rdzv_port: int = 29400
-    """The rendezvous port on the first node: 1024 .. 65,000."""
+    """The rendezvous port, on node 0's address: 1024 .. 65,000."""
     log_interval: int = 1
     """Steps between ``step`` events: 1 .. 1,000,000."""
     eval_batches: int = 8
