@@ -775,7 +775,8 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             configs = build_configs(work, dataset, gpus)
         except ConfigError as e:
             print(f"error: a gpu-check run config is invalid: {e}. Fix GPU_RUN / the scenarios in "
-                  "bench/gpu_check.py to match RunConfig.validate (src/fsdp_resilience/training/contract.py).", file=sys.stderr)
+                  "bench/gpu_check.py to match RunConfig.validate "
+                  "(src/fsdp_resilience/training/contract/config.py).", file=sys.stderr)
             return 1
         paths = write_configs(configs, work / "configs")
         t = nccl_timeouts(configs["hang"])

@@ -116,7 +116,8 @@ PARAMS = {
                         # Where a run reads and writes is the control plane's to say: refused by the
                         # schema (400 through the REST API) and again by name in validate_config.
                         propertyNames={"not": {"enum": list(ladder.PLACEMENT_FIELDS)}},
-                        description="Other fields of src/fsdp_resilience/training/contract.py RunConfig, e.g. timeouts or lr. Not "
+                        description="Other fields of src/fsdp_resilience/training/contract/config.py RunConfig, "
+                                    "e.g. timeouts or lr. Not "
                                     f"{', '.join(ladder.PLACEMENT_FIELDS)}: the control plane sets those."),
 }
 

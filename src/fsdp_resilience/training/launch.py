@@ -13,7 +13,7 @@ exit code after writing a ``final`` event:
   inprocess     torchrun --max-restarts 0 + Wrapper        exceptions/hangs in-process only
   none          torchrun --max-restarts 0                  nothing
 
-Exit codes (src/fsdp_resilience/training/contract.py: ExitCode, FailureClass):
+Exit codes (src/fsdp_resilience/training/contract/failures.py: ExitCode, FailureClass):
 
   0   success             trained every step; the final checkpoint is committed
   2   (config error)      bad config, arguments, dataset, or a run/dataset dir that is a file or
@@ -814,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_resilience.training.launch",
                                      description="Run one node of a training run under NVRx restarts.")
     parser.add_argument("--config", default=None,
-                        help=f"run config JSON file (src/fsdp_resilience/training/contract.py: RunConfig); default: ${CONFIG_ENV}")
+                        help="run config JSON file (src/fsdp_resilience/training/contract/config.py: RunConfig); "
+                             f"default: ${CONFIG_ENV}")
     parser.add_argument("--node-rank", type=int, default=None, help="this node's index (default: from env)")
     parser.add_argument("--rdzv-host", default=None, help="rendezvous host: node 0's address (default: from env)")
     parser.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")

@@ -608,7 +608,8 @@ def setup_device(cfg: RunConfig, env: WorkerEnv) -> torch.device:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_resilience.training.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="run config JSON (see src/fsdp_resilience/training/contract.py)")
+    parser.add_argument("--config", required=True,
+                        help="run config JSON (see src/fsdp_resilience/training/contract/config.py)")
     args = parser.parse_args(argv)
     try:
         cfg = RunConfig.load(args.config)

@@ -451,8 +451,8 @@ def test_pod_failure_policy_fails_the_job_on_exactly_the_contracts_final_exit_co
     fail_rules = [r for r in policy["rules"] if r["action"] == "FailJob"]
     assert {v for r in fail_rules for v in r["onExitCodes"]["values"]} == final_codes
     assert {r["onExitCodes"]["containerName"] for r in fail_rules} == {CONTAINER}
-    # The contract as documented in src/fsdp_resilience/training/contract.py: config/user error, non-finite state, a
-    # run already being trained, storage, restarts exhausted, no progress.
+    # The contract as documented in src/fsdp_resilience/training/contract/failures.py: config/user error,
+    # non-finite state, a run already being trained, storage, restarts exhausted, no progress.
     assert final_codes == {2, 65, 73, 74, 75, 78, 93}
     # Not a node fault, never retried by another pod: a failed pod fails the Job at once, whatever
     # the backoffLimit left (and the DAG's ladder replaces no node for them).

@@ -73,8 +73,8 @@ EFA_RESOURCE = "vpc.amazonaws.com/efa"
 HUGEPAGES_RESOURCE = "hugepages-2Mi"
 
 TRAINING_COMMAND = ["python", "-m", "fsdp_resilience.training.launch"]
-#: The env the data plane reads (src/fsdp_resilience/training/launch.py, src/fsdp_resilience/training/contract.py). settings.env may not
-#: override these: they are what makes a pod a node of this launch.
+#: The env the data plane reads (src/fsdp_resilience/training/launch.py, src/fsdp_resilience/training/contract/).
+#: settings.env may not override these: they are what makes a pod a node of this launch.
 CONFIG_ENV = "TRAINING_RUN_CONFIG"
 LAUNCH_ID_ENV = "TRAINING_LAUNCH_ID"
 NODE_ID_ENV = "TRAINING_NODE_ID"

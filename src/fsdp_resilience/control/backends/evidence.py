@@ -1,6 +1,6 @@
 """What a backend reads from the run dir to judge a job: which node(s) to blame when restarts ran
 out, and why a running job was stopped. Shared by every backend, since every backend's nodes
-write the same run contract (``src/fsdp_resilience/training/contract.py``: events log, checkpoint catalog).
+write the same run contract (``src/fsdp_resilience/training/contract/``: events log, checkpoint catalog).
 
 Torch-free: the control plane imports this module.
 """

@@ -1,0 +1,180 @@
+"""Exit codes and failure classes: why a run ended, and what each plane does about it.
+
+``ExitCode`` is the launcher's (the pod's, the Job's) exit code; ``FailureClass`` is what it
+stands for. The failure rules live beside them: which classes a node replacement can fix
+(``REPLACEABLE_FAILURES``), which end a job at once (``FINAL_FAILURES``), which tells most when
+nodes disagree (``FAILURE_PRIORITY``) and what the user should do (``WHAT_TO_DO``).
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import re
+
+
+class ConfigError(ValueError):
+    """A run config value is wrong. The message names the field and what to do."""
+
+
+class FailureClass(str, enum.Enum):
+    """Why a run ended; decides what the control plane does next."""
+
+    #: Trained every step; the final checkpoint is committed.
+    SUCCESS = "success"
+    #: The user's code or config is wrong. Never retried, never replaces a node.
+    USER_ERROR = "user_error"
+    #: In-job restarts ran out: suspect hardware. The control plane may replace the node.
+    RESTARTS_EXHAUSTED = "restarts_exhausted"
+    #: Training ran but made no progress (no new committed checkpoint / steps) in time.
+    NO_PROGRESS = "no_progress"
+    #: The run dir is full or read-only: not a node fault. Free space or fix the mount, relaunch.
+    STORAGE_ERROR = "storage_error"
+    #: The loss or gradient norm became NaN/inf again after ``max_nonfinite_rollbacks`` rollbacks to
+    #: the newest verified checkpoint: the run diverges. Lower lr or fix the data; never retried.
+    NON_FINITE = "non_finite"
+    #: Another ``fsdp_resilience.training.launch`` of this run already holds this node's launch lock. The refused
+    #: launcher did nothing, and its exit never changes the run's status.
+    ALREADY_RUNNING = "already_running"
+    #: The launcher itself failed in a way not covered above (e.g. killed from outside).
+    UNKNOWN = "unknown"
+
+    @property
+    def retryable(self) -> bool:
+        """Whether relaunching (possibly on a replaced node) can help."""
+        return self in (FailureClass.RESTARTS_EXHAUSTED, FailureClass.NO_PROGRESS)
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``python -m fsdp_resilience.training.launch``: the pod's, and so the Job's, exit code."""
+
+    #: Trained every step; the final checkpoint is committed.
+    SUCCESS = 0
+    #: Anything else: killed from outside, or the workers never started.
+    UNKNOWN = 1
+    #: Bad config or arguments: rejected before anything expensive starts.
+    CONFIG_ERROR = 2
+    #: sysexits EX_TEMPFAIL: restarts exhausted, a relaunch elsewhere may succeed.
+    RESTARTS_EXHAUSTED = 75
+    #: sysexits EX_CONFIG-adjacent: the user's code failed deterministically; do not retry.
+    USER_ERROR = 78
+    #: The same code NVRx 0.7's ft_launcher uses for "no progress".
+    NO_PROGRESS = 93
+    #: sysexits EX_DATAERR: training state became non-finite and rollbacks did not help.
+    NON_FINITE = 65
+    #: sysexits EX_CANTCREAT: another launcher of this run holds the node's launch lock.
+    ALREADY_RUNNING = 73
+    #: sysexits EX_IOERR: the run dir is full or read-only.
+    STORAGE_ERROR = 74
+
+
+_EXIT_TO_CLASS = {
+    ExitCode.SUCCESS: FailureClass.SUCCESS,
+    ExitCode.CONFIG_ERROR: FailureClass.USER_ERROR,
+    ExitCode.USER_ERROR: FailureClass.USER_ERROR,
+    ExitCode.RESTARTS_EXHAUSTED: FailureClass.RESTARTS_EXHAUSTED,
+    ExitCode.NO_PROGRESS: FailureClass.NO_PROGRESS,
+    ExitCode.NON_FINITE: FailureClass.NON_FINITE,
+    ExitCode.ALREADY_RUNNING: FailureClass.ALREADY_RUNNING,
+    ExitCode.STORAGE_ERROR: FailureClass.STORAGE_ERROR,
+}
+
+_CLASS_TO_EXIT = {
+    FailureClass.SUCCESS: ExitCode.SUCCESS,
+    FailureClass.USER_ERROR: ExitCode.USER_ERROR,
+    FailureClass.RESTARTS_EXHAUSTED: ExitCode.RESTARTS_EXHAUSTED,
+    FailureClass.NO_PROGRESS: ExitCode.NO_PROGRESS,
+    FailureClass.STORAGE_ERROR: ExitCode.STORAGE_ERROR,
+    FailureClass.NON_FINITE: ExitCode.NON_FINITE,
+    FailureClass.ALREADY_RUNNING: ExitCode.ALREADY_RUNNING,
+    FailureClass.UNKNOWN: ExitCode.UNKNOWN,
+}
+
+#: Failure classes a rank declares in the stop marker (``declare_stop``): every restart layer stops.
+STOP_CLASSES = (FailureClass.USER_ERROR, FailureClass.NON_FINITE, FailureClass.STORAGE_ERROR)
+
+#: Failure classes for which replacing the blamed node(s) and relaunching can help
+#: (``FailureClass.retryable``). Never ``user_error``: a bug fails the same way on any machine.
+REPLACEABLE_FAILURES = frozenset(c.value for c in FailureClass if c.retryable)
+
+#: Failure classes a launcher ends with by its own decision (not killed, not lost): its node's exit
+#: fails the whole job at once (the EKS Job's podFailurePolicy FailJob rules), since no other pod
+#: of the same job can do better.
+FINAL_FAILURES = frozenset(c.value for c in FailureClass if c not in (FailureClass.SUCCESS, FailureClass.UNKNOWN))
+
+#: When the nodes of one job fail differently, the job is reported with the most telling class.
+#: First the classes that must never be retried, most specific first: another launcher owns the
+#: run (whatever else our nodes report follows from that), the storage, the training state, the
+#: user's code; then the restart layers giving up (or a lost node), then no progress; ``unknown``
+#: (e.g. a node stopped because a peer failed) tells least.
+FAILURE_PRIORITY = (FailureClass.ALREADY_RUNNING.value, FailureClass.STORAGE_ERROR.value,
+                    FailureClass.NON_FINITE.value, FailureClass.USER_ERROR.value,
+                    FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value,
+                    FailureClass.UNKNOWN.value)
+
+#: What the user should do about a launch that ended with a class no node replacement can fix.
+#: Diagnosis, the ladder and the DAG's failure message all say it the same way.
+WHAT_TO_DO = {
+    FailureClass.USER_ERROR.value:
+        "a user error fails the same way on any node: fix the code or config, then trigger the run again; "
+        "no node was touched",
+    FailureClass.STORAGE_ERROR.value:
+        "the run dir is full or read-only (storage, not a node fault): free space on it or fix its mount, "
+        "then trigger the run again (it resumes from the newest verified checkpoint); no node was touched",
+    FailureClass.NON_FINITE.value:
+        "the loss or gradient norm became NaN/inf again after max_nonfinite_rollbacks rollbacks to the newest "
+        "verified checkpoint: the run diverges. Lower lr (or grad_clip), or check the data, then trigger the "
+        "run again; no node was touched",
+    FailureClass.ALREADY_RUNNING.value:
+        "another fsdp_resilience.training.launch of this run holds its launch lock: the run is being trained by "
+        "another launcher. This launch did nothing; that launcher was left alone and the run's status is unchanged. "
+        "Watch it (events.jsonl), or stop it before triggering this run again, or pick another run_name",
+    FailureClass.UNKNOWN.value:
+        "not a failure that replacing a node fixes; read the launch's logs (backend.logs)",
+}
+
+
+def what_to_do(failure_class: str | None) -> str:
+    """The advice for a failure class that is never retried (see ``WHAT_TO_DO``)."""
+    return WHAT_TO_DO.get(failure_class or FailureClass.UNKNOWN.value, WHAT_TO_DO[FailureClass.UNKNOWN.value])
+
+
+def most_telling_failure(classes: list[str | None]) -> str | None:
+    """The failure class that describes a job whose nodes failed with ``classes``."""
+    present = [c for c in classes if c and c != FailureClass.SUCCESS.value]
+    if not present:
+        return None
+    rank = {c: i for i, c in enumerate(FAILURE_PRIORITY)}
+    return min(present, key=lambda c: rank.get(c, len(rank)))
+
+
+#: errnos that mean "the run dir cannot take writes": storage, not the node or the code.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG})
+
+
+def storage_errno(exc: BaseException | None) -> int | None:
+    """The storage errno (``STORAGE_ERRNOS``) behind ``exc`` or anything in its cause chain, else
+    None. Writers in other processes report errors as text: ``[Errno 28] ...`` counts too."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+            return exc.errno
+        match = re.search(r"\[Errno (\d+)\]", str(exc))
+        if match and int(match.group(1)) in STORAGE_ERRNOS:
+            return int(match.group(1))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+
+def failure_class_for_exit(code: int) -> FailureClass:
+    """The failure class a launcher exit code stands for (unknown codes -> UNKNOWN)."""
+    try:
+        return _EXIT_TO_CLASS.get(ExitCode(code), FailureClass.UNKNOWN)
+    except ValueError:
+        return FailureClass.UNKNOWN
+
+
+def exit_code_for(failure: FailureClass) -> ExitCode:
+    return _CLASS_TO_EXIT[failure]
