@@ -17,7 +17,7 @@ CKVENV  := .venv-checkov
 CKSTAMP := $(CKVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo demo-training lint format test test-training test-nvrx07 test-control lint-deploy bench bench-quick gpu-check clean
+.PHONY: setup demo demo-training lint format reference test test-training test-nvrx07 test-control lint-deploy bench bench-quick gpu-check clean
 
 setup: $(STAMP) $(AFSTAMP) $(CKSTAMP)
 
@@ -53,6 +53,10 @@ lint: $(AFSTAMP)
 format: $(AFSTAMP)
 	$(AFBIN)/ruff check --fix .
 	$(AFBIN)/ruff format .
+
+# docs/reference/ is generated from the contract's code; a unit test fails when it is stale.
+reference: $(STAMP)
+	$(BIN)/python -m fsdp_resilience.training.contract.reference
 
 test: lint test-training test-nvrx07 test-control lint-deploy
 
