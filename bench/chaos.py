@@ -74,7 +74,9 @@ from bench.common import (
 )
 
 from bench.drive import drive, relaunch_trials, spare_trials  # noqa: E402
-from fsdp_resilience.control.report import build_report, goodput, save_windows, step_executions, steps_during_saves  # noqa: E402
+from fsdp_resilience.control.report.build import build_report  # noqa: E402
+from fsdp_resilience.control.report.goodput import goodput  # noqa: E402
+from fsdp_resilience.control.report.records import save_windows, step_executions, steps_during_saves  # noqa: E402
 from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
 
 #: Job-level MTBF of Llama 3 405B pre-training: 54 days, 419 unexpected interruptions.
