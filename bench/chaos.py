@@ -59,21 +59,18 @@ from bench.common import (
     ensure_dataset,
     ettr_model,
     free_port,
-    injected_faults,
-    launcher_marks,
     log,
     machine,
     nvrx_version,
     read_json,
-    restart_trials,
     spread_schedule,
-    step_cadence,
     summarize,
     write_json,
     young_interval,
 )
 
 from bench.drive import drive, relaunch_trials, spare_trials  # noqa: E402
+from bench.restarts import injected_faults, launcher_marks, restart_trials, step_cadence  # noqa: E402
 from fsdp_resilience.control.report.build import build_report  # noqa: E402
 from fsdp_resilience.control.report.goodput import goodput  # noqa: E402
 from fsdp_resilience.control.report.records import save_windows, step_executions, steps_during_saves  # noqa: E402
