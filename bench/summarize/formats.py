@@ -80,5 +80,6 @@ def fmt_load(part: dict[str, Any]) -> str:
     during = load.get("loadavg_1m_during") or {}
     if not during.get("n"):
         return "load average not recorded"
-    return f"1-min load average {during['min']}–{during['max']} (median {during['median']}) on {load.get('cores')} cores"
+    return (f"1-min load average {during['min']}–{during['max']} (median {during['median']}) "
+            f"on {load.get('cores')} cores")
 

@@ -26,6 +26,7 @@ SPARE_PROMOTED, SPARE_ADDED = Event.SPARE_PROMOTED.value, Event.SPARE_ADDED.valu
 
 
 def number(record: dict[str, Any], key: str) -> float | None:
+    """``record[key]`` as a finite float; None when missing, not a number, a bool, inf or NaN."""
     value = record.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
@@ -33,6 +34,7 @@ def number(record: dict[str, Any], key: str) -> float | None:
 
 
 def integer(record: dict[str, Any], key: str) -> int | None:
+    """``record[key]`` as an int (truncated), as ``number`` reads it."""
     value = number(record, key)
     return int(value) if value is not None else None
 
@@ -155,6 +157,7 @@ def startup_spans(timed: list[dict[str, Any]]) -> list[tuple[float, float]]:
 
 
 def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path`` (``run.json``, ``eval.json``); None when missing, torn or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -163,6 +166,7 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
 
 
 def node_list(value: Any) -> str | None:
+    """A record's node field (a list of names, or one) as text; None when empty."""
     if isinstance(value, list):
         return ", ".join(map(str, value)) or None
     return None if value is None else str(value)
