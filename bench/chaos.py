@@ -59,22 +59,21 @@ from bench.common import (
     ensure_dataset,
     ettr_model,
     free_port,
-    injected_faults,
-    launcher_marks,
     log,
     machine,
     nvrx_version,
     read_json,
-    restart_trials,
     spread_schedule,
-    step_cadence,
     summarize,
     write_json,
     young_interval,
 )
 
 from bench.drive import drive, relaunch_trials, spare_trials  # noqa: E402
-from fsdp_resilience.control.report import build_report, goodput, save_windows, step_executions, steps_during_saves  # noqa: E402
+from bench.restarts import injected_faults, launcher_marks, restart_trials, step_cadence  # noqa: E402
+from fsdp_resilience.control.report.build import build_report  # noqa: E402
+from fsdp_resilience.control.report.goodput import goodput  # noqa: E402
+from fsdp_resilience.control.report.records import save_windows, step_executions, steps_during_saves  # noqa: E402
 from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
 
 #: Job-level MTBF of Llama 3 405B pre-training: 54 days, 419 unexpected interruptions.

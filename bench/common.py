@@ -1,6 +1,6 @@
 """What the benchmark scripts share: statistics, machine state, run settings, the dataset, the
-Llama 3 interruption mix and the fault schedules built from it, the Young/Daly model, and restart
-breakdowns read from a run's events log and its launcher log.
+Llama 3 interruption mix and the fault schedules built from it, and the Young/Daly model (restart
+breakdowns from a run's logs: ``bench.restarts``).
 
 Standard library only: the training-plane scripts (.venv, torch) and the control-plane scripts
 (.venv-airflow, no torch) both import it.
@@ -13,7 +13,6 @@ import math
 import os
 import platform
 import random
-import re
 import shutil
 import statistics
 import subprocess
@@ -143,8 +142,8 @@ def ensure_dataset(dst: Path, python: str | os.PathLike = TRAINING_PYTHON) -> Pa
             out = src / package / f.relative_to(stdlib / package)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(f.read_bytes())
-    subprocess.run([str(python), "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
-                   check=True, cwd=REPO, capture_output=True)
+    subprocess.run([str(python), "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst),
+                    "--val-fraction", "0.1"], check=True, cwd=REPO, capture_output=True)
     shutil.rmtree(src, ignore_errors=True)  # copies of .py files: tools that walk the repo need not see them
     return dst
 
@@ -329,146 +328,3 @@ def ettr_model(interval_s: float, *, save_cost_s: float, mtbf_s: float, restart_
     fault_free = 1.0 - loop_overhead - save_cost_s / interval_s
     per_fault = restart_s + interval_s / 2.0 + commit_s
     return max(0.0, fault_free * (1.0 - per_fault / mtbf_s))
-
-
-# --------------------------------------------------------------------------------------------
-# Restart breakdowns from events.jsonl and the ft_launcher log
-# --------------------------------------------------------------------------------------------
-
-_LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[\w+\] \[ft_launcher[^\]]*\] (.*)$")
-_LOG_MARKS = (("worker_failed", re.compile(r"failed \(exitcode|Worker group (UNHEALTHY|FAILED)")),
-              ("rdzv_join", re.compile(r"attempts to join the next round")),
-              ("rdzv_joined", re.compile(r"has joined round \d+")))
-
-
-def launcher_marks(text: str) -> list[tuple[float, str]]:
-    """(unix time, mark) for the ft_launcher lines that time an in-job restart: a worker failed,
-    the launcher joins the next rendezvous round (workers stopped), and it has joined (new
-    workers start). The launcher logs local time with milliseconds."""
-    marks = []
-    for line in text.splitlines():
-        m = _LOG_LINE.match(line)
-        if not m:
-            continue
-        for name, pattern in _LOG_MARKS:
-            if pattern.search(m.group(2)):
-                ts = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                marks.append((ts, name))
-                break
-    return sorted(marks)
-
-
-def step_cadence(events: list[dict[str, Any]]) -> float | None:
-    """Median wall seconds from one step to the next within one stretch of training (same process,
-    same in-process attempt): the step itself plus the loop's overhead and checkpoint stalls."""
-    last: dict[tuple[Any, Any], tuple[int, float]] = {}
-    gaps = []
-    for r in sorted((r for r in events if r.get("event") == "step"), key=lambda r: r["ts"]):
-        key = (r.get("pid"), r.get("iteration"))
-        previous = last.get(key)
-        if previous is not None and r["step"] == previous[0] + 1:
-            gaps.append(r["ts"] - previous[1])
-        last[key] = (r["step"], r["ts"])
-    return statistics.median(gaps) if gaps else None
-
-
-def _first(records: list[dict[str, Any]], after: float, before: float, **match: Any) -> dict[str, Any] | None:
-    for r in records:
-        if after <= r["ts"] <= before and all(r.get(k) == v for k, v in match.items()):
-            return r
-    return None
-
-
-def injected_faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per fault that fired, oldest first (a node loss is logged by every rank of the
-    node: the first record stands for it)."""
-    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for r in sorted((r for r in events if r.get("event") == "fault_injected"), key=lambda r: r["ts"]):
-        key = (r.get("kind"), r.get("step"), r.get("attempt"), r.get("launch_id"), r.get("node_id"))
-        if r.get("kind") != "node_loss":
-            key += (r.get("rank"), r.get("pid"))
-        seen.setdefault(key, r)
-    return sorted(seen.values(), key=lambda r: r["ts"])
-
-
-def restart_trials(events: list[dict[str, Any]], marks: list[tuple[float, str]] = ()) -> list[dict[str, Any]]:
-    """For each injected fault, the restart that recovered it: the layer, ``latency_s`` (the
-    project's ``restart_end.latency_s``: fault -> next completed step) and where that time went.
-
-    in-process: detect (fault -> the last rank logs it: a peer learns of it when its collective
-    times out), tear down (-> ``restart_begin``: the Wrapper aborted the process group; zero when
-    rank 0 decided that while a peer was still detecting), rendezvous + restore (-> ``train_begin``:
-    new group, model, checkpoint loaded), first step (-> ``restart_end``).
-    in-job: detect (fault -> ft_launcher sees a worker fail), tear down (-> it joins the next
-    rendezvous round: workers stopped), rendezvous (-> joined), start + restore (-> ``train_begin``:
-    new processes import, form the group, build the model, load the checkpoint), first step.
-    relaunch: see ``bench.drive`` (the control plane times its own part).
-    A fault followed by another before any restart finished is reported without a latency.
-    """
-    records = sorted((r for r in events if isinstance(r.get("ts"), (int, float))), key=lambda r: r["ts"])
-    faults = injected_faults(records)
-    ends = [r for r in records if r.get("event") == "restart_end"]
-    trials = []
-    for i, fault in enumerate(faults):
-        f = fault["ts"]
-        horizon = faults[i + 1]["ts"] if i + 1 < len(faults) else math.inf
-        end = next((r for r in ends if f < r["ts"] < horizon), None)
-        trial: dict[str, Any] = {"kind": fault.get("kind"), "step": fault.get("step"), "rank": fault.get("rank"),
-                                 "attempt": fault.get("attempt"), "fault_ts": f}
-        if end is None:
-            trial.update(layer=None, latency_s=None, parts={}, note="no completed step before the next fault")
-            trials.append(trial)
-            continue
-        e = end["ts"]
-        layer = end.get("layer")
-        parts: dict[str, float | None] = {}
-        if layer == "inprocess":
-            # The next attempt's first train_begin; everything before it belongs to this restart.
-            start = _first(records, f, e, event="train_begin", rank=0)
-            t = start["ts"] if start else e
-            detected = [r["ts"] for r in records if r.get("event") == "fault_detected" and f <= r["ts"] <= t]
-            begin = _first(records, f, t, event="restart_begin", layer="inprocess")
-            # Phases in time order. Rank 0 may decide to restart (restart_begin) before a peer has
-            # even noticed the fault (it was rank 0 that failed): that tear down overlaps detection.
-            d = max(detected) if detected else f
-            b = max(d, begin["ts"]) if begin else d
-            parts = {"detect": d - f, "tear_down": b - d, "rendezvous_restore": (t - b) if start else None,
-                     "first_step": (e - t) if start else None}
-        elif layer == "injob":
-            def mark(name: str, after: float) -> float | None:
-                return next((ts for ts, m in marks if m == name and after <= ts <= e), None)
-
-            failed = mark("worker_failed", f)
-            join = mark("rdzv_join", failed) if failed else None
-            joined = mark("rdzv_joined", join) if join else None
-            start = _first(records, joined or f, e, event="train_begin", rank=0)
-            t = start["ts"] if start else None
-            parts = {"detect": (failed - f) if failed else None,
-                     "tear_down": (join - failed) if (join and failed) else None,
-                     "rendezvous": (joined - join) if (joined and join) else None,
-                     "start_restore": (t - (joined or f)) if t else None,
-                     "first_step": (e - t) if t else None}
-            if joined is None and t:  # no launcher log: one bucket from the fault to the new workers
-                parts["start_restore"] = None
-                parts["detect_to_new_workers"] = t - f
-        trial.update(layer=layer, latency_s=end.get("latency_s"), measured_s=round(e - f, 4),
-                     resumed_step=end.get("step"),
-                     parts={k: (round(v, 4) if v is not None else None) for k, v in parts.items()})
-        trials.append(trial)
-    return trials
-
-
-def group_trials(trials: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-    """Latency statistics per (fault kind, restart mode, layer that recovered it), with the median
-    of each part of the breakdown."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for t in trials:
-        if t.get("latency_s") is None:
-            continue
-        groups.setdefault((t["kind"], t["layer"]), []).append(t)
-    rows = []
-    for (kind, layer), ts in groups.items():
-        part_names = list(dict.fromkeys(k for t in ts for k in t["parts"]))
-        rows.append({"kind": kind, "restart_mode": mode, "layer": layer, "latency_s": summarize(t["latency_s"] for t in ts),
-                     "parts_median_s": {p: summarize(t["parts"].get(p) for t in ts).get("median") for p in part_names}})
-    return rows

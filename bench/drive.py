@@ -22,7 +22,8 @@ import asyncio
 import time
 from typing import Any, Callable
 
-from bench.common import injected_faults, log
+from bench.common import log
+from bench.restarts import injected_faults
 
 from fsdp_resilience.control import ladder  # noqa: E402
 from fsdp_resilience.control.backends import JobHandle, get_backend  # noqa: E402

@@ -53,7 +53,7 @@ def _now(t: float) -> str:
 def seed_from_summary(out: Path) -> None:
     """Only latest.json (the summary) is committed, not the per-part files it was made from: on a
     fresh clone, write those back from it, so that --only merges into the committed figures."""
-    from bench.summarize import PARTS as PART_FILES, SUMMARY
+    from bench.summarize.results import PARTS as PART_FILES, SUMMARY
 
     latest = out / SUMMARY
     if not latest.exists():

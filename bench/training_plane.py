@@ -46,16 +46,13 @@ from bench.common import (
     assign_attempts,
     ensure_dataset,
     free_port,
-    group_trials,
-    launcher_marks,
     log,
     machine,
-    restart_trials,
     spread_schedule,
-    step_cadence,
     summarize,
     write_json,
 )
+from bench.restarts import group_trials, launcher_marks, restart_trials, step_cadence
 
 METHODS = ("memcpy", "nvrx_async", "nvrx_async_no_checksum", "torch_async_save_thread", "torch_async_save_process",
            "dcp_save", "torch_save")

@@ -223,7 +223,7 @@ def fsdp_training():
 
     @task
     def build_report(evaluation: dict) -> dict:
-        from fsdp_resilience.control.report import build_report as build
+        from fsdp_resilience.control.report.build import build_report as build
 
         paths = build(run_of_this_dag()["config"]["run_dir"])
         print(f"run report: {paths.to_dict()}")

@@ -12,7 +12,7 @@ import boto3
 import pytest
 
 from fsdp_resilience.control import ladder, settings
-from fsdp_resilience.control.report import build_report
+from fsdp_resilience.control.report.build import build_report
 from fsdp_resilience.control.trusted_checkpoint import CHECKSUMS, SIZES, NoTrustedCheckpoint
 from control.fakes.saved_checkpoints import flip_bytes, save_checkpoint
 from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, Event, read_events

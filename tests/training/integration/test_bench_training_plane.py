@@ -138,10 +138,10 @@ def test_committed_table_matches_the_committed_results():
     latest = REPO / "bench" / "results" / "latest.json"
     if not latest.exists():
         pytest.skip("no committed benchmark results (make bench writes bench/results/latest.json)")
-    from bench.summarize import render_markdown
+    from bench.summarize.benchmarks_md import render_markdown
 
     summary = json.loads(latest.read_text())
     assert (REPO / "docs" / "benchmarks.md").read_text() == render_markdown(summary)
-    from bench.summarize import readme_block
+    from bench.summarize.readme import readme_block
 
     assert readme_block(summary) in (REPO / "README.md").read_text()  # the README's table too
