@@ -3,6 +3,8 @@
 Every process of a job carries ``FSDP_RESILIENCE_LOCAL_JOB=<job>/<node>`` in its environment (read
 from /proc; psutil where there is none), so a job's processes are found even when a launcher
 started them in other sessions (ft_launcher, workers, checkpoint writers), orphans included.
+``stop_nodes`` marks nodes stopped in the job record before stopping them (the supervisor's failure
+policy and ``replace_nodes`` both use it), so the verdict never takes a node we stopped for a lost one.
 """
 
 from __future__ import annotations
