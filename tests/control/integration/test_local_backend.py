@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from shared import FAST_RUN, make_dataset
 
 REPO = Path(__file__).resolve().parents[3]
@@ -29,16 +30,13 @@ from fsdp_resilience.control.backends import (  # noqa: E402
     JobHandle,
     JobStatus,
     LocalProcessBackend,
-    NodeStatus,
-    Replacement,
-    TrainingBackend,
     get_backend,
     job_name_for,
 )
-from fsdp_resilience.control.backends import local as local_backend  # noqa: E402
-from control.fakes.stand_in_launcher import script_backend  # noqa: E402
-from fsdp_resilience.control.backends.base import plan_replacement, replacement_limit  # noqa: E402
+from fsdp_resilience.control.backends.local.processes import proc_stat, process_alive, tagged_processes  # noqa: E402
 from fsdp_resilience.training.contract import CheckpointCatalog, RunConfig, read_events  # noqa: E402
+
+from control.fakes.stand_in_launcher import script_backend  # noqa: E402
 
 TRAINING_PYTHON = Path(os.environ.get("TRAINING_PYTHON") or REPO / ".venv" / "bin" / "python")
 needs_training = pytest.mark.skipif(not TRAINING_PYTHON.exists(),
@@ -75,7 +73,13 @@ def backend(tmp_path):
         b.cancel(JobHandle("local", record["run_id"], record["launch_id"], record["job_name"]))
 
 
+#: Appended to every run id here: a local job's processes are found by a tag that names its job (run
+#: id + launch id) anywhere on the machine, so two pytest sessions on one host must not share job names.
+SESSION = f"s{os.getpid()}"
+
+
 def run_config(tmp_path: Path, dataset: Path, run_id: str, **overrides) -> RunConfig:
+    run_id = f"{run_id}-{SESSION}"
     fields = dict(FAST, run_id=run_id, run_dir=str(tmp_path / "runs" / run_id), dataset_dir=str(dataset),
                   rdzv_port=free_port())
     fields.update(overrides)
@@ -106,7 +110,7 @@ def wait_for_event(run_dir: str, predicate, timeout: float = WAIT_S) -> dict:
 
 
 def launcher_processes(job_name: str) -> list[int]:
-    return [pid for pid in local_backend._tagged_processes(job_name)
+    return [pid for pid in tagged_processes(job_name)
             if b"fsdp_resilience.training.launch" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
@@ -128,7 +132,7 @@ def group_members(pgid: int) -> list[int]:
     members = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            stat = local_backend._proc_stat(int(entry.name))
+            stat = proc_stat(int(entry.name))
             if stat and stat[1] == pgid and stat[0] not in ("Z", "X"):
                 members.append(int(entry.name))
     return members
@@ -154,59 +158,8 @@ def until_empty(check, timeout: float = 30.0):
 
 
 # --------------------------------------------------------------------------------------------
-# The interface: names, serialisation, registry, the share rule (no processes)
+# Slots and capacity (no processes); the interface itself: tests/control/unit/test_backend_base.py
 # --------------------------------------------------------------------------------------------
-
-
-def test_job_names_are_deterministic_dns_labels():
-    name = job_name_for("my-run", "manual__2026-11-30T05:15:00+00:00")
-    assert name == job_name_for("my-run", "manual__2026-11-30T05:15:00+00:00")
-    assert name.startswith("my-run-manual-2026-11-30t05-15-00-00-00-")
-    long = job_name_for("r" * 63, "launch-" + "x" * 100)
-    for n in (name, long, job_name_for("a", "1"), job_name_for("a-b", "c"), job_name_for("a", "b-c")):
-        assert len(n) <= 63 and n[0].isalnum() and n[-1].isalnum()
-        assert all(c.islower() or c.isdigit() or c == "-" for c in n)
-    # readable parts that coincide still give distinct names
-    assert job_name_for("a-b", "c") != job_name_for("a", "b-c")
-    assert job_name_for("run", "1") != job_name_for("run", "2")
-
-
-def test_results_survive_json_for_xcom_and_triggers():
-    handle = JobHandle("local", "r", "1", job_name_for("r", "1"), {"state_dir": "/s", "node_ids": ["slot-0"]})
-    status = JobStatus("failed", "restarts_exhausted", {0: 75, 1: None}, "node 1 lost",
-                       [NodeStatus(0, "slot-0", "failed", "restarts_exhausted", 75, "gave up"),
-                        NodeStatus(1, "slot-1", "lost", "restarts_exhausted", None, "node lost")])
-    values = [handle, status, Diagnosis("restarts_exhausted", ["slot-1"], True, ["node lost"]),
-              Replacement(["slot-1"], [], "quarantined"), Capacity(4, 3, ["slot-1"], ["slot-0", "slot-2", "slot-3"])]
-    for value in values:
-        again = type(value).from_dict(json.loads(json.dumps(value.to_dict())))
-        assert again == value
-    assert json.loads(json.dumps(status.to_dict()))["exit_codes"] == {"0": 75, "1": None}
-    assert status.done and not JobStatus("running").done
-
-
-def test_backends_are_built_by_name_and_from_their_config(tmp_path):
-    b = get_backend("local", state_dir=str(tmp_path / "state"), slots=3, training_python=str(TRAINING_PYTHON))
-    assert isinstance(b, LocalProcessBackend) and b.slots == 3
-    config = json.loads(json.dumps(b.to_config()))  # what travels to the triggerer
-    for again in (get_backend(**config), TrainingBackend.from_config(config), LocalProcessBackend.from_config(config)):
-        assert isinstance(again, LocalProcessBackend) and again.to_config() == b.to_config()
-    with pytest.raises(BackendError, match="unknown training backend 'slurm'"):
-        get_backend("slurm")
-    eks = get_backend("eks", image="registry/fsdp:1", namespace="team-a")  # imported on first use
-    assert get_backend(**json.loads(json.dumps(eks.to_config()))).to_config() == eks.to_config()
-    with pytest.raises(BackendError, match="belongs to the 'eks' backend"):
-        b.status(JobHandle("eks", "r", "1", "r-1"))
-
-
-def test_the_share_rule():
-    assert [replacement_limit(n, 0.2) for n in (1, 4, 5, 10, 64)] == [1, 1, 1, 2, 12]  # at least one
-    pool = [f"n{i}" for i in range(10)]
-    assert plan_replacement(["n1", "n2"], pool, [], 0.2)[:2] == (["n1", "n2"], [])
-    replaced, refused, reason = plan_replacement(["n1", "n2", "n3"], pool, [], 0.2)
-    assert replaced == [] and refused == ["n1", "n2", "n3"] and "max_unhealthy_share=0.2 allows 2" in reason
-    replaced, refused, reason = plan_replacement(["n1", "zz", "n1", "n0"], pool, ["n0"], 0.2)
-    assert replaced == ["n1"] and refused == ["zz"] and "already out of service: ['n0']" in reason
 
 
 def test_replace_nodes_quarantines_slots_and_refuses_above_the_share(tmp_path):
@@ -260,7 +213,7 @@ def test_a_run_succeeds_and_submitting_it_again_starts_nothing(backend, tmp_path
     t0 = time.monotonic()
     handle = backend.submit(cfg, launch_id="1")
     submit_s = time.monotonic() - t0
-    assert handle.job_name == job_name_for("ok", "1") and handle.extra["node_ids"] == ["slot-0"]
+    assert handle.job_name == job_name_for(cfg.run_id, "1") and handle.extra["node_ids"] == ["slot-0"]
 
     # Idempotent: from this backend, or another process's (built from its config), same job.
     again = get_backend(**backend.to_config()).submit(cfg, launch_id="1")
@@ -281,7 +234,7 @@ def test_a_run_succeeds_and_submitting_it_again_starts_nothing(backend, tmp_path
     other = get_backend(**backend.to_config())
     assert other.status(JobHandle.from_dict(json.loads(json.dumps(handle.to_dict())))).state == "succeeded"
     assert not backend.diagnose(handle).replaceable
-    assert not until_empty(lambda: local_backend._tagged_processes(handle.job_name))
+    assert not until_empty(lambda: tagged_processes(handle.job_name))
     print(f"\n[measured] submit latency: {submit_s:.3f}s")
 
 
@@ -310,20 +263,20 @@ def test_cancel_stops_every_process_of_the_job(fake_backend, tmp_path):
     record = backend._store.read_job(handle.job_name)
     # per node: the shell, its sleep, and the sleep in a session of its own
     def all_started() -> list[int]:
-        procs = local_backend._tagged_processes(handle.job_name)
+        procs = tagged_processes(handle.job_name)
         return procs if len(procs) >= 6 else []
 
     procs = wait_until(all_started)
-    assert len(procs) == 6, local_backend._tagged_processes(handle.job_name)
+    assert len(procs) == 6, tagged_processes(handle.job_name)
     assert backend.status(handle).state == "running"
 
     backend.cancel(handle)
-    assert local_backend._tagged_processes(handle.job_name) == []
+    assert tagged_processes(handle.job_name) == []
     for node in record["nodes"]:
         assert not until_empty(lambda: group_members(node["pgid"]))
-    assert not until_empty(lambda: [p for p in procs if local_backend._alive(p)])
+    assert not until_empty(lambda: [p for p in procs if process_alive(p)])
     supervisor = backend._store.read_job(handle.job_name)["supervisor"]
-    assert not until_empty(lambda: local_backend._alive(supervisor["pid"], supervisor["start_ticks"]))
+    assert not until_empty(lambda: process_alive(supervisor["pid"], supervisor["start_ticks"]))
 
     status = backend.status(handle)
     assert status.state == "failed" and status.failure_class == "unknown" and "cancelled" in status.message
@@ -355,7 +308,7 @@ def test_a_lost_node_fails_the_job_and_blames_its_slot(backend, tmp_path, datase
     assert handle.extra["node_ids"] == ["slot-0", "slot-1"]
     wait_for_event(cfg.run_dir, lambda r: r["event"] == "train_begin" and r["rank"] == 1)
     # Node 1's machine dies: every process of it at once, nothing gets to report.
-    for pid in local_backend._tagged_processes(handle.job_name, node=1):
+    for pid in tagged_processes(handle.job_name, node=1):
         os.kill(pid, signal.SIGKILL)
 
     status = wait_for(backend, handle)
@@ -368,7 +321,7 @@ def test_a_lost_node_fails_the_job_and_blames_its_slot(backend, tmp_path, datase
     # What the DAG does next: stop what is left of the launch. The verdict stays.
     record = backend._store.read_job(handle.job_name)
     backend.cancel(handle)
-    assert local_backend._tagged_processes(handle.job_name) == []
+    assert tagged_processes(handle.job_name) == []
     assert not until_empty(lambda: group_members(record["nodes"][0]["pgid"]))
     assert backend.status(handle).failure_class == "restarts_exhausted"
     assert backend.diagnose(handle).bad_node_ids == ["slot-1"]
@@ -437,7 +390,7 @@ def test_a_user_bug_is_never_blamed_on_a_node(backend, tmp_path, dataset):
 
 def node_has_ft_launcher(job_name: str, node: int) -> bool:
     """Whether node ``node``'s launcher has started ft_launcher (a spare parks inside it)."""
-    for pid in local_backend._tagged_processes(job_name, node):
+    for pid in tagged_processes(job_name, node):
         try:
             if b"ft_launcher" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return True
@@ -493,7 +446,7 @@ def test_a_spare_covers_a_lost_node_and_the_pool_is_refilled_on_healthy_slots(tm
         dropped = backend.status(handle)
         assert dropped.state == "running" and dropped.nodes[4].state == "failed", dropped
         assert dropped.nodes[4].message.startswith("spare dropped before it trained: stopped by quarantine")
-        assert not local_backend._tagged_processes(handle.job_name, 4)
+        assert not tagged_processes(handle.job_name, 4)
 
         status = wait_for(backend, handle)
         assert status.state == "succeeded" and status.failure_class == "success", \
@@ -537,7 +490,7 @@ def test_two_lost_nodes_with_one_spare_fail_the_job_and_blame_both_slots(backend
     for rank in range(3):
         wait_for_event(cfg.run_dir, lambda r: r["event"] == "train_begin" and r["rank"] == rank)
     for node in (1, 2):
-        for pid in local_backend._tagged_processes(handle.job_name, node):
+        for pid in tagged_processes(handle.job_name, node):
             os.kill(pid, signal.SIGKILL)
     status = wait_for(backend, handle, states=("failed", "succeeded"))
     assert status.state == "failed" and status.failure_class == "restarts_exhausted", \
@@ -549,7 +502,7 @@ def test_two_lost_nodes_with_one_spare_fail_the_job_and_blame_both_slots(backend
     assert diagnosis.replaceable and diagnosis.bad_node_ids == ["slot-1", "slot-2"], diagnosis
     backend.cancel(handle)  # what the DAG does next; the verdict stays
     assert backend.diagnose(handle).bad_node_ids == ["slot-1", "slot-2"]
-    assert local_backend._tagged_processes(handle.job_name) == []
+    assert tagged_processes(handle.job_name) == []
 
 
 #: Stands in for fsdp_resilience.training.launch in the spare bookkeeping test (no training): nodes 0 and 1 begin
@@ -607,7 +560,7 @@ def test_dropped_spares_and_a_covered_loss_fail_nothing_and_parked_spares_are_st
         time.sleep(3)  # three failure_grace_s: the failure policy would have stopped the others by now
         record = backend._store.read_job(handle.job_name)
         assert [n["stopped_by"] for n in record["nodes"]] == [None] * 6
-        assert all(local_backend._alive(pids[i]) for i in (0, 2, 3))
+        assert all(process_alive(pids[i]) for i in (0, 2, 3))
 
         # Spare 2 takes node 1's place (its worker's train_begin), then both training nodes finish.
         with open(run_dir / "events.jsonl", "a") as f:

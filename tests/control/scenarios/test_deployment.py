@@ -95,7 +95,7 @@ def stack(request, tmp_path_factory):
 def stop_training_jobs(stack: AirflowStack) -> list[str]:
     """Training processes run in sessions of their own and outlive the Airflow processes: stop any
     a run left going (none, normally), so nothing outlives the test."""
-    from fsdp_resilience.control.backends.local import stop_job_processes
+    from fsdp_resilience.control.backends.local.processes import stop_job_processes
 
     stopped = []
     for path in sorted((stack.runs_root / ".local-backend" / "jobs").glob("*.json")):
