@@ -800,7 +800,7 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             print(f"[dry-run] {name}: {shlex.join(command).replace(str(REPO) + '/', '')}")
         done.append(f"torchrun workers {', '.join(WORKERS)}")
         training_api()
-        for module in ("fsdp_resilience.training.train", "fsdp_resilience.training.evaluate", "nvidia_resiliency_ext.inprocess"):
+        for module in ("fsdp_resilience.training.train.cli", "fsdp_resilience.training.evaluate", "nvidia_resiliency_ext.inprocess"):
             importlib.import_module(module)
         evaluate_help = io.StringIO()
         with contextlib.redirect_stdout(evaluate_help), contextlib.suppress(SystemExit):

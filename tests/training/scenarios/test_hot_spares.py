@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from fsdp_resilience.training.contract import ConfigError, RunConfig
-from fsdp_resilience.training.launch import build_command, main as launch_main
+from fsdp_resilience.training.launch.cli import main as launch_main
+from fsdp_resilience.training.launch.command import build_command
 
 from training.support import Run, launch, write_config
 
@@ -58,7 +59,7 @@ def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, datas
     cfg.layout.create()
     cfg.layout.config.write_text(cfg.to_json())  # node 0's copy, which the other nodes wait for
     command = " ".join(build_command(cfg, 2, "127.0.0.1", tmp_path / "ft.yaml", tmp_path))
-    from fsdp_resilience.training.launch import nvrx_version
+    from fsdp_resilience.training.launch.command import nvrx_version
 
     # 0.7's barrier rendezvous: N:M keeps N training and M-N standing by; 0.4.1's c10d fork
     # keeps a fixed N and puts the rest on its redundancy list (N:M would grow the world).
@@ -110,7 +111,7 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
 def test_a_spare_turned_away_says_why(tmp_path):
     """A spare whose ft_launcher leaves the rendezvous before its node trained (NVRx's health
     checks at join) is reported with NVRx's own reason from the node's log."""
-    from fsdp_resilience.training.launch import dropped_spare_reason
+    from fsdp_resilience.training.launch.outcome import dropped_spare_reason
 
     log = tmp_path / "node2.log"
     log.write_text("starting\n[ERROR] Health check failed for node localhost_77_0: Storage path health check "
@@ -130,7 +131,7 @@ def test_a_recreated_node_waits_for_its_lost_predecessors_lock(tmp_path):
     import time
 
     from fsdp_resilience.training.contract import RunDir
-    from fsdp_resilience.training.launch import AlreadyRunning, take_launch_lock
+    from fsdp_resilience.training.launch.lock import AlreadyRunning, take_launch_lock
 
     layout = RunDir(tmp_path / "run")
     layout.create()
