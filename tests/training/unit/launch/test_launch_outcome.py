@@ -67,3 +67,14 @@ def test_a_dropped_spare_names_the_health_check_that_turned_it_away(tmp_path):
     log.write_text("nothing special\n")
     assert dropped_spare_reason(3, str(log)) == f"ft_launcher exited 3; read {log}"
     assert dropped_spare_reason(3, "the pod's log") == "ft_launcher exited 3"
+
+
+def test_a_spare_turned_away_says_why(tmp_path):
+    """A spare whose ft_launcher leaves the rendezvous before its node trained (NVRx's health
+    checks at join) is reported with NVRx's own reason from the node's log."""
+    log = tmp_path / "node2.log"
+    log.write_text("starting\n[ERROR] Health check failed for node localhost_77_0: Storage path health check "
+                   "failed: /fsx/runs/r/checkpoints is not reachable\nexit\n")
+    reason = dropped_spare_reason(1, str(log))
+    assert "NVRx turned the node away" in reason and "/fsx/runs/r/checkpoints is not reachable" in reason
+    assert dropped_spare_reason(1, str(tmp_path / "none.log")).startswith("ft_launcher exited 1")
