@@ -467,14 +467,14 @@ def _worker_setup(api: SimpleNamespace) -> tuple[int, int, Any]:
 
 
 def _model_and_optimizer(api: SimpleNamespace, cfg: RunConfig, device: Any) -> tuple[Any, Any]:
-    """The model and optimizer exactly as src/fsdp_resilience/training/train.py builds them."""
+    """The model and optimizer exactly as src/fsdp_resilience/training/train/loop.py builds them."""
     mesh = api.device_mesh(device, cfg.nodes, cfg.procs_per_node)
     model = api.build_sharded_model(cfg.model, mesh, device, seed=cfg.seed, max_seq_len=cfg.seq_len)
     return model, api.build_optimizer(model, device, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _train_step(api: SimpleNamespace, model: Any, optimizer: Any, cfg: RunConfig, device: Any, gen: Any) -> float:
-    """One step of train.py's loop on random tokens (enough for memory and checkpoint figures)."""
+    """One step of train/loop.py's loop on random tokens (enough for memory and checkpoint figures)."""
     torch = api.torch
     tokens = torch.randint(0, api.BYTE_VOCAB, (cfg.batch_size, cfg.seq_len + 1), device=device, generator=gen)
     loss = api.cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
@@ -603,7 +603,7 @@ def worker_checkpoint(cfg: RunConfig, result_path: Path) -> None:
     torch = api.torch
     rank, world, device = _worker_setup(api)
     events = api.EventLog(cfg.layout.events, run_id=cfg.run_id, rank=rank) if rank == 0 else None
-    # Built before the process group, as train.py does: the writer process boots meanwhile.
+    # Built before the process group, as train/loop.py does: the writer process boots meanwhile.
     ckpt = api.AsyncCheckpointer(cfg.run_dir, rank=rank, world_size=world, keep=cfg.keep_checkpoints,
                                  device=device, events=events)
     api.dist.init_process_group("nccl", timeout=timedelta(seconds=300), device_id=device)
@@ -645,7 +645,7 @@ def worker_checkpoint(cfg: RunConfig, result_path: Path) -> None:
 def _checkpoint_result(cfg: RunConfig, ranks: list[dict[str, Any]], apps: list[int] | None) -> dict[str, Any]:
     """Rank 0's summary: the slowest rank's figures (the loop goes on when the slowest rank does)."""
     # Saves after the first: the first one allocates and pins its buffers and may wait for the
-    # writer's boot; train.py pays that once per process.
+    # writer's boot; train/loop.py pays that once per process.
     stall = max(statistics.median(r["blocking_s"][1:] or r["blocking_s"]) for r in ranks)
     memcpy = max(statistics.median(r["memcpy_s"]) for r in ranks)
     writers = [pid for r in ranks for pid in r["writers"]]
@@ -801,7 +801,7 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             print(f"[dry-run] {name}: {shlex.join(command).replace(str(REPO) + '/', '')}")
         done.append(f"torchrun workers {', '.join(WORKERS)}")
         training_api()
-        for module in ("fsdp_resilience.training.train", "fsdp_resilience.training.evaluate", "nvidia_resiliency_ext.inprocess"):
+        for module in ("fsdp_resilience.training.train.cli", "fsdp_resilience.training.evaluate", "nvidia_resiliency_ext.inprocess"):
             importlib.import_module(module)
         evaluate_help = io.StringIO()
         with contextlib.redirect_stdout(evaluate_help), contextlib.suppress(SystemExit):

@@ -148,7 +148,7 @@ def _run_stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> d
         if spec["device"] == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # Built before the process group, as train.py does: the writer process boots meanwhile. Its
+    # Built before the process group, as train/loop.py does: the writer process boots meanwhile. Its
     # run dir ends up holding the checkpoint the evaluation bench loads (one writer boot, not two).
     ckpt = AsyncCheckpointer(spec["nvrx_run_dir"], rank=rank, world_size=world, keep=10_000, device=device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # async_save needs a CPU backend

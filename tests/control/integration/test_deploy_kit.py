@@ -769,7 +769,7 @@ def test_training_image_runs_training_launch_from_any_directory(tmp_path):
                               env={**clean, "PYTHONPATH": str(site)})
         assert proc.returncode == 0, proc.stderr[-3000:]
         origin, _, help_text = proc.stdout.partition("\n")
-        assert origin == str(site / "fsdp_resilience" / "training" / "train.py")
+        assert origin == str(site / "fsdp_resilience" / "training" / "train" / "__init__.py")
         assert "usage: python -m fsdp_resilience.training.launch" in help_text
 
 

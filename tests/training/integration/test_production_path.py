@@ -19,8 +19,11 @@ import pytest
 import torch
 
 from training.support import REPO, free_port, launch, write_config
-from fsdp_resilience.training import launch as launch_module
-from fsdp_resilience.training import restart
+from fsdp_resilience.training.launch import command as launch_command
+from fsdp_resilience.training.launch.cli import main as launch_main
+from fsdp_resilience.training.restart.fault_kinds import is_platform_fault
+from fsdp_resilience.training.restart.process_group import process_group_options
+from fsdp_resilience.training.restart.wrapper import inprocess_wrapper, restart_health_checks_wanted
 from fsdp_resilience.training.checkpoint import _BUCKETS_IN_WRITER, _PersistentWriter, _WriterQueue
 from fsdp_resilience.training.contract import Event, ExitCode, FailureClass, read_events
 from fsdp_resilience.training.parallelize import build_optimizer
@@ -132,15 +135,15 @@ def test_the_calls_queue_never_runs_nvrx_finalize_when_collected():
 
 def test_gpu_health_checks_run_on_cuda_only_and_can_be_turned_off(tmp_path, dataset, monkeypatch):
     cfg = write_config(tmp_path, dataset, "health")
-    assert restart.restart_health_checks_wanted(cfg, "cuda")
-    assert not restart.restart_health_checks_wanted(cfg.replace(gpu_health_checks=False), "cuda")
-    assert not restart.restart_health_checks_wanted(cfg, "cpu")
+    assert restart_health_checks_wanted(cfg, "cuda")
+    assert not restart_health_checks_wanted(cfg.replace(gpu_health_checks=False), "cuda")
+    assert not restart_health_checks_wanted(cfg, "cpu")
 
     # On CPU the Wrapper keeps no NVML checks (0.7 chains them in whenever LOCAL_RANK is set).
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    wrapper = restart.inprocess_wrapper(cfg, lambda: None, device_type="cpu")
+    wrapper = inprocess_wrapper(cfg, lambda: None, device_type="cpu")
     assert getattr(wrapper, "restart_health_check", None) is None
     if NVRX_07:  # the defect is real there: the stock Wrapper adds them by itself
         stock = type(wrapper)(store_kwargs={"port": free_port()})
@@ -148,23 +151,24 @@ def test_gpu_health_checks_run_on_cuda_only_and_can_be_turned_off(tmp_path, data
 
 
 def test_cuda_process_groups_are_bound_to_their_device():
-    assert restart.process_group_options(torch.device("cuda", 3)) == {"device_id": torch.device("cuda", 3)}
-    assert restart.process_group_options(torch.device("cpu")) == {}
+    assert process_group_options(torch.device("cuda", 3)) == {"device_id": torch.device("cuda", 3)}
+    assert process_group_options(torch.device("cpu")) == {}
 
 
-#: Two ranks over gloo with a 120 s collective timeout, through ``restart.init_process_group`` and
-#: ``restart.app_store`` as the trainer uses them. Attempt 0: rank 0 blocks in an all-reduce, rank 1
-#: breaks its transport (what ``Trainer._on_fault`` does on a failing rank). Attempt 1: rank 0
+#: Two ranks over gloo with a 120 s collective timeout, through ``init_process_group`` and
+#: ``app_store`` (``restart.process_group``) as the trainer uses them. Attempt 0: rank 0 blocks
+#: in an all-reduce, rank 1 breaks its transport (what ``Trainer._on_fault`` does on a failing rank). Attempt 1: rank 0
 #: blocks again, with no peer coming, and a thread breaks its own transport (what the Wrapper's
 #: abort does on every rank). Attempt 2: a fresh group works, and so does the store. Each rank
 #: prints what it saw as JSON.
 BROKEN_TRANSPORT = textwrap.dedent("""
     import json, os, threading, time
     import torch, torch.distributed as dist
-    from fsdp_resilience.training import restart
+    from fsdp_resilience.training.restart.gloo_transport import group_transport
+    from fsdp_resilience.training.restart.process_group import app_store, init_process_group
 
     rank = int(os.environ["RANK"])
-    store = restart.app_store()
+    store = app_store()
     seen = {"rank": rank, "errors": []}
 
     def blocked_all_reduce():
@@ -177,16 +181,16 @@ BROKEN_TRANSPORT = textwrap.dedent("""
         seen.setdefault("blocked_s", []).append(round(time.monotonic() - t0, 3))
 
     for attempt in range(3):
-        restart.init_process_group("gloo", attempt, timeout_s=120.0, join_timeout_s=120.0, app_store=store)
+        init_process_group("gloo", attempt, timeout_s=120.0, join_timeout_s=120.0, app_store=store)
         if attempt == 0:
             if rank == 0:
                 blocked_all_reduce()
             else:
                 time.sleep(0.5)  # rank 0 is in its all-reduce by now
-                seen["shut_down"] = restart.group_transport.shut_down()
+                seen["shut_down"] = group_transport.shut_down()
         elif attempt == 1:
             if rank == 0:
-                threading.Timer(0.5, restart.group_transport.shut_down).start()
+                threading.Timer(0.5, group_transport.shut_down).start()
                 blocked_all_reduce()
                 store.set("attempt1-done", "1")
             else:
@@ -204,7 +208,7 @@ BROKEN_TRANSPORT = textwrap.dedent("""
 
 def test_a_failed_rank_breaks_its_transport_so_peers_stop_waiting(tmp_path):
     """A gloo collective blocked on a peer ends only at its timeout or when its connection breaks:
-    no torch abort reaches it. ``restart.GroupTransport`` breaks the attempt's connections: a
+    no torch abort reaches it. ``GroupTransport`` (``restart.gloo_transport``) breaks the attempt's connections: a
     peer's pending collective, then this rank's own, fail at once with a closed connection (a
     platform fault), long before the 120 s timeout; the next attempt's group and the store work."""
     script = tmp_path / "ranks.py"
@@ -228,7 +232,7 @@ def test_a_failed_rank_breaks_its_transport_so_peers_stop_waiting(tmp_path):
     assert len(rank0["errors"]) == 2, rank0
     for error in rank0["errors"]:  # the peer's break, then its own: never the timeout
         assert error is not None and "closed" in error.lower() and "timed out" not in error.lower(), error
-        assert restart.is_platform_fault(RuntimeError(error))
+        assert is_platform_fault(RuntimeError(error))
     assert rank0["sum"] == rank1["sum"] == [3.0] * 4
     assert rank0["store"] == rank1["store"] == "yes"
 
@@ -249,7 +253,7 @@ def test_the_launcher_refuses_an_ft_config_nvrx_would_ignore(tmp_path, dataset, 
     it on its defaults. fsdp_resilience.training.launch reads its own file back with NVRx's parser first."""
     cfg = write_config(tmp_path, dataset, "ftcfg")
     cfg_path = tmp_path / "ftcfg.json"
-    assert launch_module.main(["--config", str(cfg_path), "--dry-run"]) == 0
+    assert launch_main(["--config", str(cfg_path), "--dry-run"]) == 0
     written = json.loads((cfg.layout.logs / "ft-launcher-node0.yaml").read_text())["fault_tolerance"]
     assert written["rank_heartbeat_timeout"] == cfg.heartbeat_timeout_s
     # the configured timeouts, until the workers derive theirs (RankMonitor.derive_when_warm)
@@ -258,15 +262,15 @@ def test_the_launcher_refuses_an_ft_config_nvrx_would_ignore(tmp_path, dataset, 
     assert ("checkpoint_iteration_file" in written) == NVRX_07  # progress tracking where NVRx has it
     capsys.readouterr()
 
-    original = launch_module.ft_launcher_config
+    original = launch_command.ft_launcher_config
 
     def with_a_typo(cfg, known):
         section = original(cfg, known)
         section["fault_tolerance"]["rank_heartbeat_timout"] = 5.0
         return section
 
-    monkeypatch.setattr(launch_module, "ft_launcher_config", with_a_typo)
-    assert launch_module.main(["--config", str(cfg_path), "--dry-run"]) == ExitCode.CONFIG_ERROR
+    monkeypatch.setattr(launch_command, "ft_launcher_config", with_a_typo)
+    assert launch_main(["--config", str(cfg_path), "--dry-run"]) == ExitCode.CONFIG_ERROR
     assert "rank_heartbeat_timout" in capsys.readouterr().err
 
 

@@ -4,14 +4,11 @@ a run that never lost a node (ranks, data order and checkpoints stay those of ``
 
 from __future__ import annotations
 
-import os
-import subprocess
-
-
 import pytest
 
 from fsdp_resilience.training.contract import ConfigError, RunConfig
-from fsdp_resilience.training.launch import build_command, main as launch_main
+from fsdp_resilience.training.launch.cli import main as launch_main
+from fsdp_resilience.training.launch.command import build_command
 
 from training.support import Run, launch, write_config
 
@@ -58,7 +55,7 @@ def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, datas
     cfg.layout.create()
     cfg.layout.config.write_text(cfg.to_json())  # node 0's copy, which the other nodes wait for
     command = " ".join(build_command(cfg, 2, "127.0.0.1", tmp_path / "ft.yaml", tmp_path))
-    from fsdp_resilience.training.launch import nvrx_version
+    from fsdp_resilience.training.launch.command import nvrx_version
 
     # 0.7's barrier rendezvous: N:M keeps N training and M-N standing by; 0.4.1's c10d fork
     # keeps a fixed N and puts the rest on its redundancy list (N:M would grow the world).
@@ -105,51 +102,3 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
     # One launch; the world stayed two ranks; the same loss at every step.
     assert {r["world_size"] for r in run.of("train_begin")} == {2}
     assert run.losses() == clean.losses()
-
-
-def test_a_spare_turned_away_says_why(tmp_path):
-    """A spare whose ft_launcher leaves the rendezvous before its node trained (NVRx's health
-    checks at join) is reported with NVRx's own reason from the node's log."""
-    from fsdp_resilience.training.launch import dropped_spare_reason
-
-    log = tmp_path / "node2.log"
-    log.write_text("starting\n[ERROR] Health check failed for node localhost_77_0: Storage path health check "
-                   "failed: /fsx/runs/r/checkpoints is not reachable\nexit\n")
-    reason = dropped_spare_reason(1, str(log))
-    assert "NVRx turned the node away" in reason and "/fsx/runs/r/checkpoints is not reachable" in reason
-    assert dropped_spare_reason(1, str(tmp_path / "none.log")).startswith("ft_launcher exited 1")
-
-
-def test_a_recreated_node_waits_for_its_lost_predecessors_lock(tmp_path):
-    """On EKS the Job recreates a lost node's pod under the same index while the lost machine's
-    storage client may still hold that index's launch lock: the new launcher of the same launch
-    waits for it (bounded) instead of exiting already_running, which would fail the whole Job. A
-    launcher of another launch, or on the same host, is refused at once as before."""
-    import json
-    import sys
-    import time
-
-    from fsdp_resilience.training.contract import RunDir
-    from fsdp_resilience.training.launch import AlreadyRunning, take_launch_lock
-
-    layout = RunDir(tmp_path / "run")
-    layout.create()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, json, os, sys, time\n"
-        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': 'lost-node', 'launch_id': 'l0'}).encode(), 0)\n"
-        "print('held', flush=True)\n"
-        "time.sleep(float(sys.argv[2]))\n"), str(layout.launch_lock(1)), "3"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(AlreadyRunning, match="lost-node"):
-            take_launch_lock(layout, 1, "other-launch", predecessor_wait_s=10)
-        t0 = time.monotonic()
-        fd = take_launch_lock(layout, 1, "l0", predecessor_wait_s=60)
-        assert fd is not None and time.monotonic() - t0 > 0.5  # it waited for the holder to go
-        assert json.loads(os.pread(fd, 4096, 0))["launch_id"] == "l0"
-        os.close(fd)
-    finally:
-        holder.kill()
-        holder.wait()

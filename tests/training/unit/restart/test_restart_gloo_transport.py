@@ -1,0 +1,38 @@
+"""Breaking an attempt's connections (fsdp_resilience.training.restart.gloo_transport), on plain
+TCP sockets standing in for a gloo group's pairs."""
+
+from __future__ import annotations
+
+import socket
+
+from fsdp_resilience.training.restart.gloo_transport import GroupTransport
+
+
+def connected_pair(server: socket.socket) -> tuple[socket.socket, socket.socket]:
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    return client, accepted
+
+
+def test_only_the_connections_opened_since_mark_are_broken(monkeypatch):
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    transport = GroupTransport()
+    assert transport.shut_down() == 0  # before mark: a no-op
+    store = socket.create_server(("127.0.0.1", 0))
+    store_client, store_accepted = connected_pair(store)  # a store's connection: it predates the attempt
+    transport.mark()
+    group = socket.create_server(("127.0.0.1", 0))  # the attempt's group listens after mark
+    client, accepted = connected_pair(group)
+    late_store_client, late_store_accepted = connected_pair(store)  # to a server listening before mark
+    try:
+        # Both ends of the group's connection; listeners and the stores' connections are left alone.
+        assert transport.shut_down() == 2
+        assert client.recv(1) == b"" and accepted.recv(1) == b""
+        for a, b in ((store_client, store_accepted), (late_store_client, late_store_accepted)):
+            a.sendall(b"x")
+            assert b.recv(1) == b"x"
+        transport.shut_down()  # safe more than once
+    finally:
+        for s in (store_client, store_accepted, client, accepted, late_store_client, late_store_accepted,
+                  group, store):
+            s.close()
