@@ -7,7 +7,7 @@ in its own processes and bounded by its own timeout, so one that hangs cannot bl
 
   train       bf16 FSDP2 training with the product command, ``python -m fsdp_resilience.training.launch``
               (``small`` preset, NCCL, layered restarts): step time, tokens/s, final loss, exit 0
-  checkpoint  fsdp_resilience.training.checkpoint.AsyncCheckpointer on CUDA with a few hundred MB of state: its
+  checkpoint  fsdp_resilience.training.checkpointing.AsyncCheckpointer on CUDA with a few hundred MB of state: its
               stall against a pinned-memory memcpy of the same bytes, peak /dev/shm use during
               saves, and that the writer process holds no CUDA context
   exception   an exception in rank 0, recovered in-process on NCCL (restart latency)
@@ -446,7 +446,7 @@ def training_api() -> SimpleNamespace:
     import torch
     import torch.distributed as dist
 
-    from fsdp_resilience.training.checkpoint import AsyncCheckpointer, app_state
+    from fsdp_resilience.training.checkpointing import AsyncCheckpointer, app_state
     from fsdp_resilience.training.contract import EventLog
     from fsdp_resilience.training.model import BYTE_VOCAB, PRESET_RUNS, PRESETS, cross_entropy_loss, memory_per_gpu, param_count
     from fsdp_resilience.training.parallelize import build_optimizer, build_sharded_model, device_mesh

@@ -145,7 +145,7 @@ def _run_stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> d
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_resilience.training.checkpoint import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing import AsyncCheckpointer
 
     device = torch.device(spec["device"], rank % max(1, torch.cuda.device_count())) \
         if spec["device"] == "cuda" else torch.device("cpu")
@@ -209,9 +209,9 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
     from torch.distributed.fsdp import fully_shard
 
-    import fsdp_resilience.training.checkpoint as checkpoint_module
-    from fsdp_resilience.training.checkpoint import app_state
-    from fsdp_resilience.training.checkpoint_writer import write_then_checksum as real_job
+    import fsdp_resilience.training.checkpointing.checkpointer as checkpoint_module
+    from fsdp_resilience.training.checkpointing import app_state
+    from fsdp_resilience.training.checkpointing.write_job import write_then_checksum as real_job
 
     scratch = Path(spec["scratch"])
     layers = max(1, round(target_mb * 1e6 / (12 * (WIDTH * WIDTH + WIDTH))))
@@ -262,7 +262,7 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
         saved = app_state(model, optimizer, {"step": step})
         extra["state_dict_s"] = time.perf_counter() - t0
         if method in ("nvrx_async", "nvrx_async_no_checksum"):
-            # The writer's job is picked per save (checkpoint.py binds it when the save starts).
+            # The writer's job is picked per save (checkpointer.py binds it when the save starts).
             checkpoint_module.write_then_checksum = real_job if method == "nvrx_async" else write_sizes_only
             ckpt.save(step, saved)
             return ckpt.pending_written, ckpt.wait, extra
@@ -412,7 +412,7 @@ def _save_eval_checkpoint(ckpt: Any, step: int, rank: int, world: int, mesh: Any
     after one step), committed by the project's checkpointer: what evaluation loads."""
     import torch
 
-    from fsdp_resilience.training.checkpoint import app_state
+    from fsdp_resilience.training.checkpointing import app_state
     from fsdp_resilience.training.model import cross_entropy_loss
     from fsdp_resilience.training.parallelize import build_sharded_model
 

@@ -38,7 +38,7 @@ from nvidia_resiliency_ext.fault_tolerance import (
     WorkloadControlRequest,
 )
 
-from fsdp_resilience.training.checkpoint import CheckpointWriterError
+from fsdp_resilience.training.checkpointing import CheckpointWriterError
 from fsdp_resilience.training.contract import (
     DERIVED_SECTIONS,
     DerivedTimeouts,

@@ -43,7 +43,7 @@ from nvidia_resiliency_ext.inprocess import CallWrapper
 from torch.distributed.tensor import DTensor
 
 from fsdp_resilience.training import faults, restart
-from fsdp_resilience.training.checkpoint import (
+from fsdp_resilience.training.checkpointing import (
     AsyncCheckpointer,
     CheckpointMismatchError,
     app_state,

@@ -18,12 +18,14 @@ import psutil
 import pytest
 import torch
 
-from training.support import REPO, free_port, launch, write_config
 from fsdp_resilience.training import launch as launch_module
 from fsdp_resilience.training import restart
-from fsdp_resilience.training.checkpoint import _BUCKETS_IN_WRITER, _PersistentWriter, _WriterQueue
+from fsdp_resilience.training.checkpointing.snapshot import _BUCKETS_IN_WRITER
+from fsdp_resilience.training.checkpointing.writer import _PersistentWriter, _WriterQueue
 from fsdp_resilience.training.contract import Event, ExitCode, FailureClass, read_events
 from fsdp_resilience.training.parallelize import build_optimizer
+
+from training.support import REPO, free_port, launch, write_config
 
 NVRX_07 = _BUCKETS_IN_WRITER
 
@@ -35,7 +37,7 @@ NVRX_07 = _BUCKETS_IN_WRITER
 TRAINER = textwrap.dedent("""
     import json, os, sys, threading, time
     import torch, torch.distributed as dist
-    from fsdp_resilience.training.checkpoint import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing import AsyncCheckpointer
 
     def shm_used():
         st = os.statvfs("/dev/shm")
