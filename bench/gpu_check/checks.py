@@ -1,5 +1,4 @@
-"""The checks: each runs in its own processes, bounded by its own timeout, and yields a CheckResult.
-"""
+"""The checks: each runs in its own processes, bounded by its own timeout, and yields a CheckResult."""
 
 from __future__ import annotations
 
@@ -26,13 +25,7 @@ from bench.gpu_check.configs import (
     worker_command,
 )
 from bench.gpu_check.processes import log_tail, run_bounded
-from fsdp_resilience.training.contract import (
-    CheckpointCatalog,
-    Event,
-    RunConfig,
-    final_status,
-    read_events,
-)
+from fsdp_resilience.training.contract import CheckpointCatalog, Event, RunConfig, final_status, read_events
 
 
 @dataclass

@@ -1,5 +1,4 @@
-"""Main: parse the command line, run a worker, or run the checks (on the GPUs, or dry).
-"""
+"""Main: parse the command line, run a worker, or run the checks (on the GPUs, or dry)."""
 
 from __future__ import annotations
 
@@ -19,10 +18,7 @@ from bench.gpu_check.dry_run import dry_run
 from bench.gpu_check.processes import run_bounded
 from bench.gpu_check.report import new_report, write_report
 from bench.gpu_check.workers import worker_checkpoint, worker_memory, worker_probe
-from fsdp_resilience.training.contract import (
-    ConfigError,
-    RunConfig,
-)
+from fsdp_resilience.training.contract import ConfigError, RunConfig
 
 
 def probe_versions(work: Path) -> dict[str, Any]:

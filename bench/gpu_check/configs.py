@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, RESULTS, free_port
-from fsdp_resilience.training.contract import (
-    RunConfig,
-)
+from fsdp_resilience.training.contract import RunConfig
 
 DOC = REPO / "docs" / "gpu.md"
 JSON_OUT = RESULTS / "gpu.json"

@@ -1,5 +1,4 @@
-"""Dry run: the wiring, without a GPU (configs validate, commands resolve, the report writer works).
-"""
+"""Dry run: the wiring, without a GPU (configs validate, commands resolve, the report writer works)."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ from bench.gpu_check.checks import LAUNCHED, WORKERS, Check, CheckResult, nccl_t
 from bench.gpu_check.configs import build_configs, launch_command, worker_command, write_configs
 from bench.gpu_check.report import new_report, write_report
 from bench.gpu_check.workers import training_api
-from fsdp_resilience.training.contract import (
-    ConfigError,
-)
+from fsdp_resilience.training.contract import ConfigError
 
 
 def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:

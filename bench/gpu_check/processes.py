@@ -1,5 +1,4 @@
-"""Processes: bounded, and nothing left behind (a process tree stopped with SIGTERM, then SIGKILL).
-"""
+"""Processes: bounded, and nothing left behind (a process tree stopped with SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 

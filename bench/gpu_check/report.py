@@ -1,5 +1,4 @@
-"""The report: docs/gpu.md and bench/results/gpu.json.
-"""
+"""The report: docs/gpu.md and bench/results/gpu.json."""
 
 from __future__ import annotations
 

@@ -19,10 +19,7 @@ from typing import Any
 
 from bench.common import write_json
 from bench.gpu_check.processes import descendants
-from fsdp_resilience.training.contract import (
-    CheckpointCatalog,
-    RunConfig,
-)
+from fsdp_resilience.training.contract import CheckpointCatalog, RunConfig
 
 
 def training_api() -> SimpleNamespace:
