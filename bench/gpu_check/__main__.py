@@ -4,5 +4,5 @@ import sys
 
 from bench.gpu_check.cli import main
 
-if __name__ == "__main__":  # the guard the checkpoint writer needs: it spawns this module's workers
+if __name__ == "__main__":  # the guard the checkpoint writer needs: it spawns this package's workers
     sys.exit(main())

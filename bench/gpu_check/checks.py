@@ -251,7 +251,7 @@ CHECKS: tuple[Check, ...] = (
     Check("memory", "memory of the `1b` preset (FSDP2 + AdamW)", 420, check_memory),
 )
 
-#: The checks that run ``python -m fsdp_resilience.training.launch``; the others run a worker of this module.
+#: The checks that run ``python -m fsdp_resilience.training.launch``; the others run a worker (workers.py).
 LAUNCHED = tuple(LAUNCH_SCENARIOS)
 WORKERS = ("checkpoint", "memory")
 

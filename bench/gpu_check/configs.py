@@ -80,6 +80,6 @@ def launch_command(cfg_path: Path, dry_run: bool = False) -> list[str]:
 
 
 def worker_command(worker: str, cfg_path: Path, result: Path, gpus: int) -> list[str]:
-    """One process per GPU under torchrun, each running ``worker`` of this module."""
+    """One process per GPU under torchrun, each running ``worker`` (workers.py)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
             "-m", "bench.gpu_check", "--worker", worker, "--config", str(cfg_path), "--result", str(result)]
