@@ -43,7 +43,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_resilience.training.checkpoint import load_checkpoint
+from fsdp_resilience.training.checkpointing import (
+    NotDirectlyReadable,
+    load_checkpoint,
+    plan_direct_read,
+    read_model_bytes,
+)
 from fsdp_resilience.training.contract import (
     CheckpointCatalog,
     CheckpointInfo,
@@ -58,7 +63,6 @@ from fsdp_resilience.training.contract import (
     verify_checkpoint,
 )
 from fsdp_resilience.training.data import validation_batches
-from fsdp_resilience.training.model_bytes import NotDirectlyReadable, plan_direct_read, read_model_bytes
 from fsdp_resilience.training.model import build_model, cross_entropy_loss
 from fsdp_resilience.training.parallelize import choose_device
 

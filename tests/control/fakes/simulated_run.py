@@ -3,7 +3,7 @@ the launcher, the workers and the control plane do, on a clock it advances itsel
 report's expected seconds are exact; and the scenarios the report tests build with it.
 
 The logs are written with the contract's ``EventLog`` in the shape real runs give them (see
-``src/fsdp_resilience/training/train.py`` and ``src/fsdp_resilience/training/restart.py``: ``step`` records from rank 0,
+``src/fsdp_resilience/training/train/`` and ``src/fsdp_resilience/training/restart/``: ``step`` records from rank 0,
 ``restart_end`` just before the first step after a restart, in-job ``restart_begin`` after the new
 ``train_begin``).
 """

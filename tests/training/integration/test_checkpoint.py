@@ -1,17 +1,14 @@
-"""Asynchronous DCP checkpoints (src/fsdp_resilience/training/checkpoint.py) with real processes: 2 gloo ranks, FSDP2,
+"""Asynchronous DCP checkpoints (src/fsdp_resilience/training/checkpointing/) with real processes: 2 gloo ranks, FSDP2,
 NVRx's writer processes, real kills. Nothing of torch or NVRx is mocked.
 
 One 2-rank scenario runs once per module (starting ranks and writer processes is what costs time);
-each test checks one of its phases. Fast single-process tests come first.
+each test checks one of its phases. Single-process tests of the package's modules are in
+tests/training/unit/checkpointing/.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import os
-import pickle
-import queue
 import shutil
 import signal
 import statistics
@@ -23,102 +20,14 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-from shared import run_on_two_ranks
 
-from fsdp_resilience.training.checkpoint import (
-    _BUCKETS_IN_WRITER,
-    CheckpointWriterError,
-    SnapshotBuffers,
-    _cpu_safe_preload,
-    load_latest,
-)
+from fsdp_resilience.training.checkpointing import load_latest
 from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, Event, EventLog, RunDir, read_events
+
+from shared import run_on_two_ranks
 
 WIDTH, DEPTH = 1024, 6  # 6.3M parameters: ~75 MB with AdamW state, ~38 MB per rank
 KEEP = 2
-
-
-# --------------------------------------------------------------------------------------------
-# Fast, single process
-# --------------------------------------------------------------------------------------------
-
-
-def test_snapshot_copies_into_reused_shared_buffers():
-    weights = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    state = {"model": {"w": weights, "view": weights[:, 1]}, "trainer": {"step": 3, "names": ["a"]}}
-    buffers = SnapshotBuffers()
-
-    first = buffers.snapshot(state)
-    weights.add_(100.0)  # training goes on
-    state["trainer"]["names"].append("b")
-
-    assert torch.equal(first["model"]["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
-    assert first["model"]["w"].data_ptr() != weights.data_ptr()
-    assert first["model"]["w"].is_shared()  # the writer process maps it, no copy through the queue
-    assert first["model"]["view"].is_contiguous() and first["model"]["view"].untyped_storage().nbytes() == 3 * 4
-    assert first["trainer"] == {"step": 3, "names": ["a"]}
-
-    second = buffers.snapshot(state)
-    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # reused, not reallocated
-    assert torch.equal(second["model"]["w"], weights)
-    assert buffers.nbytes == (12 + 3) * 4
-
-
-def test_stock_preload_needs_cuda_and_ours_does_not():
-    """NVRx 0.4.1's preload syncs CUDA unconditionally; with non_blocking=False it is a no-op
-    staging of host tensors. (0.7's preload syncs only for CUDA tensors.)"""
-    if _BUCKETS_IN_WRITER:
-        pytest.skip("NVRx 0.7's preload builds the buckets in the writer and syncs CUDA only for CUDA tensors")
-    tensor = torch.ones(4)
-    buckets = [("/nowhere/__0_0.distcp", "__0_0.distcp", ([], [("item", tensor)]))]
-    stock = functools.partial(FileSystemWriterAsync.preload_tensors, buckets, True)
-    if not torch.cuda.is_available():
-        with pytest.raises((AssertionError, RuntimeError)):
-            stock()
-    staged = _cpu_safe_preload(stock)()
-    assert staged[0][2][1][0][1] is tensor
-
-
-def test_writer_error_survives_copy_and_pickle():
-    """Restart layers (NVRx's in-process Wrapper) copy and re-raise exceptions as cls(*args)."""
-    error = CheckpointWriterError(6, "rank 0: writer process died", (0,))
-    for clone in (copy.copy(error), pickle.loads(pickle.dumps(error))):
-        assert (clone.step, clone.failed_ranks, str(clone)) == (6, (0,), str(error))
-    assert str(error) == "checkpoint step 6 failed: rank 0: writer process died"
-
-
-def test_a_late_write_result_is_never_read_as_a_newer_saves():
-    """Write results come back over the writer's completion queue, tagged with their save's own
-    number: an abandoned save's result arriving late is not the next save's, and is dropped."""
-    from fsdp_resilience.training.checkpoint_writer import _WriteResultsChannel
-
-    channel = _WriteResultsChannel()
-    try:
-        abandoned, current = channel.new_queue(), channel.new_queue()
-        travelled = pickle.loads(pickle.dumps(current))  # what the writer process gets: the number only
-        assert travelled.number == current.number != abandoned.number
-        with pytest.raises(RuntimeError, match="writer process"):
-            travelled.put({})  # only the writer process sends results
-        with pytest.raises(queue.Empty):
-            current.get_nowait()  # nothing arrived yet
-        channel.file(current.number, "current's result")
-        channel.file(abandoned.number, "abandoned save's late result")
-        assert current.get_nowait() == "current's result"
-        with pytest.raises(queue.Empty):
-            abandoned.get_nowait()  # dropped once a newer save's result was read
-    finally:
-        channel.close()
-
-
-def test_load_latest_with_nothing_committed(tmp_path):
-    layout = RunDir(tmp_path / "run")
-    layout.create()
-    layout.checkpoint_dir(5).mkdir()  # torn: no marker
-    events = EventLog(layout.events)
-    assert load_latest(layout.root, {"x": torch.zeros(1)}, events=events) is None
-    skips = read_events(layout.events, Event.CHECKPOINT_SKIP)
-    assert [r["checkpoint_id"] for r in skips] == ["step_00000005"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,8 +84,13 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_resilience.training.checkpoint import (AsyncCheckpointer, CheckpointWriterError, app_state, load_checkpoint,
-                                     restore_app_state)
+    from fsdp_resilience.training.checkpointing import (
+        AsyncCheckpointer,
+        CheckpointWriterError,
+        app_state,
+        load_checkpoint,
+        restore_app_state,
+    )
 
     run_dir, sync_dir = tmp / "run", tmp / "run-sync"
     layout = RunDir(run_dir)

@@ -9,7 +9,7 @@ processes, real damage to real checkpoint files, real SIGSTOP/SIGKILL. Nothing i
   loads, on every rank alike, with a quarantine record and an event saying why;
 - retention keeps the newest checkpoint known to verify, even below a newer damaged one;
 - a stopped (stuck) writer is killed and replaced within its bound, mid-save and after a restart,
-  and nothing it forked outlives it;
+  and nothing it forked outlives it (the writer process alone: test_checkpoint_writer_process.py);
 - a save whose model did not change while the step advanced is flagged stale.
 
 One 2-rank scenario runs once per module; each test checks one of its phases.
@@ -29,16 +29,9 @@ from typing import Any
 import psutil
 import pytest
 import torch
-import torch.multiprocessing as mp
-from shared import run_on_two_ranks
 from test_checkpoint import _flat, _mismatches, _running
 
-from fsdp_resilience.training.checkpoint import (
-    CheckpointMismatchError,
-    _PersistentWriter,
-    _WriterQueue,
-    load_latest,
-)
+from fsdp_resilience.training.checkpointing import CheckpointMismatchError, load_latest
 from fsdp_resilience.training.contract import (
     COMMIT_MARKER,
     QUARANTINE_RECORD,
@@ -52,68 +45,11 @@ from fsdp_resilience.training.contract import (
     read_commit_marker,
     read_events,
 )
-from fsdp_resilience.training.faults import descendants
+
+from shared import run_on_two_ranks
 
 WIDTH, DEPTH = 256, 4
 STALL_S = 5.0  # the writers' stall bound in the scenario
-
-
-# --------------------------------------------------------------------------------------------
-# The writer's file writers die with it; a stopped writer is seen as stalled and killed
-# --------------------------------------------------------------------------------------------
-
-
-def _fork_file_writer(pid_file: str) -> None:
-    """Runs in the writer process, as NVRx 0.4.1's write does: fork a child and wait for it."""
-    child = mp.get_context("fork").Process(target=time.sleep, args=(600,), daemon=False)
-    child.start()
-    Path(pid_file).write_text(str(child.pid))
-    child.join()
-
-
-def _writer_with_a_child(tmp_path: Path, stall_s: float = 600.0) -> tuple[_PersistentWriter, int]:
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-
-    writer = _PersistentWriter(rank=0, stall_s=stall_s)
-    writer.start()
-    calls = _WriterQueue(writer)
-    pid_file = tmp_path / f"child-{time.monotonic_ns()}"
-    calls.schedule_async_request(AsyncRequest(_fork_file_writer, (str(pid_file),), []))
-    deadline = time.monotonic() + 120
-    while not pid_file.exists() or not pid_file.read_text():
-        assert time.monotonic() < deadline and writer.alive, "the writer did not fork its child"
-        time.sleep(0.05)
-    return writer, int(pid_file.read_text())
-
-
-def _wait_gone(pids: list[int], timeout: float = 20) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if _running(p)]
-
-
-@pytest.mark.slow
-def test_a_killed_writer_takes_its_file_writers_with_it(tmp_path):
-    writer, child = _writer_with_a_child(tmp_path)
-    assert child in descendants(writer.pid)
-    os.kill(writer.pid, signal.SIGKILL)  # as a drill or the OOM killer would: no cleanup runs
-    assert _wait_gone([writer.pid, child]) == [], "the writer's forked file writer outlived it"
-    writer.close()
-
-
-@pytest.mark.slow
-def test_a_stopped_writer_is_stalled_and_close_kills_its_whole_tree(tmp_path):
-    writer, child = _writer_with_a_child(tmp_path, stall_s=2.0)
-    pid = writer.pid
-    for p in (pid, child):
-        os.kill(p, signal.SIGSTOP)
-    deadline = time.monotonic() + 60
-    while not writer.stalled():
-        assert time.monotonic() < deadline, "a stopped writer with work was never seen as stalled"
-        time.sleep(0.1)
-    writer.close()  # asks it to finish, sees it stalled, kills it and its child
-    assert _wait_gone([pid, child]) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,7 +87,7 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_resilience.training.checkpoint import AsyncCheckpointer, CheckpointWriterError, app_state
+    from fsdp_resilience.training.checkpointing import AsyncCheckpointer, CheckpointWriterError, app_state
 
     run_dir = tmp / "run"
     layout = RunDir(run_dir)

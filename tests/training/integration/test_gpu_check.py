@@ -1,4 +1,4 @@
-"""`make gpu-check` (bench/gpu_check.py), dry: its wiring holds without a GPU. With --dry-run it
+"""`make gpu-check` (bench/gpu_check/), dry: its wiring holds without a GPU. With --dry-run it
 runs dry on a GPU machine too, so this test means the same everywhere."""
 
 from __future__ import annotations

@@ -18,15 +18,17 @@ import psutil
 import pytest
 import torch
 
-from training.support import REPO, free_port, launch, write_config
 from fsdp_resilience.training.launch import command as launch_command
 from fsdp_resilience.training.launch.cli import main as launch_main
 from fsdp_resilience.training.restart.fault_kinds import is_platform_fault
 from fsdp_resilience.training.restart.process_group import process_group_options
 from fsdp_resilience.training.restart.wrapper import inprocess_wrapper, restart_health_checks_wanted
-from fsdp_resilience.training.checkpoint import _BUCKETS_IN_WRITER, _PersistentWriter, _WriterQueue
+from fsdp_resilience.training.checkpointing.snapshot import _BUCKETS_IN_WRITER
+from fsdp_resilience.training.checkpointing.writer import _PersistentWriter, _WriterQueue
 from fsdp_resilience.training.contract import Event, ExitCode, FailureClass, read_events
 from fsdp_resilience.training.parallelize import build_optimizer
+
+from training.support import REPO, free_port, launch, write_config
 
 NVRX_07 = _BUCKETS_IN_WRITER
 
@@ -38,7 +40,7 @@ NVRX_07 = _BUCKETS_IN_WRITER
 TRAINER = textwrap.dedent("""
     import json, os, sys, threading, time
     import torch, torch.distributed as dist
-    from fsdp_resilience.training.checkpoint import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing import AsyncCheckpointer
 
     def shm_used():
         st = os.statvfs("/dev/shm")

@@ -17,7 +17,7 @@ from fsdp_resilience.training.contract import CheckpointCatalog, Event, FailureC
 from fsdp_resilience.control.backends.base import JobStatus
 
 #: A fault_detected error with one of these comes from a peer's failure (a collective or the
-#: network gave up waiting), so it does not blame the node that logged it (as src/fsdp_resilience/training/restart.py).
+#: network gave up waiting), so it does not blame the node that logged it (as src/fsdp_resilience/training/restart/fault_kinds.py).
 PEER_SYMPTOMS = ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer", "broken pipe",
                  "rendezvous", "store")
 #: fault_detected's ``failure_class`` when the fault points at the machine (older logs have none).

@@ -213,7 +213,7 @@ class RunConfig:
     1 .. 86,400; below ``heartbeat_timeout_s`` in layered mode."""
     timeout_safety_factor: float = 5.0
     """ft_launcher's heartbeat and step / checkpoint section timeouts are derived once an attempt
-    has run its warm steps and two saves (src/fsdp_resilience/training/restart.py: RankMonitor): this factor x the
+    has run its warm steps and two saves (src/fsdp_resilience/training/restart/rank_monitor.py: RankMonitor): this factor x the
     longest interval seen after the first save, kept above the restart layers' order and never
     above ``heartbeat_timeout_s``, which is what applies until then (``RestartTimeouts.derive``).
     1 .. 100."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess import CallWrapper
 
 from fsdp_resilience.training import faults
-from fsdp_resilience.training.checkpoint import (
+from fsdp_resilience.training.checkpointing import (
     AsyncCheckpointer,
     app_state,
     choose_checkpoint,

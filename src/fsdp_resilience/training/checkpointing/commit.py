@@ -1,8 +1,6 @@
-"""The commit protocol's parts, beside ``AsyncCheckpointer`` (src/fsdp_resilience/training/checkpoint.py) which runs it.
+"""Rank 0's side of the commit protocol, beside ``AsyncCheckpointer`` (``checkpointer``) and its
+collective rounds (``rounds``), which decide when it runs.
 
-- the per-rank states a settle / finalize round exchanges, what a pending save holds, where a
-  save's time went (``SaveStats``), the group the rounds run on, and ``CheckpointWriterError``,
-  which every rank raises at the same point when a save fails anywhere;
 - ``Committer.commit``: rank 0, once every rank finished writing: DCP's ``.metadata``, then
   ``CheckpointCatalog.commit`` (the rules live in ``fsdp_resilience.training.contract``: the marker lists every
   file with its size and CRC32C, and a checkpoint without every rank's checksums is refused), with
@@ -15,7 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import shutil
@@ -26,11 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 from torch.distributed.tensor import DTensor
 
-from fsdp_resilience.training.checkpoint_writer import model_digest, read_writer_records, write_writer_record
+from fsdp_resilience.training.checkpointing.write_job import model_digest, read_writer_records, write_writer_record
 from fsdp_resilience.training.contract import (
     COMMIT_MARKER,
     CheckpointCatalog,
@@ -42,79 +37,6 @@ from fsdp_resilience.training.contract import (
 )
 
 log = logging.getLogger(__name__)
-
-
-#: How long one finalize round waits locally before the ranks compare notes (seconds). Short, so
-#: a rank that finished early never sits in a collective for long (gloo timeouts can be seconds).
-_ROUND_S = 0.05
-
-# Per-rank states exchanged in a finalize / settle round. Larger is worse: any rank's FAILED or
-# DEAD fails the save everywhere.
-_DONE, _BUSY, _FAILED, _DEAD = 0, 1, 2, 3
-_STATE_NAMES = {_DONE: "done", _BUSY: "busy", _FAILED: "write failed", _DEAD: "writer process died or stalled"}
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveStats:
-    """Where the time of one ``save`` went (seconds); ``blocking_s`` is what the caller waited."""
-
-    step: int
-    mode: str  # "async" | "sync"
-    blocking_s: float
-    settle_s: float  # finishing the previous save + agreeing the writers are ready
-    snapshot_s: float  # memcpy into the reused buffers (async only)
-    plan_s: float  # DCP planning (a collective) + NVRx write preparation
-    schedule_s: float  # handing the shard to the writer process
-    snapshot_bytes: int
-
-
-@dataclasses.dataclass
-class _PendingSave:
-    step: int
-    path: Path
-    writer: FileSystemWriterAsync
-    metadata: Any
-    dist_wrapper: Any
-    call_idx: int | None  # None: nothing to write on this rank
-    began: float  # time.monotonic() when save() was entered
-    scheduled: float
-    local_state: int | None = None  # sticky once DONE / FAILED / DEAD
-    write_results: list | None = None
-    error: str = ""
-
-
-def _protocol_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group the save protocol (planning, settle and finalize rounds, commit) runs on.
-
-    On NCCL every round would be a GPU collective plus a host sync of its result, once per step
-    while a save is pending. A gloo group over the same ranks keeps them on the host, off the GPU
-    streams, as torch's docs recommend for async checkpointing. Creating it is a collective:
-    ``rebind`` is called on every rank at the same point."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" not in backend or "gloo" in backend:
-        return group
-    ranks = None if group is dist.group.WORLD else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo")
-
-
-def _failed_ranks(states: list[int]) -> list[int]:
-    return [r for r, s in enumerate(states) if s in (_FAILED, _DEAD)]
-
-
-class CheckpointWriterError(RuntimeError):
-    """A checkpoint save failed on at least one rank (its writer process died, hung, or the write
-    raised). Raised on every rank at the same point; the step is left uncommitted (torn) and the
-    checkpointer is ready for the next save (a dead writer has already been replaced)."""
-
-    def __init__(self, step: int, message: str, failed_ranks: tuple[int, ...] = ()):
-        # args mirror the signature: restart layers copy and pickle exceptions as cls(*args).
-        super().__init__(step, message, tuple(failed_ranks))
-        self.step = step
-        self.message = message
-        self.failed_ranks = tuple(failed_ranks)
-
-    def __str__(self) -> str:
-        return f"checkpoint step {self.step} failed: {self.message}"
 
 
 class Committer:

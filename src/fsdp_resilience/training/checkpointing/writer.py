@@ -1,18 +1,15 @@
-"""NVRx's persistent checkpoint writer process, hardened, and what it does for one save.
+"""NVRx's persistent checkpoint writer process, hardened: one per rank, started, watched and replaced.
 
 One writer process per rank (``_PersistentWriter``), started by us on every NVRx version with a
 parent-death signal, fed through ``_WriterQueue`` (NVRx's ``AsyncCallsQueue`` without its CUDA
 finalize). Write results come back over the writer's own completion queue, each tagged with its
-save's number (``_WriteResultsChannel``): no manager process, so a rank runs two interpreters
+save's number (``write_results``): no manager process, so a rank runs two interpreters
 (trainer and writer), not three. A trainer that asks for it (``fork=True``) gets its first writer
 forked before it has threads, a process group or CUDA: no second interpreter boot importing torch
 to compete with its start and restore. Replacements are spawned. Writers run at reduced CPU
 priority (``NICE``).
 
-A save's job in the writer (``write_then_checksum``): NVRx's write, then the size and CRC32C of
-every file this rank wrote (``contract.write_rank_sums``: the commit requires them) and a CRC32C
-of the model's bytes (rank 0 compares it with the previous commit's to flag a stale save). All of
-it runs in the writer, off the training loop, before the trainer hears that the write finished.
+A save's job in the writer (NVRx's write, then the checksums the commit needs) is ``write_job``'s.
 
 Liveness: a writer that dies is seen by its process state; one that is stopped or hung (no CPU
 time used and no byte read or written, by it or by the file writers it forked, for ``stall_s``
@@ -33,21 +30,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import itertools
-import json
 import logging
 import os
 import queue as queue_lib
 import signal
 import threading
 import time
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-import crc32c
 import torch
-from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async as nvrx_filesystem
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
     AsyncCallsQueue,
     AsyncRequest,
@@ -55,13 +46,11 @@ from nvidia_resiliency_ext.checkpointing.async_ckpt.core import (
 )
 from torch import multiprocessing as mp
 
-from fsdp_resilience.training.contract import SUMS_DIR, atomic_write_text, write_rank_sums
+from fsdp_resilience.training.checkpointing import write_results
+from fsdp_resilience.training.checkpointing.write_results import _RESULT, _WriteResultsChannel
 from fsdp_resilience.training.faults import descendants
 
 log = logging.getLogger(__name__)
-
-#: Beside each rank's checksums in ``.sums/``: its model digest and what checksumming cost.
-WRITER_RECORD = "writer_rank_{rank:05d}.json"
 
 
 def writer_stall_bound(hang_timeout_s: float, write_timeout_s: float = 600.0) -> float:
@@ -118,18 +107,10 @@ def _run_writer_loop(parent_pid: int | None, loop_kwargs: dict[str, Any]) -> Non
     PersistentAsyncCaller.async_loop(**loop_kwargs)
 
 
-#: In the writer process: the completion queue that write results travel back on (set at start).
-_results_out: Any = None
-
-#: The tag of a write result on the completion queue (NVRx itself only sends call indices there).
-_RESULT = "write_result"
-
-
 def _writer_main(parent_pid: int | None, loop_kwargs: dict[str, Any]) -> None:
     """Entry point of the writer process: write results share NVRx's completion queue, which
     this process inherited at start (an ``mp.Queue`` cannot travel inside a request)."""
-    global _results_out
-    _results_out = loop_kwargs["comp_q"]
+    write_results._results_out = loop_kwargs["comp_q"]
     _run_writer_loop(parent_pid, loop_kwargs)
 
 
@@ -143,74 +124,6 @@ def fork_is_safe() -> bool:
 
 def _noop() -> None:
     """The ping a fresh writer runs to show it is up (0.4.1's worker needs an ``async_fn``)."""
-
-
-def model_digest(tensors: Iterable[tuple[str, tuple, torch.Tensor]]) -> tuple[str, int]:
-    """CRC32C over the bytes of ``(fqn, offset, tensor)`` host tensors in fqn/offset order, and
-    how many bytes that was. Equal digests of two saves mean the model did not change."""
-    value, nbytes = 0, 0
-    for _, _, tensor in sorted(tensors, key=lambda t: (t[0], t[1])):
-        if tensor.numel() == 0:
-            continue
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
-        value = crc32c.crc32c(data, value)
-        nbytes += data.nbytes
-    return f"{value:08x}", nbytes
-
-
-def _model_tensors(buckets: Any) -> Iterable[tuple[str, tuple, torch.Tensor]]:
-    """The model's tensors in NVRx write buckets: ``(path, name, (bytes_items, tensor_items))``."""
-    for _path, _name, (_bytes, tensors) in buckets or ():
-        for item, tensor in tensors:
-            if item.index.fqn.startswith("model."):
-                yield item.index.fqn, tuple(item.index.offset or ()), tensor
-
-
-def write_writer_record(path: str | os.PathLike, rank: int, **record: Any) -> None:
-    """``.sums/writer_rank_NNNNN.json``: this rank's model digest and checksum cost."""
-    folder = Path(path) / SUMS_DIR
-    folder.mkdir(exist_ok=True)  # never parents: a removed checkpoint folder stays removed
-    atomic_write_text(folder / WRITER_RECORD.format(rank=rank), json.dumps(record, sort_keys=True))
-
-
-def read_writer_records(path: str | os.PathLike, world_size: int) -> list[dict[str, Any]] | None:
-    """Every rank's writer record, or None if one is missing or unreadable."""
-    records = []
-    for rank in range(world_size):
-        try:
-            records.append(json.loads((Path(path) / SUMS_DIR / WRITER_RECORD.format(rank=rank)).read_text()))
-        except (OSError, ValueError):
-            return None
-    return records
-
-
-def write_then_checksum(write_fn: Any, checkpoint_dir: str, sums_rank: int,
-                        rank: int, buckets: Any, results_queue: Any) -> None:
-    """One save, in the writer process: ``write_fn`` (NVRx's write, both versions' signature
-    ``(rank, buckets, results_queue)``), then the checksums of the files it wrote and the model
-    digest, and only then the write's outcome to the trainer: when the trainer sees "done", the
-    checksums are on disk. A failure of either is reported as the write's failure.
-
-    ``sums_rank`` is this rank in the checkpoint's process group (the commit reads ``.sums`` for
-    ranks 0..world-1); NVRx names the shard files by the global rank."""
-    local: queue_lib.Queue = queue_lib.Queue()  # NVRx puts its result here, in this process
-    try:
-        write_fn(rank, buckets, local)
-        result = local.get_nowait()
-    except Exception as e:  # noqa: BLE001 - relayed to the trainer like NVRx's own write errors
-        result = e
-    if not isinstance(result, BaseException):
-        try:
-            began = time.monotonic()
-            names = sorted({wr.storage_data.relative_path for results in result.values() for wr in results})
-            sums = write_rank_sums(checkpoint_dir, sums_rank, names)
-            crc, model_bytes = model_digest(_model_tensors(buckets))
-            write_writer_record(checkpoint_dir, sums_rank, model_crc32c=crc, model_bytes=model_bytes,
-                                checksum_bytes=sum(s["size"] for s in sums.values()),
-                                checksum_s=round(time.monotonic() - began, 6))
-        except Exception as e:  # noqa: BLE001 - e.g. ENOSPC: the save must not commit
-            result = e
-    results_queue.put(result)
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,7 +184,7 @@ class _PersistentWriter(PersistentAsyncCaller):
     that never blocks on a dead or stuck worker's queues.
     """
 
-    def __init__(self, rank: int, stall_s: float = 600.0, results: "_WriteResultsChannel | None" = None):
+    def __init__(self, rank: int, stall_s: float = 600.0, results: _WriteResultsChannel | None = None):
         params = inspect.signature(PersistentAsyncCaller.__init__).parameters
         # 0.7 opens a CUDA context in the worker unless told host memory is all it will see. It
         # is: the snapshot is in host buffers on every device, so the writer never needs a GPU
@@ -443,76 +356,6 @@ class _WriterQueue(AsyncCallsQueue):
         """Drop requests the writer finished (never one it may still be reading)."""
         while self.async_calls and self.async_calls[0].idx <= call_idx:
             self.async_calls.popleft()
-
-
-class _ResultSlot:
-    """One save's write-results "queue" (NVRx's ``results_queue`` argument): ``put`` in the
-    writer process, ``get_nowait`` in the trainer. Only its number travels to the writer."""
-
-    def __init__(self, number: int, channel: "_WriteResultsChannel | None"):
-        self.number = number
-        self._channel = channel
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"number": self.number}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.number, self._channel = state["number"], None
-
-    def put(self, result: Any) -> None:
-        """In the writer: send this save's result to the trainer."""
-        if _results_out is None:
-            raise RuntimeError("a checkpoint write result can only be sent from the writer process "
-                               "(fsdp_resilience.training.checkpoint_writer._writer_main)")
-        _results_out.put((_RESULT, self.number, result))
-
-    def get_nowait(self) -> Any:
-        """In the trainer: this save's result (raises ``queue.Empty`` if it has not arrived)."""
-        if self._channel is None:
-            raise RuntimeError("this write-results slot is not a save's: AsyncCheckpointer gives every save its "
-                               "own (see _WriteResultsChannel.new_queue)")
-        return self._channel.take(self.number)
-
-
-class _WriteResultsChannel:
-    """Write results from the writer to the trainer, carried on the writer's completion queue.
-
-    Every save gets its own numbered slot (``new_queue``). In the writer the slot sends
-    ``(_RESULT, number, result)`` on the completion queue, ahead of the call index NVRx sends when
-    the call returns (one process, one queue: they arrive in that order). In the trainer the
-    writer's ``wait_completed`` files the result here under its number, and the save's
-    ``retrieve_write_results`` takes it by number. So an abandoned save's late result is filed
-    under its own number, never read as a newer save's; reading a save's result drops older ones.
-    No process of its own: NVRx's default (a manager process) is replaced by a slot that refuses use.
-    """
-
-    def __init__(self) -> None:
-        self._numbers = itertools.count()
-        self._results: dict[int, Any] = {}
-        self._installed: _ResultSlot | None = None
-        if getattr(nvrx_filesystem, "_results_queue", "missing") is None:
-            # NVRx's module-wide default: ours, so NVRx never spawns a manager for it. Every save
-            # replaces it with its own slot before the request is built.
-            self._installed = nvrx_filesystem._results_queue = _ResultSlot(-1, None)
-
-    def new_queue(self) -> _ResultSlot:
-        return _ResultSlot(next(self._numbers), self)
-
-    def file(self, number: int, result: Any) -> None:
-        self._results[number] = result
-
-    def take(self, number: int) -> Any:
-        if number not in self._results:
-            raise queue_lib.Empty
-        for older in [n for n in self._results if n < number]:  # abandoned saves' late results
-            del self._results[older]
-        return self._results.pop(number)
-
-    def close(self) -> None:
-        if self._installed is not None and getattr(nvrx_filesystem, "_results_queue", None) is self._installed:
-            nvrx_filesystem._results_queue = None
-        self._installed = None
-        self._results.clear()
 
 
 @dataclasses.dataclass

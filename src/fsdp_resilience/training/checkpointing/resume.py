@@ -228,7 +228,8 @@ def _load_error(e: BaseException) -> str:
     return f"DCP's read failed on rank(s) {sorted(failures)}: " + "; ".join(parts)
 
 
-def load_checkpoint(info: CheckpointInfo, state: dict[str, Any], process_group: dist.ProcessGroup | None = None) -> None:
+def load_checkpoint(info: CheckpointInfo, state: dict[str, Any],
+                    process_group: dist.ProcessGroup | None = None) -> None:
     """Load checkpoint ``info`` into ``state`` in place (DCP reshards to this world size). No
     verification: prefer ``restore_checkpoint``."""
     dcp.load(state, checkpoint_id=str(info.path), process_group=process_group)

@@ -1,13 +1,13 @@
-"""Asynchronous DCP checkpoints with NVRx's async writer, and the commit protocol.
+"""``AsyncCheckpointer``: asynchronous DCP checkpoints with NVRx's async writer, and the commit protocol.
 
 What a save does (``AsyncCheckpointer.save``), on every rank of the process group:
 
 1. settle: finish the previous save (a collective, see below) and agree that every rank's writer
    process is up and that all ranks save the same step;
-2. snapshot: copy every tensor of the state dict into reused host buffers (``fsdp_resilience.training.snapshot``).
-   This memcpy is the only copy of the state a save makes;
+2. snapshot: copy every tensor of the state dict into reused host buffers (``snapshot``). This
+   memcpy is the only copy of the state a save makes;
 3. plan with NVRx's ``save_state_dict_async_plan`` over the snapshot (never the live tensors) and
-   hand the shard to the rank's writer process (``fsdp_resilience.training.checkpoint_writer``). The plan is
+   hand the shard to the rank's writer process (``writer``; its job: ``write_job``). The plan is
    cached (NVRx's ``CheckpointMetadataCache``): once two saves planned the same, later saves skip
    the planning collectives and reuse the plan and DCP metadata. Whether the cache may be used is
    agreed by every rank in step 1 (each compares its state's ``structure_key`` with the one its
@@ -16,15 +16,13 @@ What a save does (``AsyncCheckpointer.save``), on every rank of the process grou
 4. return. The writer writes ``__<rank>_*.distcp`` into ``RunDir.checkpoint_dir(step)``, then the
    size and CRC32C of each file it wrote into ``.sums/`` and a digest of the model's bytes.
 
-Finalizing (``poll``/``wait``, and at the start of the next ``save``) is a collective: every rank
-reports whether its write finished, failed, or its writer process died or stalled; only when every
-rank finished does rank 0 write DCP's ``.metadata`` and then ``CheckpointCatalog.commit`` (which
-refuses a checkpoint without every rank's checksums); retention then runs in the background on
-rank 0, never deleting the newest checkpoint this checkpointer knows verifies (``trust``). A
-failure anywhere makes every rank raise ``CheckpointWriterError``; the step stays torn (no
-marker) and is never loaded. A save whose model bytes equal the previous commit's while the step
-advanced gets a ``checkpoint_stale`` event. Resuming: ``fsdp_resilience.training.resume`` (verify, quarantine,
-fall back), re-exported here.
+Finalizing (``poll``/``wait``, and at the start of the next ``save``) is a collective (``rounds``):
+only when every rank finished writing does rank 0 commit (``commit``); retention then runs in the
+background on rank 0, never deleting the newest checkpoint this checkpointer knows verifies
+(``trust``). A failure anywhere makes every rank raise ``CheckpointWriterError``; the step stays
+torn (no marker) and is never loaded. A save whose model bytes equal the previous commit's while
+the step advanced gets a ``checkpoint_stale`` event. Resuming: ``resume`` (verify, quarantine,
+fall back).
 
 Why not NVRx's stock finalize path (measured on CPU with 0.4.1, see ``NVRX-NOTES.md``): it syncs
 on CUDA tensors, its blocking waits never notice a dead worker, and live CPU tensors passed through
@@ -40,6 +38,7 @@ the save's own number, over the writer's completion queue (no manager process).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import logging
 import os
@@ -53,30 +52,59 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (CheckpointMetadataCache,
-                                                                              save_state_dict_async_plan)
+from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+    CheckpointMetadataCache,
+    save_state_dict_async_plan,
+)
 
-from fsdp_resilience.training.checkpoint_writer import (_HelperProcesses, _noop, _PersistentWriter,  # noqa: F401
-                                       _WriteResultsChannel, _WriterGone, _WriterQueue, fork_is_safe,
-                                       write_then_checksum, writer_stall_bound)
-from fsdp_resilience.training.commit import (_BUSY, _DEAD, _DONE, _FAILED, _ROUND_S, _STATE_NAMES, CheckpointWriterError,
-                             Committer, SaveStats, _failed_ranks, _PendingSave, _protocol_group, remove_torn,
-                             write_empty_sums, write_sync_sums)
+from fsdp_resilience.training.checkpointing.commit import Committer, remove_torn, write_empty_sums, write_sync_sums
+from fsdp_resilience.training.checkpointing.resume import collective_device
+from fsdp_resilience.training.checkpointing.rounds import (
+    _DEAD,
+    _DONE,
+    _FAILED,
+    CheckpointWriterError,
+    CommitRounds,
+    _failed_ranks,
+    _PendingSave,
+    _protocol_group,
+)
+from fsdp_resilience.training.checkpointing.snapshot import (
+    SnapshotBuffers,
+    _cpu_safe_preload,
+    _SnapshotWriter,
+    structure_key,
+)
+from fsdp_resilience.training.checkpointing.write_job import write_then_checksum
+from fsdp_resilience.training.checkpointing.write_results import _WriteResultsChannel
+from fsdp_resilience.training.checkpointing.writer import (
+    _HelperProcesses,
+    _noop,
+    _PersistentWriter,
+    _WriterGone,
+    _WriterQueue,
+    fork_is_safe,
+)
 from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, CheckpointInfo, Event, EventLog, RunDir
-from fsdp_resilience.training.resume import (CheckpointMismatchError, check_checkpoint, choose_checkpoint,  # noqa: F401
-                             collective_device, load_checkpoint, load_latest, restore_checkpoint)
-from fsdp_resilience.training.snapshot import (_BUCKETS_IN_WRITER, SnapshotBuffers, _cpu_safe_preload,  # noqa: F401
-                               _SnapshotWriter, app_state, restore_app_state, structure_key)
 
 log = logging.getLogger(__name__)
 
-# The checkpoint API, one import away for train.py, evaluate.py, bench and tests (they also reach
-# _BUCKETS_IN_WRITER, _cpu_safe_preload, _PersistentWriter and _WriterQueue through here).
-__all__ = ["AsyncCheckpointer", "CheckpointMismatchError", "CheckpointWriterError", "SaveStats", "SnapshotBuffers",
-           "app_state", "check_checkpoint", "choose_checkpoint", "load_checkpoint", "load_latest",
-           "restore_app_state", "restore_checkpoint", "writer_stall_bound"]
 
-class AsyncCheckpointer:
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+    """Where the time of one ``save`` went (seconds); ``blocking_s`` is what the caller waited."""
+
+    step: int
+    mode: str  # "async" | "sync"
+    blocking_s: float
+    settle_s: float  # finishing the previous save + agreeing the writers are ready
+    snapshot_s: float  # memcpy into the reused buffers (async only)
+    plan_s: float  # DCP planning (a collective) + NVRx write preparation
+    schedule_s: float  # handing the shard to the writer process
+    snapshot_bytes: int
+
+
+class AsyncCheckpointer(CommitRounds):
     """Asynchronous DCP checkpoints of one run, with the commit protocol of ``CheckpointCatalog``.
 
     Every method that takes part in the protocol (``save``, ``poll``, ``wait``, and ``close`` while
@@ -381,149 +409,6 @@ class AsyncCheckpointer:
             self.events.emit(Event.CHECKPOINT_BEGIN, step=stats.step, blocking_s=round(stats.blocking_s, 4),
                              mode=stats.mode, snapshot_s=round(stats.snapshot_s, 4))
 
-    # -- the protocol -------------------------------------------------------------------------
-    def _agree(self, *values: int) -> list[list[int]]:
-        """Every rank's ``values``: row i holds value i of each rank (one all-reduce)."""
-        table = torch.zeros((len(values), self._world_size), dtype=torch.int64, device=self._collective_device)
-        table[:, self._rank] = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(table, group=self._group)
-        return table.tolist()
-
-    def _settle(self, step: int, already_committed: int, plan_key: int | None = None) -> bool:
-        """Agree that every writer is up and every rank saves ``step``; False: skip (committed).
-        Also agrees whether the plan cache holds on every rank for this save (``plan_key``: the
-        state's ``structure_key``); if not, every rank drops it and plans afresh."""
-        self._require_group()
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            state = _DONE
-            if self.async_save:
-                state = self._writer_state(deadline)
-            cache_holds = int(plan_key is not None and plan_key == self._plan_key)
-            states, steps, committed, cache_held = self._agree(state, step, already_committed, cache_holds)
-            if not all(cache_held):
-                self._drop_plan_cache()
-                self._plan_key = plan_key
-            if len(set(steps)) != 1:
-                raise RuntimeError(f"ranks disagree on the checkpoint step: {steps}; save() must be "
-                                   "called with the same step on every rank")
-            failed = _failed_ranks(states)
-            if failed:
-                raise CheckpointWriterError(step, f"checkpoint writer did not start on rank(s) {failed} (not up "
-                                            f"within {self.start_timeout_s:.0f}s, or died starting)", tuple(failed))
-            if max(states) == _DONE:
-                return committed[0] == 0
-
-    def _writer_state(self, deadline: float) -> int:
-        """DONE when this rank's writer is up and has finished everything it was given (its boot
-        ping, an abandoned save); BUSY until then. Waiting here, in short collective rounds, keeps a
-        rank from stalling alone in the staging handshake while the others train on. A writer that
-        died, or stalls on what it was given (an abandoned save), is replaced here."""
-        writer = self._helpers.writer
-        if writer.wait_completed(self._calls.call_idx, _ROUND_S):
-            self._calls.forget_up_to(writer.completed_idx)
-            return _DONE
-        if not writer.alive:
-            log.warning("rank %d: checkpoint writer (pid %s) died; starting a new one", self._rank, writer.pid)
-            self._start_writer()
-        elif self._writer_stuck():
-            log.warning("rank %d: checkpoint writer (pid %s) made no progress for %.0fs; killing it and "
-                        "starting a new one", self._rank, writer.pid, writer.idle_s())
-            self._start_writer()
-        return _FAILED if time.monotonic() > deadline else _BUSY
-
-    def _writer_stuck(self) -> bool:
-        """Whether the writer has unfinished work and shows no progress for ``writer_stall_s``."""
-        writer = self._helpers.writer
-        if self._calls is None or writer.wait_completed(self._calls.call_idx, 0.0):
-            return False  # idle: nothing to make progress on
-        return writer.stalled()
-
-    def _finalize(self, blocking: bool) -> list[CheckpointInfo]:
-        pending = self._pending
-        self._require_group()
-        while True:
-            state = self._write_state(pending, _ROUND_S if blocking else 0.0)
-            states, steps = self._agree(state, pending.step)
-            if len(set(steps)) != 1:
-                raise RuntimeError(f"ranks are finalizing different checkpoint steps: {steps}")
-            failed = _failed_ranks(states)
-            if failed:
-                self._fail(pending, states, failed)
-            if max(states) == _DONE:
-                break
-            if not blocking:
-                return []
-        all_results = pending.dist_wrapper.gather_object(pending.write_results)  # on the coordinator
-
-        def finish() -> None:
-            pending.writer.finish(pending.metadata, all_results)  # DCP's .metadata
-
-        self._pending = None
-        return [self._commit(pending.step, pending.path, pending.began, finish)]
-
-    def _write_state(self, pending: _PendingSave, wait_s: float) -> int:
-        """This rank's view of the pending write (sticky once it is final)."""
-        if pending.local_state is not None:
-            return pending.local_state
-        writer = self._helpers.writer
-        if pending.call_idx is None or writer.wait_completed(pending.call_idx, wait_s):
-            if pending.call_idx is not None:
-                self._calls.forget_up_to(pending.call_idx)
-            try:
-                results = pending.writer.retrieve_write_results()
-            except Exception as e:  # 0.4.1 raises what the writer reported instead of results
-                results = (e, None)
-            if isinstance(results, tuple) and len(results) == 2 and isinstance(results[0], BaseException):
-                # 0.7 returns it wrapped, DCP-style: (exception, traceback summary)
-                pending.local_state, pending.error = _FAILED, f"{type(results[0]).__name__}: {results[0]}"
-            else:
-                pending.write_results, pending.local_state = results, _DONE
-            return pending.local_state
-        if not writer.alive:
-            pending.local_state = _DEAD
-            pending.error = f"the checkpoint writer process (pid {writer.pid}) died mid-save"
-        elif writer.stalled():
-            pending.local_state = _DEAD
-            pending.error = (f"the checkpoint writer process (pid {writer.pid}) made no progress for "
-                             f"{writer.idle_s():.0f}s (writer_stall_s={self.writer_stall_s:g}: stopped or hung); "
-                             "killed and replaced")
-        elif time.monotonic() - pending.scheduled > self.write_timeout_s:
-            pending.local_state = _DEAD
-            pending.error = (f"the checkpoint writer process (pid {writer.pid}) did not finish within "
-                             f"write_timeout_s={self.write_timeout_s:.0f}s; killed and replaced")
-        if pending.local_state == _DEAD:
-            log.error("rank %d: %s (step %d)", self._rank, pending.error, pending.step)
-            self._start_writer()  # now (killing the old one), so it boots while training goes on
-            return _DEAD
-        return _BUSY
-
-    def _fail(self, pending: _PendingSave, states: list[int], failed: list[int]) -> None:
-        self._pending = None
-        detail = "; ".join(f"rank {r}: {_STATE_NAMES[states[r]]}" for r in failed)
-        if pending.error:
-            detail += f" (here: {pending.error})"
-        raise CheckpointWriterError(pending.step, f"{detail}; {pending.path.name} is left uncommitted", tuple(failed))
-
-    def _commit(self, step: int, path: Path, began: float, finish: Callable[[], None] | None) -> CheckpointInfo:
-        """Rank 0 commits (``Committer.commit``); every rank learns whether that worked, so all
-        raise or none do. Then rank 0 applies retention in the background."""
-        info, error = None, None
-        if self._rank == 0:
-            try:
-                info = self._committer.commit(step, self._world_size, finish, began)
-            except Exception as e:
-                error = e
-                log.exception("committing checkpoint step %d failed", step)
-        (ok,) = self._agree(int(self._rank != 0 or error is None))
-        if not all(ok):
-            raise CheckpointWriterError(step, f"rank 0 could not commit {path.name}: {error or 'see rank 0 log'}",
-                                        (0,)) from error
-        self._committer.trusted = step  # written, checksummed from disk and committed here
-        if self._rank == 0:
-            self._committer.start_retention()
-        return info or CheckpointInfo(step, path, True, self._world_size)
-
     # -- helpers ------------------------------------------------------------------------------
     def _start_writer(self, fork: bool = False) -> None:
         """Start (or replace: the old one is killed with every process it forked) this rank's
@@ -549,10 +434,3 @@ class AsyncCheckpointer:
     def _require_open(self) -> None:
         if self._closed:
             raise RuntimeError("this AsyncCheckpointer is closed")
-
-    def _require_group(self) -> None:
-        if self._group is None:
-            if not dist.is_initialized():
-                raise RuntimeError("checkpointing needs an initialized torch.distributed process group "
-                                   "(call rebind() after init_process_group)")
-            self.rebind(None)

@@ -184,7 +184,7 @@ def _read_chunk(fd: int, chunk: _StoredChunk) -> memoryview:
 
 def read_model_bytes(path: Path, chunks: list[_StoredChunk], world_size: int) -> list[str]:
     """Read every chunk into the model and return each saved rank's model digest over the bytes
-    read (CRC32C in (fqn, offset) order, as ``checkpoint_writer.model_digest`` took it at save).
+    read (CRC32C in (fqn, offset) order, as ``write_job.model_digest`` took it at save).
     Reader threads fill the parameters while this thread checksums what has landed, in digest
     order (preadv and CRC32C both release the GIL)."""
     stray = next((c for c in chunks if c.owner >= world_size), None)

@@ -292,7 +292,8 @@ class _SnapshotWriter(FileSystemWriterAsync):
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
         tensors = [planner.resolve_data(item).detach() for item in tensor_items]
-        not_shared = [item.index.fqn for item, t in zip(tensor_items, tensors) if t.numel() and not t.untyped_storage().is_shared()]
+        not_shared = [item.index.fqn for item, t in zip(tensor_items, tensors)
+                      if t.numel() and not t.untyped_storage().is_shared()]
         if not_shared:  # only our snapshot may be handed over uncopied
             raise RuntimeError(f"_SnapshotWriter writes snapshot buffers only; not in shared memory: {not_shared[:3]}")
         self.consistent_data_identifier = None
