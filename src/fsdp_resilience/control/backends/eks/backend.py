@@ -11,7 +11,7 @@ triggerer polls with ``AsyncKubernetesHook`` in ``status_async``). AWS (Auto Sca
 through ``AwsBaseHook``. The objects come from manifests.py, the state from status.py (the Job's
 conditions and its pods, read fresh on every call, so any process can pick up a job another
 process submitted; a cancel verdict and the nodes a cancelled job ran on are kept in the Job's
-annotations), the node pool's logic from nodes.py.
+annotations), the node pool's logic from nodes.py, the spare pool's from spares.py.
 
 ``submit`` is safe to retry and never leaves pods running without their Service: it creates the
 Job suspended, then its Service and NetworkPolicy (both owned by the Job), then resumes it
