@@ -36,13 +36,13 @@ from fsdp_resilience.control.backends.eks.constants import (  # noqa: E402
     NEWEST_SUPPORTED_K8S,
     OLDEST_SUPPORTED_K8S,
 )
+from fsdp_resilience.control.backends.eks.failure_policy import training_backoff_limit  # noqa: E402
 from fsdp_resilience.control.backends.eks.manifests import (  # noqa: E402
     evaluation_job,
     label_value,
     rendezvous_host,
     rendezvous_network_policy,
     rendezvous_service,
-    training_backoff_limit,
     training_job,
 )
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings  # noqa: E402

@@ -1,15 +1,16 @@
 """The EKS backend (``get_backend("eks", ...)``): one launch = one Indexed Job (a pod per node) + one
 headless Service + one NetworkPolicy on an EKS cluster's GPU node pool.
 
-    backend.py       EksBackend, the TrainingBackend implementation
-    manifests.py     the Job, Service and NetworkPolicy objects (pure functions)
-    pod_settings.py  PodTemplateSettings: the pods' own settings and their validation
-    images.py        image references and the image allowlist
-    constants.py     the labels, annotations, taint, env and resource names the backend uses
-    status.py        a Job's and its pods' JSON -> JobStatus / NodeStatus
-    nodes.py         the node pool: healthy capacity, quarantine, replacement (ASG, Karpenter, cordon)
-    spares.py        whether the spare pool is whole again after a lost node
-    client.py        the Kubernetes API client and what its errors mean
+    backend.py         EksBackend, the TrainingBackend implementation
+    manifests.py       the Job, Service and NetworkPolicy objects (pure functions)
+    failure_policy.py  the Jobs' podFailurePolicy and backoffLimit: exit codes -> the Job controller
+    pod_settings.py    PodTemplateSettings: the pods' own settings and their validation
+    images.py          image references and the image allowlist
+    constants.py       the labels, annotations, taint, env and resource names the backend uses
+    status.py          a Job's and its pods' JSON -> JobStatus / NodeStatus
+    nodes.py           the node pool: healthy capacity, quarantine, replacement (ASG, Karpenter, cordon)
+    spares.py          whether the spare pool is whole again after a lost node
+    client.py          the Kubernetes API client and what its errors mean
 
 Importing this package needs no Kubernetes client: the clients are imported on first use.
 """
