@@ -14,12 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from control.fakes.eks_cluster import (NS, add_gpu_node, asg_instances, backend_for, commit_checkpoint, make_asg,
-                                       run_config, wait_for)
-from fsdp_resilience.training.contract import Event, EventLog, ExitCode, RunConfig, failure_class_for_exit, what_to_do
-
 from fsdp_resilience.control.backends import BackendError, InsufficientCapacityError, JobConflictError, get_backend
 from fsdp_resilience.control.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, kube_error
+from fsdp_resilience.training.contract import Event, EventLog, ExitCode, RunConfig, failure_class_for_exit, what_to_do
+
+from control.fakes.eks_cluster import (
+    NS,
+    add_gpu_node,
+    asg_instances,
+    backend_for,
+    commit_checkpoint,
+    make_asg,
+    run_config,
+    wait_for,
+)
+
 
 def test_submit_creates_one_indexed_job_and_a_headless_service_and_is_idempotent(cluster, tmp_path):
     for i in range(3):
@@ -262,7 +271,8 @@ def test_karpenter_mode_deletes_the_nodeclaim_and_provisions_on_demand(tmp_path,
         backend = backend_for(tmp_path, replacement="karpenter")
         replacement = backend.replace_nodes(["gpu-3"], reason="bad GPU")
         assert replacement.replaced == ["gpu-3"], replacement.reason
-        assert [r.name for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"] == ["gpu-claim-3"]
+        deleted = [r.name for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"]
+        assert deleted == ["gpu-claim-3"]
         capacity = backend.capacity()
         assert capacity.provisions_on_demand and capacity.fits(64)
 
