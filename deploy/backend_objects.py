@@ -5,7 +5,7 @@ training Job, its rendezvous Service and NetworkPolicy, and an evaluation Job. T
     python deploy/backend_objects.py --out DIR    # one YAML file per object
     python deploy/backend_objects.py --check      # validate at K8S_VERSIONS
 
-The objects come from the backend's own builders (``fsdp_resilience.control.backends.eks_manifests``)
+The objects come from the backend's own builders (``fsdp_resilience.control.backends.eks.manifests``)
 with the default ``PodTemplateSettings`` (sized for p5.48xlarge, EFA on), so what is scanned is
 what a real launch submits.
 """
@@ -34,9 +34,8 @@ EXAMPLE_JOB_UID = "5f0c7a2e-7d1b-4c3e-9a6f-2b8d4e1c0a93"
 def backend_objects(image: str = EXAMPLE_IMAGE) -> list[dict[str, Any]]:
     """The training Job, its Service (and NetworkPolicy, where the backend makes one) and an
     evaluation Job for ``EXAMPLE_RUN`` with the default pod settings."""
+    from fsdp_resilience.control.backends import eks as m
     from fsdp_resilience.training.contract import RunConfig
-
-    from fsdp_resilience.control.backends import eks_manifests as m
 
     cfg = RunConfig(**EXAMPLE_RUN)
     settings = m.PodTemplateSettings(image=image)

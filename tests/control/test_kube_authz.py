@@ -383,7 +383,7 @@ def test_nodeclaim_delete_only_in_the_gpu_nodepool():
 
 
 def _training_pod(ipc_lock=True):
-    """A training pod as eks_manifests.py builds it (issue 12's intended securityContext)."""
+    """A training pod as eks/manifests.py builds it (issue 12's intended securityContext)."""
     capabilities = {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if ipc_lock else {})}
     return {
         "apiVersion": "v1", "kind": "Pod",
@@ -458,8 +458,8 @@ def test_pod_policy_applies_only_in_the_training_namespace():
 
 @pytest.mark.parametrize("efa_ipc_lock", [True, False])
 def test_the_backends_pods_pass_the_pod_security_policy(efa_ipc_lock):
-    """The pods eks_manifests.py really builds (training with EFA, evaluation) are admitted."""
-    from fsdp_resilience.control.backends.eks_manifests import PodTemplateSettings, evaluation_job, training_job
+    """The pods eks/manifests.py really builds (training with EFA, evaluation) are admitted."""
+    from fsdp_resilience.control.backends.eks import PodTemplateSettings, evaluation_job, training_job
     from fsdp_resilience.training.contract import RunConfig
 
     cfg = RunConfig(run_id="7b-llama", run_dir="/fsx/runs/7b-llama", dataset_dir="/fsx/datasets/fineweb",

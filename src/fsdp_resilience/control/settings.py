@@ -30,7 +30,7 @@ The EKS backend (``backend_config("eks")``; see docs/run-on-eks.md):
   FSDP_EKS_REPLACEMENT           asg (default) | karpenter | cordon
   FSDP_EKS_MAX_UNHEALTHY_SHARE   default 0.2: never replace more of the pool at once
   FSDP_EKS_POOL_SELECTOR         JSON labels of the GPU node pool; default: the pods' nodeSelector
-  FSDP_EKS_POD                   JSON pod settings (backends/eks_manifests.py PodTemplateSettings); the
+  FSDP_EKS_POD                   JSON pod settings (backends/eks/pod_settings.py PodTemplateSettings); the
                                  defaults fit p5.48xlarge (instance_type, 8 GPUs, 32 EFA, cpu 180,
                                  memory 1800Gi, QoS Guaranteed), e.g. for p4d.24xlarge
                                  {"instance_type": "p4d.24xlarge", "efa_per_node": 4, "cpu": "90",
@@ -166,7 +166,7 @@ def image_allowlist() -> list[str]:
     """FSDP_EKS_IMAGE_ALLOWLIST as a list of prefixes (raises ValueError naming a bad entry); unset:
     the repository of FSDP_EKS_IMAGE (its reference without :tag and @digest); neither: empty,
     and no image is allowed."""
-    from fsdp_resilience.control.backends.eks_manifests import check_image_prefix, image_repository
+    from fsdp_resilience.control.backends.eks import check_image_prefix, image_repository
 
     text = os.environ.get("FSDP_EKS_IMAGE_ALLOWLIST", "").strip()
     if text:

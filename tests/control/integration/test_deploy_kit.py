@@ -40,7 +40,7 @@ AIRFLOW_DOCKERFILE = REPO / "images" / "airflow" / "Dockerfile"
 HELM_VALUES = DEPLOY / "helm" / "airflow-values.yaml"
 DOCS = REPO / "docs" / "deploy-on-eks.md"
 
-# What the EKS backend expects to find (src/fsdp_resilience/control/backends/eks_manifests.py, eks.py).
+# What the EKS backend expects to find (src/fsdp_resilience/control/backends/eks/).
 TRAINING_NAMESPACE = "fsdp-training"
 TRAINING_SA = "fsdp-training"
 FSX_CLAIM = "fsx-training"
@@ -93,22 +93,22 @@ def test_strict_validation_rejects_a_misspelt_field(built):
 
 def test_every_object_the_backend_creates_is_valid_kubernetes_1_30_and_1_33():
     from deploy.backend_objects import backend_objects
-    from fsdp_resilience.control.backends import eks_manifests
+    from fsdp_resilience.control.backends import eks
 
     objects = backend_objects()
     kinds = {o["kind"] for o in objects}
     assert {"Job", "Service"} <= kinds
-    if hasattr(eks_manifests, "rendezvous_network_policy"):
+    if hasattr(eks, "rendezvous_network_policy"):
         assert "NetworkPolicy" in kinds
     for version in K8S_VERSIONS:
         validate(objects, version)
 
 
 def test_the_supported_eks_range_is_stated_the_same_everywhere():
-    from fsdp_resilience.control.backends import eks_manifests
+    from fsdp_resilience.control.backends import eks
 
     oldest, newest = SUPPORTED_EKS
-    assert eks_manifests.OLDEST_SUPPORTED_K8S == oldest, "the backend validates from another oldest version"
+    assert eks.OLDEST_SUPPORTED_K8S == oldest, "the backend validates from another oldest version"
     docs = "\n".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))])
     stated = set(re.findall(r"EKS (\d\.\d+)\s*[–-]\s*(\d\.\d+)", docs))
     assert stated == {(oldest, newest)}, f"the docs state the EKS range as {stated}"
@@ -160,10 +160,10 @@ def test_the_kit_provides_the_namespace_service_account_and_fsx_claims_the_backe
 
 
 def test_the_kit_names_match_the_eks_backend_defaults():
-    from fsdp_resilience.control.backends import eks, eks_manifests
+    from fsdp_resilience.control.backends import eks
 
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(eks_manifests.PodTemplateSettings) if f.name != "image"}
+                for f in dataclasses.fields(eks.PodTemplateSettings) if f.name != "image"}
     assert defaults["namespace"] == TRAINING_NAMESPACE and defaults["service_account"] == TRAINING_SA
     assert defaults["fsx_claim"] == FSX_CLAIM and defaults["fsx_mount_path"] == FSX_MOUNT
     assert eks.MANAGED_ASG_TAG == MANAGED_ASG_TAG
@@ -436,7 +436,7 @@ def test_helm_values_work_with_their_defaults_on_the_image_the_docs_build():
     """The Airflow image has no training environment: the values make EKS the default backend, pin
     the chart, give the log volumes a storage class, and tag both images with the commit the
     deploy docs build (one --set)."""
-    from fsdp_resilience.control.backends.eks_manifests import image_repository
+    from fsdp_resilience.control.backends.eks import image_repository
 
     values = yaml.safe_load(HELM_VALUES.read_text())
     env = {e["name"]: e["value"] for e in values["env"]}
@@ -459,9 +459,9 @@ def test_helm_values_work_with_their_defaults_on_the_image_the_docs_build():
 
 
 def test_airflow_and_training_pods_share_the_uid_that_owns_the_run_dirs():
-    from fsdp_resilience.control.backends import eks_manifests
+    from fsdp_resilience.control.backends.eks import PodTemplateSettings
 
-    settings = eks_manifests.PodTemplateSettings(image="x")
+    settings = PodTemplateSettings(image="x")
     values = yaml.safe_load(HELM_VALUES.read_text())
     # The chart runs every Airflow pod as uid:gid; the official image needs group 0.
     assert (values["uid"], values["gid"]) == (settings.run_as_user, 0)

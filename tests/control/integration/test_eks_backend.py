@@ -14,12 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from control.fakes.eks_cluster import (NS, add_gpu_node, asg_instances, backend_for, commit_checkpoint, make_asg,
-                                       run_config, wait_for)
-from fsdp_resilience.training.contract import Event, EventLog, ExitCode, RunConfig, failure_class_for_exit, what_to_do
-
 from fsdp_resilience.control.backends import BackendError, InsufficientCapacityError, JobConflictError, get_backend
 from fsdp_resilience.control.backends.eks import CANCEL_ANNOTATION, QUARANTINE_TAINT, kube_error
+from fsdp_resilience.training.contract import Event, EventLog, ExitCode, RunConfig, failure_class_for_exit, what_to_do
+
+from control.fakes.eks_cluster import (
+    NS,
+    add_gpu_node,
+    asg_instances,
+    backend_for,
+    commit_checkpoint,
+    make_asg,
+    run_config,
+    wait_for,
+)
+
 
 def test_submit_creates_one_indexed_job_and_a_headless_service_and_is_idempotent(cluster, tmp_path):
     for i in range(3):
@@ -190,14 +199,14 @@ def test_cancel_suspends_the_job_keeps_the_evidence_and_records_a_stall(cluster,
     nodes = sorted(p["spec"]["nodeName"] for p in cluster.pods(NS, handle.job_name))
     # Pretend the launch started long ago and never committed: the watch stops it as stalled.
     assert backend.status(handle).state == "running"
-    import fsdp_resilience.control.backends.eks as eks
+    import fsdp_resilience.control.backends.eks.backend as eks_backend
 
-    real_ts = eks._ts
-    eks._ts = lambda text: real_ts(text) - 3600
+    real_ts = eks_backend.timestamp
+    eks_backend.timestamp = lambda text: real_ts(text) - 3600
     try:
         backend.cancel(handle)
     finally:
-        eks._ts = real_ts
+        eks_backend.timestamp = real_ts
     job = cluster.job(NS, handle.job_name)
     assert job["spec"]["suspend"] is True and CANCEL_ANNOTATION in job["metadata"]["annotations"]
     wait_for(lambda: not [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
@@ -262,7 +271,8 @@ def test_karpenter_mode_deletes_the_nodeclaim_and_provisions_on_demand(tmp_path,
         backend = backend_for(tmp_path, replacement="karpenter")
         replacement = backend.replace_nodes(["gpu-3"], reason="bad GPU")
         assert replacement.replaced == ["gpu-3"], replacement.reason
-        assert [r.name for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"] == ["gpu-claim-3"]
+        deleted = [r.name for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"]
+        assert deleted == ["gpu-claim-3"]
         capacity = backend.capacity()
         assert capacity.provisions_on_demand and capacity.fits(64)
 
@@ -421,24 +431,24 @@ def test_a_submit_that_fails_in_the_middle_is_finished_by_a_retry(cluster, tmp_p
     """The Service is refused once (here: a name the apiserver rejects); the Job stays suspended,
     no pod runs without its Service, and the retried task finishes the launch: one Job, its
     Service, its NetworkPolicy, running."""
-    import fsdp_resilience.control.backends.eks as eks
+    import fsdp_resilience.control.backends.eks.backend as eks_backend
 
     for i in range(2):
         add_gpu_node(cluster, f"gpu-{i}")
     backend = backend_for(tmp_path)
     cfg = run_config(tmp_path)
-    real_service = eks.rendezvous_service
+    real_service = eks_backend.rendezvous_service
 
     def refused_once(*args, **kwargs):
         service = real_service(*args, **kwargs)
         service["metadata"]["name"] = "7" + service["metadata"]["name"]  # not DNS-1035: the apiserver says 422
         return service
 
-    monkeypatch.setattr(eks, "rendezvous_service", refused_once)
+    monkeypatch.setattr(eks_backend, "rendezvous_service", refused_once)
     with pytest.raises(BackendError, match=r"rejected the request to create service .* invalid \(422\).*"
                                            r"stays suspended.*retrying the launch task"):
         backend.submit(cfg, "0")
-    monkeypatch.setattr(eks, "rendezvous_service", real_service)
+    monkeypatch.setattr(eks_backend, "rendezvous_service", real_service)
     assert launch_objects(cluster, tmp_path)["services"] == []
     (name,) = launch_objects(cluster, tmp_path)["jobs"]
     job = cluster.job(NS, name)
@@ -460,7 +470,7 @@ def test_a_retry_after_a_try_that_died_after_creating_the_job_finishes_it(cluste
     NetworkPolicy and resumes the Job."""
     from kubernetes import client
 
-    from fsdp_resilience.control.backends.eks_manifests import training_job
+    from fsdp_resilience.control.backends.eks import training_job
 
     for i in range(2):
         add_gpu_node(cluster, f"gpu-{i}")

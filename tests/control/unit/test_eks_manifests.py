@@ -1,7 +1,8 @@
 """The EKS backend's Kubernetes objects: strict validation against the official schemas of the
 supported Kubernetes range (1.30 and 1.33; offline, kubernetes-validate), and the behaviour the
 objects encode: names, labels, the pod failure policy of the run contract, devices, mounts, the
-pods' security context and QoS, the per-launch NetworkPolicy, and the image allowlist.
+pods' security context and QoS, and the per-launch NetworkPolicy. (The pod settings' own
+validation: test_eks_pod_settings.py; the image allowlist: test_eks_images.py.)
 
 No cluster: the objects are checked as the API server's schema and the Job controller's rules
 read them, and the pod env is fed to the real ``fsdp_resilience.training.launch`` (dry run).
@@ -20,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 
 from fsdp_resilience.control.backends.base import JOB_NAME_MAX, job_name_for  # noqa: E402
-from fsdp_resilience.control.backends.eks_manifests import (  # noqa: E402
+from fsdp_resilience.control.backends.eks.constants import (  # noqa: E402
     CONTAINER,
     DEVICE_RDMA_ENV,
     EFA_ENV,
@@ -34,18 +35,17 @@ from fsdp_resilience.control.backends.eks_manifests import (  # noqa: E402
     NCCL_ENV,
     NEWEST_SUPPORTED_K8S,
     OLDEST_SUPPORTED_K8S,
-    PodTemplateSettings,
-    check_image_prefix,
+)
+from fsdp_resilience.control.backends.eks.failure_policy import training_backoff_limit  # noqa: E402
+from fsdp_resilience.control.backends.eks.manifests import (  # noqa: E402
     evaluation_job,
-    image_allowed,
-    image_repository,
     label_value,
     rendezvous_host,
     rendezvous_network_policy,
     rendezvous_service,
-    training_backoff_limit,
     training_job,
 )
+from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings  # noqa: E402
 from fsdp_resilience.training.contract import ExitCode, FailureClass, RunConfig, failure_class_for_exit  # noqa: E402
 
 kubernetes_validate = pytest.importorskip(
@@ -742,49 +742,6 @@ def test_network_policy_admits_only_the_same_launchs_pods():
 
 
 # --------------------------------------------------------------------------------------------
-# The image allowlist
-# --------------------------------------------------------------------------------------------
-
-REPO_PREFIX = "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training"
-DIGEST = "sha256:" + "ab" * 32
-
-
-@pytest.mark.parametrize("image, allowed", [
-    (f"{REPO_PREFIX}:1.0", True),
-    (f"{REPO_PREFIX}@{DIGEST}", True),
-    (f"{REPO_PREFIX}:1.0@{DIGEST}", True),
-    (REPO_PREFIX, True),
-    (f"{REPO_PREFIX}/nightly:2", True),  # a repository under it: whole components
-    (f"{REPO_PREFIX}-evil:1", False),
-    (f"{REPO_PREFIX}evil:1", False),
-    (f"{REPO_PREFIX}@evil", False),  # not a digest
-    (f"{REPO_PREFIX}:1 ", False),
-    (f"{REPO_PREFIX}:1\n", False),
-    (f"{REPO_PREFIX}:ünï", False),
-    (f"{REPO_PREFIX}:../x", False),
-    ("123456789012.dkr.ecr.us-west-2.amazonaws.com/other:1", False),
-    ("123456789012.dkr.ecr.us-west-2.amazonaws.com.evil.io/fsdp-training:1", False),
-    ("evil.io/123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1", False),
-    ("fsdp-training:1", False),
-    ("", False),
-])
-def test_image_allowlist_matches_whole_path_components(image, allowed):
-    assert image_allowed(image, [REPO_PREFIX]) is allowed
-    assert image_allowed(image, [REPO_PREFIX + "/"]) is allowed  # a trailing '/' changes nothing
-
-
-def test_a_registry_prefix_allows_its_repositories_and_entries_are_checked():
-    registry = "123456789012.dkr.ecr.us-west-2.amazonaws.com"
-    assert image_allowed(f"{REPO_PREFIX}:1", [registry]) and image_allowed(f"{registry}/other:2", [registry])
-    assert not image_allowed("123456789012.dkr.ecr.us-west-2.amazonaws.com:5000/x:1", [registry])
-    assert image_repository(f"{REPO_PREFIX}:1.0@{DIGEST}") == REPO_PREFIX
-    assert image_repository("localhost:5000/a/b:1") == "localhost:5000/a/b"
-    for bad in (f"{REPO_PREFIX}:1.0", f"{REPO_PREFIX}@{DIGEST}", "", "UPPER/Case"):
-        with pytest.raises(ValueError, match="allowlist entry"):
-            check_image_prefix(bad)
-
-
-# --------------------------------------------------------------------------------------------
 # What is rejected
 # --------------------------------------------------------------------------------------------
 
@@ -811,47 +768,6 @@ def test_paths_under_another_mount_are_accepted():
     assert "/mnt/lustre" in mounts.values()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(image=""), r"image=''.*container image"),
-    (dict(image="repo/img: 1"), r"image="),
-    (dict(namespace="Training_NS"), r"namespace=.*namespace name"),
-    (dict(service_account="SA"), r"service_account=.*object name"),
-    (dict(fsx_claim=""), r"fsx_claim="),
-    (dict(fsx_mount_path="fsx"), r"fsx_mount_path=.*absolute path"),
-    (dict(fsx_mount_path="/"), r"fsx_mount_path="),
-    (dict(fsx_mount_path="/dev"), r"fsx_mount_path=.*/dev/shm"),
-    (dict(node_selector={"pool": "gpu nodes"}), r"node_selector="),
-    (dict(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exist"}]), r"tolerations=.*operator"),
-    (dict(tolerations=[{"key": "k", "efect": "NoSchedule"}]), r"unknown toleration field.*efect"),
-    (dict(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]), r"Exists takes no value"),
-    (dict(gpus_per_node=-1), r"gpus_per_node=-1"),
-    (dict(efa_per_node=True), r"efa_per_node=True"),
-    (dict(hugepages_2mi="5120Mi", memory=None, guaranteed_qos=False), r"hugepages_2mi=.*needs memory"),
-    (dict(memory=None), r"guaranteed_qos=True needs cpu and memory"),
-    (dict(instance_type="p5"), r"instance_type=.*EC2 instance type"),
-    (dict(efa_ipc_lock="yes"), r"efa_ipc_lock=.*true or false"),
-    (dict(run_as_user=0), r"run_as_user=0.*non-root"),
-    (dict(max_pod_disruptions=-1), r"max_pod_disruptions="),
-    (dict(eval_memory="lots"), r"eval_memory=.*quantity"),
-    (dict(shm_size="lots"), r"shm_size=.*quantity"),
-    (dict(memory="1TB"), r"memory=.*quantity"),
-    (dict(backoff_limit=-1), r"backoff_limit="),
-    (dict(active_deadline_s=0), r"active_deadline_s="),
-    (dict(termination_grace_s=1.5), r"termination_grace_s="),
-    (dict(priority_class="High Priority"), r"priority_class="),
-    (dict(image_pull_policy="Sometimes"), r"image_pull_policy=.*IfNotPresent"),
-    (dict(env={"NCCL_DEBUG": 1}), r"env=.*values must be strings"),
-    (dict(env={"BAD=NAME": "x"}), r"env=.*invalid variable name"),
-    (dict(env={"TRAINING_RUN_CONFIG": "{}"}), r"env=.*TRAINING_RUN_CONFIG.*remove it"),
-])
-def test_settings_validate_names_the_field_and_what_to_do(overrides, message):
-    settings = make_settings(**overrides)  # constructing does not validate: a watcher needs no image
-    with pytest.raises(ValueError, match=message):
-        settings.validate()
-    with pytest.raises(ValueError, match=message):  # and nothing is built from bad settings
-        training_job(make_cfg(), "try-1", settings)
-
-
 def test_every_builder_validates_the_settings():
     settings = make_settings(image="")
     cfg = make_cfg()
@@ -865,15 +781,6 @@ def test_every_builder_validates_the_settings():
 def test_bad_launch_ids_are_rejected(launch_id):
     with pytest.raises(ValueError, match="launch_id"):
         training_job(make_cfg(), launch_id, make_settings())
-
-
-def test_settings_survive_json_and_reject_unknown_keys():
-    settings = make_settings(gpus_per_node=4, env={"NCCL_DEBUG": "INFO"}, hugepages_2mi="2Gi", memory="10Gi")
-    assert PodTemplateSettings.from_dict(json.loads(json.dumps(settings.to_dict()))) == settings
-    with pytest.raises(ValueError, match="unknown pod template setting.*gpus"):
-        PodTemplateSettings.from_dict({**settings.to_dict(), "gpus": 8})
-    with pytest.raises(ValueError, match="shm_size"):
-        PodTemplateSettings.from_dict({**settings.to_dict(), "shm_size": "big"})
 
 
 # --------------------------------------------------------------------------------------------
