@@ -147,7 +147,7 @@ def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, 
     """Commit the final checkpoint at a random phase of the trigger's poll loop (and mark the job
     succeeded) and time until the trigger fires: how long a commit waits to be seen."""
     from fsdp_resilience.control.backends import JobHandle, register_backend
-    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
     from fsdp_resilience.training.contract import CheckpointCatalog, RunDir, write_rank_sums
 
     register_backend(RunDirJob.name, RunDirJob)

@@ -2,16 +2,17 @@
 plane's part of each relaunch.
 
 ``drive`` submits launch 0 to a backend, watches it with the deferrable sensor's own trigger
-(``fsdp_resilience.control.triggers.TrainingProgressTrigger``, run with asyncio as the triggerer runs it:
-a full check every ``poll_s``, 5 s like the sensor, and a look for the launch's end every 0.2 s in
-between), and when a launch fails with a retryable class climbs the escalation ladder with the DAG's own
-functions (``fsdp_resilience.control.ladder``): diagnose and replace the node, wait for capacity (the
-check the DAG's ``wait_for_capacity`` trigger makes, first at once, then every 10 s), relaunch
-from the newest committed checkpoint. With hot spares (``spare_nodes``) the pool keeper runs next
-to the watch, as the DAG's ``keep_spare_pool`` task does: the spare pool trigger
-(``fsdp_resilience.control.triggers.SparePoolTrigger``) fires when a node of the running launch is out of
-the job (a spare takes its place in-job; the job stays running), and ``ladder.keep_spare_pool``
-quarantines that node and adds a new spare, then the trigger is started again.
+(``fsdp_resilience.control.triggers.training_progress.TrainingProgressTrigger``, run with asyncio as
+the triggerer runs it: a full check every ``poll_s``, 5 s like the sensor, and a look for the
+launch's end every 0.2 s in between), and when a launch fails with a retryable class climbs the
+escalation ladder with the DAG's own functions (``fsdp_resilience.control.ladder``): diagnose and
+replace the node, wait for capacity (the check the DAG's ``wait_for_capacity`` trigger makes, first
+at once, then every 10 s), relaunch from the newest committed checkpoint. With hot spares
+(``spare_nodes``) the pool keeper runs next to the watch, as the DAG's ``keep_spare_pool`` task
+does: the spare pool trigger (``fsdp_resilience.control.triggers.spare_pool.SparePoolTrigger``)
+fires when a node of the running launch is out of the job (a spare takes its place in-job; the job
+stays running), and ``ladder.keep_spare_pool`` quarantines that node and adds a new spare, then the
+trigger is started again.
 What this leaves out of a real deployment: the scheduler starting each task (seconds per task in
 a busy Airflow) and the triggerer's own loop. Torch-free: runs in the control-plane venv.
 """
@@ -26,7 +27,9 @@ from bench.common import injected_faults, log
 
 from fsdp_resilience.control import ladder  # noqa: E402
 from fsdp_resilience.control.backends import JobHandle, get_backend  # noqa: E402
-from fsdp_resilience.control.triggers import SparePoolTrigger, TrainingProgressTrigger  # noqa: E402
+from fsdp_resilience.control.triggers.base import LAUNCH_ENDED  # noqa: E402
+from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger  # noqa: E402
+from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger  # noqa: E402
 from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
 
 CAPACITY_POLL_S = 10.0  # the DAG's wait_for_capacity (NodeCapacitySensor) poll interval
@@ -55,7 +58,7 @@ async def keep_spare_pool(run: dict[str, Any], launch: dict[str, Any], since: fl
         trigger = SparePoolTrigger(backend=launch["backend"], handle=launch["handle"], run_dir=launch["run_dir"],
                                    handled=handled, poll_interval_s=poll_s, checkpoints_s3=launch.get("checkpoints_s3"))
         event = await _first_event(trigger)
-        if event["ended"]:
+        if event["status"] == LAUNCH_ENDED:
             return
         seen_at = time.time()
         results = await asyncio.to_thread(ladder.keep_spare_pool, run, launch, event["nodes"], since, log)

@@ -44,10 +44,12 @@ from airflow.sdk import Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from fsdp_resilience.control import ladder, settings
-from fsdp_resilience.control.backends import BackendError
-from fsdp_resilience.control.fsx_staging import FsxDataRepositoryTaskOperator
 from fsdp_resilience.control.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
-from fsdp_resilience.control.sensors import CheckpointProgressSensor, NodeCapacitySensor, SparePoolKeeper
+from fsdp_resilience.control.backends import BackendError
+from fsdp_resilience.control.operators.fsx import FsxDataRepositoryTaskOperator
+from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
+from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
+from fsdp_resilience.control.sensors.node_capacity import NodeCapacitySensor
 from fsdp_resilience.control.trusted_checkpoint import NoTrustedCheckpoint
 from fsdp_resilience.training.contract import MAX_SPARE_NODES, MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
 

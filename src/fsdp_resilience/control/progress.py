@@ -51,7 +51,7 @@ def latest_checkpoint(run_dir: str, checkpoints_s3: str | None = None, aws_conn_
     """The run's newest committed checkpoint: from the run dir (FSx mounted here), or from its S3
     export when ``checkpoints_s3`` is set (a triggerer without the mount). Same rules either way."""
     if checkpoints_s3:
-        from fsdp_resilience.control.fsx_staging import latest_committed_in_s3
+        from fsdp_resilience.control.hooks.s3_checkpoints import latest_committed_in_s3
 
         return latest_committed_in_s3(checkpoints_s3, aws_conn_id=aws_conn_id or "aws_default")
     return CheckpointCatalog(run_dir).latest()

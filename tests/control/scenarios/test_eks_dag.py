@@ -232,8 +232,9 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
 
     from fsdp_resilience.control import ladder
     from fsdp_resilience.control.backends import JobHandle, get_backend
-    from fsdp_resilience.control.sensors import CheckpointProgressSensor, SparePoolKeeper
-    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
+    from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
     instances = make_asg("gpu-ng-spares", 5)
     for i, instance in enumerate(instances):

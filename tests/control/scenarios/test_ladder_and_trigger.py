@@ -21,7 +21,8 @@ from control.support import REPO, TRAINING_PYTHON, make_dataset
 from fsdp_resilience.control import ladder
 from fsdp_resilience.control.backends import JobHandle, get_backend
 from fsdp_resilience.control.progress import LaunchChanges, check_progress
-from fsdp_resilience.control.triggers import SparePoolTrigger, TrainingProgressTrigger
+from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
+from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events
 
 FAST = FAST_RUN
@@ -94,7 +95,7 @@ def test_a_restarted_trigger_picks_the_run_up_where_it_was(launched):
 
     # The triggerer restarts: a new trigger from the serialized one.
     classpath, restored_kwargs = trigger.serialize()
-    assert classpath == "fsdp_resilience.control.triggers.TrainingProgressTrigger"
+    assert classpath == "fsdp_resilience.control.triggers.training_progress.TrainingProgressTrigger"
     restarted_at = time.time()
     event = asyncio.run(_watch(TrainingProgressTrigger(**restored_kwargs), seconds=stall + 60))
     fired_at = time.time()
@@ -307,11 +308,12 @@ def test_the_pool_trigger_fires_on_a_lost_node_not_yet_handled_and_on_the_launch
     handle = JobHandle.from_dict(launch["handle"])
     trigger = _pool_trigger(backend, launch)
     classpath, kwargs = trigger.serialize()
-    assert classpath == "fsdp_resilience.control.triggers.SparePoolTrigger" and json.loads(json.dumps(kwargs)) == kwargs
+    assert classpath == "fsdp_resilience.control.triggers.spare_pool.SparePoolTrigger"
+    assert json.loads(json.dumps(kwargs)) == kwargs
 
     event = asyncio.run(_fire_after(trigger, lambda: _lose(backend, launch, 1), timeout_s=60))
     assert event is not None, "the trigger waited for its next poll"
-    assert not event["ended"] and event["state"] == "running", event  # a spare covers the node
+    assert event["status"] == "nodes_out_of_job" and event["state"] == "running", event  # a spare covers the node
     assert [(n["index"], n["state"]) for n in event["nodes"]] == [(1, "lost")]
     assert "node lost" in event["nodes"][0]["message"]
 
@@ -320,14 +322,14 @@ def test_the_pool_trigger_fires_on_a_lost_node_not_yet_handled_and_on_the_launch
     assert key == f"1@{event['nodes'][0]['node_id']}"  # the index and the machine: one node
     event = asyncio.run(_fire_after(_pool_trigger(backend, launch, handled=[key]), lambda: backend.cancel(handle),
                                     timeout_s=60))
-    assert event is not None and event["ended"] and event["state"] == "failed", event
+    assert event is not None and event["status"] == "launch_ended" and event["state"] == "failed", event
     assert event["nodes"] == [] and event["handled"] == [key]
 
 
 def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared):
     from airflow.sdk.exceptions import TaskDeferred
 
-    from fsdp_resilience.control.sensors import SparePoolKeeper
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
 
     backend, run, launch = spared
     handle = JobHandle.from_dict(launch["handle"])
@@ -362,7 +364,7 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     # The launch ends (here: stopped): the keeper ends quietly, with what it did.
     backend.cancel(handle)
     event = asyncio.run(_watch(deferred.value.trigger, seconds=60))
-    assert event["ended"], event
+    assert event["status"] == "launch_ended", event
     summary = keeper.execute_complete(context, event=event)
     assert summary["state"] == "failed" and summary["nodes_handled"] == [f"1@{lost_slot}"]
     assert summary["spares_added"] == [{"lost_node_id": lost_slot, "lost_node_rank": 1, "quarantined": [lost_slot],
@@ -417,7 +419,7 @@ def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path)
 def test_a_run_without_spares_skips_its_keepers_and_spares_count_in_capacity(launched):
     from airflow.sdk.exceptions import AirflowSkipException
 
-    from fsdp_resilience.control.sensors import SparePoolKeeper
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
     from fsdp_resilience.training.contract import ConfigError
 
     run = run_config("no-spares")

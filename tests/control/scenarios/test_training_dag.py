@@ -155,8 +155,9 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
     and keep_spare_pool side by side, as the triggerer runs them. (dag.test() runs one task at a
     time, so the keeper would only start once the watch had seen the launch end.)"""
     from fsdp_resilience.control import ladder
-    from fsdp_resilience.control.sensors import CheckpointProgressSensor, SparePoolKeeper
-    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
+    from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
     conf = base_conf("spare", nodes=2, spare_nodes=1, procs_per_node=1, restart_mode="injob", max_restarts=2,
                      run_config={**FAST, "faults": [{"kind": "node_loss", "step": 5, "node": 1}]})
