@@ -352,6 +352,7 @@ def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_wha
     from airflow.sdk.exceptions import AirflowFailException
 
     from fsdp_resilience.control.sensors.node_capacity import NodeCapacitySensor
+    from fsdp_resilience.control.task_data import Run
     from fsdp_resilience.control.triggers.node_capacity import NodeCapacityTrigger
 
     add_gpu_node(cluster, "gpu-0")
@@ -368,8 +369,8 @@ def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_wha
 
     gave_up = asyncio.run(first_event(trigger(0.2)))
     assert gave_up["status"] == "timeout" and gave_up["capacity"]["healthy"] == 1
-    sensor = NodeCapacitySensor(task_id="wait_for_capacity", run={"backend": backend.to_config(),
-                                                                  "config": {"nodes": 2}}, timeout_s=0.2)
+    sensor = NodeCapacitySensor(task_id="wait_for_capacity", run=Run(config={"nodes": 2}, backend=backend.to_config(),
+                                                                     max_node_replacements=0), timeout_s=0.2)
     with pytest.raises(AirflowFailException, match="not enough healthy nodes for 2"):
         sensor.execute_complete({}, gave_up)
 

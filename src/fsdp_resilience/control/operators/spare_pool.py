@@ -8,6 +8,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 
 from fsdp_resilience.control import ladder
+from fsdp_resilience.control.task_data import Launch, Run
 from fsdp_resilience.control.triggers.base import LAUNCH_ENDED, NODES_OUT, read_event
 from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
 
@@ -28,7 +29,7 @@ class SparePoolKeeper(BaseOperator):
     template_fields = ("launch",)
     ui_color = "#e8f4ea"
 
-    def __init__(self, *, launch: dict[str, Any] | str, run_from: str = "validate_config",
+    def __init__(self, *, launch: Launch | dict[str, Any] | str, run_from: str = "validate_config",
                  first_launch_from: str = "launch_training", poll_interval_s: float = 5.0, **kwargs: Any):
         super().__init__(**kwargs)
         self.launch = launch
@@ -39,41 +40,39 @@ class SparePoolKeeper(BaseOperator):
     def execute(self, context: Any) -> Any:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        run = context["ti"].xcom_pull(task_ids=self.run_from)
-        spares = int(run["config"].get("spare_nodes") or 0)
+        run, launch = Run.of(context["ti"].xcom_pull(task_ids=self.run_from)), Launch.of(self.launch)
+        spares = int(run.config.get("spare_nodes") or 0)
         if not spares:
-            raise AirflowSkipException("spare_nodes=0: launch "
-                                       f"{self.launch['handle']['launch_id']} has no spare pool to keep")
-        handled = ladder.handled_nodes(run, self.launch)
+            raise AirflowSkipException(f"spare_nodes=0: launch {launch.launch_id} has no spare pool to keep")
+        handled = ladder.handled_nodes(run, launch)
         self.log.info("launch %s: keeping its %d spare(s) (%s); nodes already made up for: %s",
-                      self.launch["handle"]["launch_id"], spares, self.launch["handle"]["job_name"], handled or "none")
+                      launch.launch_id, spares, launch.handle["job_name"], handled or "none")
         self._wait(handled)
 
     def _wait(self, handled: list[str]) -> None:
-        launch = self.launch
+        launch = Launch.of(self.launch)
         # What was handled travels in the trigger and back in its event (not in the deferral's
         # kwargs, which dag.test() drops); the events log has the refills in any case.
-        self.defer(trigger=SparePoolTrigger(backend=launch["backend"], handle=launch["handle"],
-                                            run_dir=launch["run_dir"], handled=handled,
-                                            poll_interval_s=self.poll_interval_s,
-                                            checkpoints_s3=launch.get("checkpoints_s3")),
+        self.defer(trigger=SparePoolTrigger(backend=launch.backend, handle=launch.handle, run_dir=launch.run_dir,
+                                            handled=handled, poll_interval_s=self.poll_interval_s,
+                                            checkpoints_s3=launch.checkpoints_s3),
                    method_name="execute_complete")
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
-        run = context["ti"].xcom_pull(task_ids=self.run_from)
-        launch_id = self.launch["handle"]["launch_id"]
+        run, launch = Run.of(context["ti"].xcom_pull(task_ids=self.run_from)), Launch.of(self.launch)
+        launch_id = launch.launch_id
         event = read_event(event, LAUNCH_ENDED, NODES_OUT)
         handled = sorted(set(event.get("handled") or []))
         if event["status"] == LAUNCH_ENDED:
-            added = ladder.spares_added(run, self.launch)
+            added = ladder.spares_added(run, launch)
             self.log.info("launch %s ended (%s: %s); spares added while it trained: %s", launch_id, event["state"],
                           event["message"], [f"node {r.get('node_rank')} ({r.get('node_id')}) for "
                                              f"{r.get('lost_node_id')}" for r in added] or "none")
             return {"launch_id": launch_id, "state": event["state"], "nodes_handled": handled,
                     "spares_added": [{k: r.get(k) for k in ("lost_node_id", "lost_node_rank", "quarantined",
                                                             "node_id", "node_rank")} for r in added]}
-        first = context["ti"].xcom_pull(task_ids=self.first_launch_from) or self.launch
-        results = ladder.keep_spare_pool(run, self.launch, event["nodes"], since=float(first["launched_at"]),
+        first = Launch.of(context["ti"].xcom_pull(task_ids=self.first_launch_from) or launch)
+        results = ladder.keep_spare_pool(run, launch, event["nodes"], since=float(first.launched_at),
                                          log=self.log.info)
         # Handled either way: a node not refilled (budget spent, no capacity) is not retried on
         # every poll; the launch trains on with one spare fewer.

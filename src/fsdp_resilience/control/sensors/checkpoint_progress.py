@@ -10,13 +10,14 @@ from airflow.sdk import BaseSensorOperator
 
 from fsdp_resilience.control.backends import JobHandle, get_backend
 from fsdp_resilience.control.progress import check_progress
+from fsdp_resilience.control.task_data import Launch, Outcome
 from fsdp_resilience.control.triggers.base import FAILURE, SUCCESS, read_event
 from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
 
 class CheckpointProgressSensor(BaseSensorOperator):
     """Waits until a launch commits its final step, fails, or stalls; returns what it saw
-    (``Progress.to_dict()``) as its XCom, so the DAG can decide what to do next.
+    (``Outcome.to_dict()``) as its XCom, so the DAG can decide what to do next.
 
     It does not fail the task on a failed launch: a failed launch is an input to the escalation
     ladder, not an Airflow error. With ``deferrable=True`` (the default) it holds no worker slot
@@ -25,19 +26,15 @@ class CheckpointProgressSensor(BaseSensorOperator):
 
     template_fields = ("launch",)
 
-    def __init__(self, *, launch: dict[str, Any] | str, poll_interval_s: float = 5.0, deferrable: bool = True,
+    def __init__(self, *, launch: Launch | dict[str, Any] | str, poll_interval_s: float = 5.0, deferrable: bool = True,
                  **kwargs: Any):
         super().__init__(poke_interval=poll_interval_s, **kwargs)
-        self.launch = launch  # launch_training's XCom: backend, handle, run_dir, final_step, ...
+        self.launch = launch  # launch_training's XCom (``Launch.to_dict()``), or a Launch
         self.poll_interval_s = poll_interval_s
         self.deferrable = deferrable
 
     def _trigger_kwargs(self) -> dict[str, Any]:
-        launch = self.launch
-        return {"backend": launch["backend"], "handle": launch["handle"], "run_dir": launch["run_dir"],
-                "final_step": launch["final_step"], "stall_timeout_s": launch["stall_timeout_s"],
-                "launched_at": launch["launched_at"], "checkpoints_s3": launch.get("checkpoints_s3"),
-                "aws_conn_id": launch.get("aws_conn_id")}
+        return Launch.of(self.launch).to_dict()
 
     def execute(self, context: Any) -> Any:
         if not self.deferrable:
@@ -56,7 +53,7 @@ class CheckpointProgressSensor(BaseSensorOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         # Either status: a failed or stalled launch is the ladder's to judge, not a task failure.
-        outcome = {k: v for k, v in read_event(event, SUCCESS, FAILURE).items() if k != "status"}
-        self.log.info("launch %s: %s (%s) — %s", outcome["launch_id"], outcome["outcome"], outcome["failure_class"],
-                      outcome["message"])
-        return outcome
+        outcome = Outcome.from_dict({k: v for k, v in read_event(event, SUCCESS, FAILURE).items() if k != "status"})
+        self.log.info("launch %s: %s (%s) — %s", outcome.launch_id, outcome.outcome, outcome.failure_class,
+                      outcome.message)
+        return outcome.to_dict()

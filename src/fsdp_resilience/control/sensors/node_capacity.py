@@ -8,6 +8,7 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator
 
 from fsdp_resilience.control.backends import get_backend
+from fsdp_resilience.control.task_data import Run
 from fsdp_resilience.control.triggers.base import SUCCESS, TIMEOUT, read_event
 from fsdp_resilience.control.triggers.node_capacity import NodeCapacityTrigger, capacity_event
 
@@ -23,7 +24,7 @@ class NodeCapacitySensor(BaseSensorOperator):
 
     template_fields = ("run",)
 
-    def __init__(self, *, run: dict[str, Any] | str | None = None, run_from: str | None = None,
+    def __init__(self, *, run: Run | dict[str, Any] | str | None = None, run_from: str | None = None,
                  timeout_s: float = 1800.0, poll_interval_s: float = 10.0, **kwargs: Any):
         super().__init__(poke_interval=poll_interval_s, timeout=timeout_s, **kwargs)
         if (run is None) == (run_from is None):
@@ -33,8 +34,8 @@ class NodeCapacitySensor(BaseSensorOperator):
         self.timeout_s = timeout_s
         self.poll_interval_s = poll_interval_s
 
-    def _run(self, context: Any) -> dict[str, Any]:
-        return self.run if self.run is not None else context["ti"].xcom_pull(task_ids=self.run_from)
+    def _run(self, context: Any) -> Run:
+        return Run.of(self.run if self.run is not None else context["ti"].xcom_pull(task_ids=self.run_from))
 
     def execute(self, context: Any) -> Any:
         run = self._run(context)
@@ -42,11 +43,11 @@ class NodeCapacitySensor(BaseSensorOperator):
         # Ask once here first: capacity is usually there already (a spare slot, a node group with
         # room), and then the relaunch goes at once instead of after a round trip through the
         # triggerer. Only a wait defers.
-        capacity = get_backend(**run["backend"]).capacity()
+        capacity = get_backend(**run.backend).capacity()
         if capacity.fits(launch_nodes(run)):
             return self.execute_complete(context, capacity_event(capacity, launch_nodes(run),
                                                                  time.time() - started_at))
-        self.defer(trigger=NodeCapacityTrigger(backend=run["backend"], nodes=launch_nodes(run),
+        self.defer(trigger=NodeCapacityTrigger(backend=run.backend, nodes=launch_nodes(run),
                                                timeout_s=self.timeout_s, started_at=started_at,
                                                poll_interval_s=self.poll_interval_s),
                    method_name="execute_complete")
@@ -64,6 +65,6 @@ class NodeCapacitySensor(BaseSensorOperator):
         return event
 
 
-def launch_nodes(run: dict[str, Any]) -> int:
+def launch_nodes(run: Run) -> int:
     """Nodes a launch of the run takes: the training nodes and the spares behind them."""
-    return int(run["config"]["nodes"]) + int(run["config"].get("spare_nodes") or 0)
+    return int(run.config["nodes"]) + int(run.config.get("spare_nodes") or 0)

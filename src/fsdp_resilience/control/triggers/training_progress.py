@@ -16,7 +16,7 @@ from fsdp_resilience.control.triggers.base import FAILURE, SUCCESS, trigger_even
 class TrainingProgressTrigger(BaseTrigger):
     """Fires once when the launch succeeded (final step committed), failed (with the run
     contract's failure class), or made no progress for ``stall_timeout_s``. The event: status
-    ``success`` or ``failure`` (failed or stalled), and what the watch saw (``Progress.to_dict()``,
+    ``success`` or ``failure`` (failed or stalled), and what the watch saw (``Outcome.to_dict()``,
     its ``message`` among it).
 
     It checks the launch every ``poll_interval_s``, and in between looks every ``change_tick_s``
