@@ -74,6 +74,7 @@ from bench.restarts import injected_faults, launcher_marks, restart_trials, step
 from fsdp_resilience.control.report.build import build_report  # noqa: E402
 from fsdp_resilience.control.report.goodput import goodput  # noqa: E402
 from fsdp_resilience.control.report.records import save_windows, step_executions, steps_during_saves  # noqa: E402
+from fsdp_resilience.control.task_data import Run  # noqa: E402
 from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
 
 #: Job-level MTBF of Llama 3 405B pre-training: 54 days, 419 unexpected interruptions.
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     losses = planned["counts"].get("node_loss", 0)
     backend = {"name": "local", "state_dir": str(work / ".local-backend"),
                "slots": max(4, cfg.launch_nodes + losses + 1), "training_python": str(TRAINING_PYTHON)}
-    run = {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": losses + 1}
+    run = Run(config=cfg.to_dict(), backend=backend, max_node_replacements=losses + 1)
     log(f"chaos: {planned['steps']} steps, interval {planned['interval_steps']} steps, {planned['n_faults']} faults "
         f"{planned['counts']}, calibration from {cal['source']}")
     with LoadMonitor() as load:

@@ -61,6 +61,7 @@ from bench.common import (
 )
 
 from fsdp_resilience.control.backends import JobStatus, TrainingBackend  # noqa: E402
+from fsdp_resilience.control.task_data import Run  # noqa: E402
 
 
 def airflow_env(work: Path) -> dict[str, str]:
@@ -147,7 +148,7 @@ def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, 
     """Commit the final checkpoint at a random phase of the trigger's poll loop (and mark the job
     succeeded) and time until the trigger fires: how long a commit waits to be seen."""
     from fsdp_resilience.control.backends import JobHandle, register_backend
-    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
     from fsdp_resilience.training.contract import CheckpointCatalog, RunDir, write_rank_sums
 
     register_backend(RunDirJob.name, RunDirJob)
@@ -326,7 +327,7 @@ def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[st
                        "max_restarts": 0, "rdzv_port": free_port(), "faults": faults})
     backend = {"name": "local", "state_dir": str(root / ".local-backend"), "slots": len(kinds) + 1,
                "training_python": str(TRAINING_PYTHON)}
-    run = {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": len(kinds)}
+    run = Run(config=cfg.to_dict(), backend=backend, max_node_replacements=len(kinds))
     t0 = time.time()
     driven = drive(run, poll_s=poll_s, timeout_s=900)
     trials = relaunch_trials(cfg, driven)
@@ -393,7 +394,7 @@ def bench_spare(work: Path, trials: int, poll_s: float, relaunch: dict[str, Any]
         # A slot per launcher, one for the refill, one more (a relaunch, were the spare to fail).
         backend = {"name": "local", "state_dir": str(root / f".local-backend-{i}"), "slots": cfg.launch_nodes + 2,
                    "training_python": str(TRAINING_PYTHON)}
-        run = {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": 2}
+        run = Run(config=cfg.to_dict(), backend=backend, max_node_replacements=2)
         driven = drive(run, poll_s=poll_s, timeout_s=600, stop=_recovered_and_refilled(cfg))
         trial = spare_trials(cfg, driven)
         results += [{**t, "trial": i} for t in trial]

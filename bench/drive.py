@@ -2,16 +2,17 @@
 plane's part of each relaunch.
 
 ``drive`` submits launch 0 to a backend, watches it with the deferrable sensor's own trigger
-(``fsdp_resilience.control.triggers.TrainingProgressTrigger``, run with asyncio as the triggerer runs it:
-a full check every ``poll_s``, 5 s like the sensor, and a look for the launch's end every 0.2 s in
-between), and when a launch fails with a retryable class climbs the escalation ladder with the DAG's own
-functions (``fsdp_resilience.control.ladder``): diagnose and replace the node, wait for capacity (the
-check the DAG's ``wait_for_capacity`` trigger makes, first at once, then every 10 s), relaunch
-from the newest committed checkpoint. With hot spares (``spare_nodes``) the pool keeper runs next
-to the watch, as the DAG's ``keep_spare_pool`` task does: the spare pool trigger
-(``fsdp_resilience.control.triggers.SparePoolTrigger``) fires when a node of the running launch is out of
-the job (a spare takes its place in-job; the job stays running), and ``ladder.keep_spare_pool``
-quarantines that node and adds a new spare, then the trigger is started again.
+(``fsdp_resilience.control.triggers.training_progress.TrainingProgressTrigger``, run with asyncio as
+the triggerer runs it: a full check every ``poll_s``, 5 s like the sensor, and a look for the
+launch's end every 0.2 s in between), and when a launch fails with a retryable class climbs the
+escalation ladder with the DAG's own functions (``fsdp_resilience.control.ladder``): diagnose and
+replace the node, wait for capacity (the check the DAG's ``wait_for_capacity`` trigger makes, first
+at once, then every 10 s), relaunch from the newest committed checkpoint. With hot spares
+(``spare_nodes``) the pool keeper runs next to the watch, as the DAG's ``keep_spare_pool`` task
+does: the spare pool trigger (``fsdp_resilience.control.triggers.spare_pool.SparePoolTrigger``)
+fires when a node of the running launch is out of the job (a spare takes its place in-job; the job
+stays running), and ``ladder.keep_spare_pool`` quarantines that node and adds a new spare, then the
+trigger is started again.
 What this leaves out of a real deployment: the scheduler starting each task (seconds per task in
 a busy Airflow) and the triggerer's own loop. Torch-free: runs in the control-plane venv.
 """
@@ -27,15 +28,18 @@ from bench.restarts import injected_faults
 
 from fsdp_resilience.control import ladder  # noqa: E402
 from fsdp_resilience.control.backends import JobHandle, get_backend  # noqa: E402
-from fsdp_resilience.control.triggers import SparePoolTrigger, TrainingProgressTrigger  # noqa: E402
+from fsdp_resilience.control.task_data import Launch, Outcome, Run  # noqa: E402
+from fsdp_resilience.control.triggers.base import LAUNCH_ENDED  # noqa: E402
+from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger  # noqa: E402
+from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger  # noqa: E402
 from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
 
 CAPACITY_POLL_S = 10.0  # the DAG's wait_for_capacity (NodeCapacitySensor) poll interval
 
 
-def has_capacity(run: dict[str, Any]) -> bool:
+def has_capacity(run: Run) -> bool:
     """What the DAG's wait_for_capacity asks: can the backend place the run's nodes now?"""
-    return get_backend(**run["backend"]).capacity().fits(run["config"]["nodes"])
+    return get_backend(**run.backend).capacity().fits(run.config["nodes"])
 
 
 async def _first_event(trigger: Any) -> dict[str, Any]:
@@ -44,7 +48,7 @@ async def _first_event(trigger: Any) -> dict[str, Any]:
     raise RuntimeError(f"{type(trigger).__name__} ended without an event")
 
 
-async def keep_spare_pool(run: dict[str, Any], launch: dict[str, Any], since: float, poll_s: float,
+async def keep_spare_pool(run: Run, launch: Launch, since: float, poll_s: float,
                           refills: list[dict[str, Any]]) -> None:
     """The DAG's keep_spare_pool task for one launch, minus Airflow: wait on the spare pool
     trigger, make up for the nodes it names with ``ladder.keep_spare_pool`` (``since``: the run's
@@ -53,32 +57,30 @@ async def keep_spare_pool(run: dict[str, Any], launch: dict[str, Any], since: fl
     ``refills``."""
     handled = ladder.handled_nodes(run, launch)
     while True:
-        trigger = SparePoolTrigger(backend=launch["backend"], handle=launch["handle"], run_dir=launch["run_dir"],
-                                   handled=handled, poll_interval_s=poll_s, checkpoints_s3=launch.get("checkpoints_s3"))
+        trigger = SparePoolTrigger(backend=launch.backend, handle=launch.handle, run_dir=launch.run_dir,
+                                   handled=handled, poll_interval_s=poll_s, checkpoints_s3=launch.checkpoints_s3)
         event = await _first_event(trigger)
-        if event["ended"]:
+        if event["status"] == LAUNCH_ENDED:
             return
         seen_at = time.time()
         results = await asyncio.to_thread(ladder.keep_spare_pool, run, launch, event["nodes"], since, log)
         done_at = time.time()
-        refills += [{**r, "launch_id": launch["handle"]["launch_id"], "seen_at": seen_at, "done_at": done_at}
+        refills += [{**r, "launch_id": launch.launch_id, "seen_at": seen_at, "done_at": done_at}
                     for r in results]
         # As the DAG's task: a node not refilled (budget spent, no capacity) is not retried.
         handled = sorted(set(handled) | {r["key"] for r in results})
 
 
-def watch(launch: dict[str, Any], poll_s: float, deadline: float,
+def watch(launch: Launch, poll_s: float, deadline: float,
           stop: Callable[[], bool] | None = None, pool: dict[str, Any] | None = None
-          ) -> tuple[dict[str, Any] | None, float]:
+          ) -> tuple[Outcome | None, float]:
     """Run the sensor's trigger on one launch until it fires (succeeded, failed or stalled):
-    (Progress dict, when it fired); or until ``stop()``, asked every ``poll_s``, says the benchmark
+    (its Outcome, when it fired); or until ``stop()``, asked every ``poll_s``, says the benchmark
     has what it needs: (None, when). With ``pool`` (``{"run", "since", "refills"}``: a run with
     spares) the spare pool keeper runs alongside until then."""
-    trigger = TrainingProgressTrigger(
-        **{k: launch[k] for k in ("backend", "handle", "run_dir", "final_step", "stall_timeout_s", "launched_at",
-                                  "checkpoints_s3", "aws_conn_id")}, poll_interval_s=poll_s)
+    trigger = TrainingProgressTrigger(**launch.to_dict(), poll_interval_s=poll_s)
 
-    async def first_event() -> tuple[dict[str, Any] | None, float]:
+    async def first_event() -> tuple[Outcome | None, float]:
         task = asyncio.ensure_future(_first_event(trigger))
         keeper = (asyncio.ensure_future(keep_spare_pool(pool["run"], launch, pool["since"], poll_s, pool["refills"]))
                   if pool is not None else None)
@@ -86,13 +88,14 @@ def watch(launch: dict[str, Any], poll_s: float, deadline: float,
             while True:
                 done, _ = await asyncio.wait({task}, timeout=poll_s)
                 if done:
-                    return task.result(), time.time()
+                    event = task.result()
+                    return Outcome.from_dict({k: v for k, v in event.items() if k != "status"}), time.time()
                 if keeper is not None and keeper.done() and keeper.exception() is not None:
                     raise keeper.exception()  # a bug in the pool keeper fails the benchmark loudly
                 if stop is not None and stop():
                     return None, time.time()
                 if time.time() > deadline:
-                    raise TimeoutError(f"launch {launch['handle']['launch_id']} of {launch['handle']['run_id']} "
+                    raise TimeoutError(f"launch {launch.launch_id} of {launch.handle['run_id']} "
                                        "was still running at the deadline")
         finally:
             task.cancel()
@@ -102,11 +105,11 @@ def watch(launch: dict[str, Any], poll_s: float, deadline: float,
     return asyncio.run(first_event())
 
 
-def drive(run: dict[str, Any], *, poll_s: float = 5.0, timeout_s: float = 1800.0,
+def drive(run: Run, *, poll_s: float = 5.0, timeout_s: float = 1800.0,
           stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Launch, watch, and escalate until the run succeeds or the ladder stops, or until ``stop()``
     (asked at every poll) is true: the running launch is then cancelled, as a user would. ``run``
-    is what the DAG's ``validate_config`` returns: ``{"config", "backend", "max_node_replacements"}``.
+    is what the DAG's ``validate_config`` returns (``Run``: config, backend, max_node_replacements).
     With spares (``spare_nodes`` in the config) the spare pool is kept whole next to each watch.
     Returns the outcome of every launch, the control plane's timestamps of every rung, and the
     pool keeper's result for every node it made up for (``refills``)."""
@@ -115,25 +118,25 @@ def drive(run: dict[str, Any], *, poll_s: float = 5.0, timeout_s: float = 1800.0
     rungs: list[dict[str, Any]] = []
     refills: list[dict[str, Any]] = []
     launch = ladder.launch(run, launch_no=0)
-    pool = ({"run": run, "since": float(launch["launched_at"]), "refills": refills}
-            if int(run["config"].get("spare_nodes") or 0) else None)
+    pool = ({"run": run, "since": float(launch.launched_at), "refills": refills}
+            if int(run.config.get("spare_nodes") or 0) else None)
     try:
         while True:
             outcome, seen_at = watch(launch, poll_s, deadline, stop, pool)
             if outcome is None:
-                get_backend(**launch["backend"]).cancel(JobHandle.from_dict(launch["handle"]))
-                launches.append({"launch_id": launch["handle"]["launch_id"], "outcome": "stopped",
+                get_backend(**launch.backend).cancel(JobHandle.from_dict(launch.handle))
+                launches.append({"launch_id": launch.launch_id, "outcome": "stopped",
                                  "failure_class": None, "message": "stopped by the benchmark", "seen_at": seen_at,
-                                 "node_ids": launch["handle"]["extra"].get("node_ids")})
-                log(f"launch {launch['handle']['launch_id']}: stopped by the benchmark")
+                                 "node_ids": launch.handle["extra"].get("node_ids")})
+                log(f"launch {launch.launch_id}: stopped by the benchmark")
                 return {"launches": launches, "rungs": rungs, "refills": refills, "stopped_because": "stop condition",
                         "stopped_at": seen_at}
-            launches.append({"launch_id": outcome["launch_id"], "outcome": outcome["outcome"],
-                             "failure_class": outcome["failure_class"], "message": outcome["message"],
-                             "seen_at": seen_at, "node_ids": launch["handle"]["extra"].get("node_ids")})
-            log(f"launch {outcome['launch_id']}: {outcome['outcome']} ({outcome['failure_class']}) {outcome['message'][:120]}")
+            launches.append({"launch_id": outcome.launch_id, "outcome": outcome.outcome,
+                             "failure_class": outcome.failure_class, "message": outcome.message,
+                             "seen_at": seen_at, "node_ids": launch.handle["extra"].get("node_ids")})
+            log(f"launch {outcome.launch_id}: {outcome.outcome} ({outcome.failure_class}) {outcome.message[:120]}")
             rung = len(rungs) + 1
-            climb, why = ladder.should_escalate(outcome, rung, run["max_node_replacements"])
+            climb, why = ladder.should_escalate(outcome, rung, run.max_node_replacements)
             if not climb:
                 return {"launches": launches, "rungs": rungs, "refills": refills, "stopped_because": why}
             began = time.time()
@@ -145,12 +148,12 @@ def drive(run: dict[str, Any], *, poll_s: float = 5.0, timeout_s: float = 1800.0
                 time.sleep(CAPACITY_POLL_S)
             capacity_at = time.time()
             launch = ladder.launch(run, launch_no=ladder.next_launch_no(outcome))
-            rungs.append({"rung": rung, "from_launch": outcome["launch_id"], "to_launch": launch["handle"]["launch_id"],
+            rungs.append({"rung": rung, "from_launch": outcome.launch_id, "to_launch": launch.launch_id,
                           "failure_seen_at": seen_at, "began": began, "replaced_at": replaced_at,
                           "capacity_at": capacity_at, "submitted_at": time.time(), "replaced": replaced["replaced"],
                           "failure_class": replaced["failure_class"]})
     finally:
-        get_backend(**launch["backend"]).cancel(JobHandle.from_dict(launch["handle"]))  # no-op when done
+        get_backend(**launch.backend).cancel(JobHandle.from_dict(launch.handle))  # no-op when done
 
 
 def relaunch_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, Any]]:

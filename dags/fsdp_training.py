@@ -44,10 +44,13 @@ from airflow.sdk import Param, TaskGroup, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from fsdp_resilience.control import ladder, settings
-from fsdp_resilience.control.backends import BackendError
-from fsdp_resilience.control.fsx_staging import FsxDataRepositoryTaskOperator
 from fsdp_resilience.control.assets import DATASET, MODEL_CHECKPOINT, MODEL_EVALUATION
-from fsdp_resilience.control.sensors import CheckpointProgressSensor, NodeCapacitySensor, SparePoolKeeper
+from fsdp_resilience.control.backends import BackendError
+from fsdp_resilience.control.operators.fsx import FsxDataRepositoryTaskOperator
+from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
+from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
+from fsdp_resilience.control.sensors.node_capacity import NodeCapacitySensor
+from fsdp_resilience.control.task_data import Outcome, Run
 from fsdp_resilience.control.trusted_checkpoint import NoTrustedCheckpoint
 from fsdp_resilience.training.contract import MAX_SPARE_NODES, MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
 
@@ -122,11 +125,17 @@ PARAMS = {
 }
 
 
-def run_of_this_dag() -> dict:
+def run_of_this_dag() -> Run:
     """validate_config's result: the run config and backend. Tasks pull it themselves rather than
     take it as an argument, so the graph keeps one line instead of an edge from validate_config to
     every task."""
-    return get_current_context()["ti"].xcom_pull(task_ids="validate_config")
+    return Run.from_dict(get_current_context()["ti"].xcom_pull(task_ids="validate_config"))
+
+
+def outcomes_of(task_ids: list[str]) -> list[Outcome | None]:
+    """The watches' results (None for a watch that did not run), oldest launch first."""
+    outcomes = get_current_context()["ti"].xcom_pull(task_ids=task_ids)
+    return [Outcome.from_dict(o) if o else None for o in (outcomes if isinstance(outcomes, list) else [outcomes])]
 
 
 @dag(dag_id="fsdp_training", schedule=schedule_from_env(), catchup=False, params=PARAMS, max_active_runs=4,
@@ -136,7 +145,7 @@ def fsdp_training():
     def validate_config() -> dict:
         context = get_current_context()
         try:
-            return ladder.build_run_config(dict(context["params"]), context["dag_run"].run_id)
+            return ladder.build_run_config(dict(context["params"]), context["dag_run"].run_id).to_dict()
         except (ConfigError, ladder.EscalationError) as e:
             raise AirflowFailException(f"invalid run parameters: {e}; nothing was launched") from None
 
@@ -146,14 +155,14 @@ def fsdp_training():
     def stage_data() -> dict:
         run = run_of_this_dag()
         try:
-            index = read_dataset_index(run["config"]["dataset_dir"])
+            index = read_dataset_index(run.config["dataset_dir"])
         except ConfigError as e:
             raise AirflowFailException(f"{e} (or trigger the stage_dataset DAG for it)") from None
-        return {"dataset_dir": run["config"]["dataset_dir"], "train_tokens": sum(s["tokens"] for s in index["train"])}
+        return {"dataset_dir": run.config["dataset_dir"], "train_tokens": sum(s["tokens"] for s in index["train"])}
 
     @task
     def launch_training(staged: dict) -> dict:
-        return ladder.launch(run_of_this_dag(), launch_no=0)
+        return ladder.launch(run_of_this_dag(), launch_no=0).to_dict()
 
     staged = stage_data()
     validate_config() >> staged
@@ -169,25 +178,26 @@ def fsdp_training():
             @task(trigger_rule="none_failed")
             def decide(rung: int = rung, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
                 run = run_of_this_dag()
-                outcomes = get_current_context()["ti"].xcom_pull(task_ids=list(watched))
-                outcome = ladder.latest_outcome(outcomes if isinstance(outcomes, list) else [outcomes])
-                climb, why = ladder.should_escalate(outcome, rung, run["max_node_replacements"])
+                outcome = ladder.latest_outcome(outcomes_of(list(watched)))
+                climb, why = ladder.should_escalate(outcome, rung, run.max_node_replacements)
                 if not climb:
                     raise AirflowSkipException(f"rung {rung} not needed: {why}")
                 print(f"rung {rung}: escalating: {why}")
-                return outcome
+                return outcome.to_dict()
 
             @task
             def diagnose_and_replace(outcome: dict, rung: int = rung) -> dict:
                 try:
-                    return {**ladder.diagnose_and_replace(run_of_this_dag(), outcome, rung), "outcome": outcome}
+                    return {**ladder.diagnose_and_replace(run_of_this_dag(), Outcome.from_dict(outcome), rung),
+                            "outcome": outcome}
                 except ladder.EscalationError as e:
                     raise AirflowFailException(str(e)) from None
 
             @task
             def relaunch(capacity: dict, rung: int = rung) -> dict:
                 replaced = get_current_context()["ti"].xcom_pull(task_ids=f"escalation_{rung}.diagnose_and_replace")
-                return ladder.launch(run_of_this_dag(), launch_no=ladder.next_launch_no(replaced["outcome"]))
+                launch_no = ladder.next_launch_no(Outcome.from_dict(replaced["outcome"]))
+                return ladder.launch(run_of_this_dag(), launch_no=launch_no).to_dict()
 
             capacity = NodeCapacitySensor(task_id="wait_for_capacity", run_from="validate_config")
             decided = decide()
@@ -206,11 +216,11 @@ def fsdp_training():
     @task(trigger_rule="none_failed")
     def resolve_outcome(watched: tuple = tuple(w.task_id for w in watches)) -> dict:
         run = run_of_this_dag()
-        outcome = ladder.latest_outcome(get_current_context()["ti"].xcom_pull(task_ids=list(watched)))
-        if outcome["outcome"] != "success":
+        outcome = ladder.latest_outcome(outcomes_of(list(watched)))
+        if outcome.outcome != "success":
             ladder.stop_launch(run, outcome)  # a stalled launch is still running: free its nodes
             raise AirflowFailException(ladder.failure_message(run, outcome))
-        return outcome
+        return outcome.to_dict()
 
     @task
     def evaluate(outcome: dict) -> dict:
@@ -225,7 +235,7 @@ def fsdp_training():
     def build_report(evaluation: dict) -> dict:
         from fsdp_resilience.control.report.build import build_report as build
 
-        paths = build(run_of_this_dag()["config"]["run_dir"])
+        paths = build(run_of_this_dag().config["run_dir"])
         print(f"run report: {paths.to_dict()}")
         return paths.to_dict()
 

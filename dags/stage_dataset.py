@@ -29,7 +29,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from fsdp_resilience.control import ladder, settings
 from fsdp_resilience.control.assets import DATASET
 from fsdp_resilience.control.backends import BackendError, get_backend
-from fsdp_resilience.control.fsx_staging import FsxDataRepositoryTaskOperator
+from fsdp_resilience.control.operators.fsx import FsxDataRepositoryTaskOperator
 from fsdp_resilience.training.contract import ConfigError, read_dataset_index
 
 PARAMS = {
@@ -83,6 +83,7 @@ def _local_plan(params: dict) -> dict:
 
 def _fsx_plan(params: dict) -> dict:
     from fsdp_resilience.control import fsx
+    from fsdp_resilience.control.hooks.fsx import FsxHook
 
     source = params["source"]
     try:
@@ -91,7 +92,7 @@ def _fsx_plan(params: dict) -> dict:
                                       "of a prepared dataset, e.g. s3://my-bucket/datasets/c4/")
         fsx.normalize_s3_uri(source)
         file_system_id, conn_id = fsx.file_system_id(), settings.aws_conn_id()
-        hook = fsx.FsxHook(aws_conn_id=conn_id)
+        hook = FsxHook(aws_conn_id=conn_id)
         hook.get_file_system(file_system_id)
         _, fs_path = hook.resolve_path(file_system_id, source)
     except fsx.FsxStagingError as e:

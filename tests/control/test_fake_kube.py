@@ -1001,7 +1001,7 @@ def test_tokens_rbac_and_admission_policies_once_a_kit_is_loaded(kube, api, tmp_
 
 def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_triggerer_in_triggers(cluster):
     from control.fakes.eks_cluster import NS as TRAINING_NS, TRIGGERER, WORKER, acting_as, add_gpu_node as add_pool_node
-    from fsdp_resilience.control.triggers import NodeCapacityTrigger
+    from fsdp_resilience.control.triggers.node_capacity import NodeCapacityTrigger
 
     kube = cluster
     add_pool_node(kube, "gpu-0")
@@ -1048,5 +1048,5 @@ def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_trigge
         return await anext(trigger.run())
 
     event = asyncio.run(first_event())
-    assert event.payload["ready"] is True
+    assert event.payload["status"] == "success"
     assert kube.requests and {r.user for r in kube.requests} == {TRIGGERER}

@@ -41,6 +41,7 @@ from fsdp_resilience.training.contract import (
 from fsdp_resilience.control import settings
 from fsdp_resilience.control.backends import LOST, BackendError, InsufficientCapacityError, JobHandle, get_backend
 from fsdp_resilience.control.backends.base import node_key
+from fsdp_resilience.control.task_data import Launch, Outcome, Run
 from fsdp_resilience.control.trusted_checkpoint import CheckpointChoice, choose_checkpoint
 
 #: The graph holds this many escalation rungs; the max_node_replacements param picks how many run.
@@ -78,7 +79,7 @@ def rdzv_port_for(run_id: str) -> int:
     return 20000 + int(hashlib.sha1(run_id.encode()).hexdigest(), 16) % 20000
 
 
-def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
+def build_run_config(params: dict[str, Any], dag_run_id: str) -> Run:
     """The validated run config and where it runs, or ``ConfigError`` naming the bad field: paths
     resolve under the configured roots, the backend accepts the launch (image, training
     environment) and its pool can hold it. Nothing is started."""
@@ -121,8 +122,8 @@ def build_run_config(params: dict[str, Any], dag_run_id: str) -> dict[str, Any]:
     except ValueError as e:  # FSDP_* settings that do not parse
         raise ConfigError(f"backend settings: {e}") from None
     check_backend(backend, cfg)
-    return {"config": cfg.to_dict(), "backend": backend, "max_node_replacements": max_replacements,
-            "airflow_run_id": dag_run_id}
+    return Run(config=cfg.to_dict(), backend=backend, max_node_replacements=max_replacements,
+               airflow_run_id=dag_run_id)
 
 
 def check_backend(backend: dict[str, Any], cfg: RunConfig) -> None:
@@ -148,24 +149,23 @@ def check_backend(backend: dict[str, Any], cfg: RunConfig) -> None:
                           f"{capacity.total}: lower spare_nodes or nodes, or grow the pool")
 
 
-def launch(run: dict[str, Any], launch_no: int) -> dict[str, Any]:
+def launch(run: Run, launch_no: int) -> Launch:
     """Submit launch ``launch_no`` of the run (idempotent: the same launch is never started twice)
     and return what the sensor needs to watch it."""
-    cfg = RunConfig.from_dict(run["config"])
-    backend = get_backend(**run["backend"])
-    handle = backend.submit(cfg, launch_id=str(launch_no), airflow_run_id=run.get("airflow_run_id"))
-    return {"backend": run["backend"], "handle": handle.to_dict(), "run_dir": cfg.run_dir,
-            "final_step": cfg.steps, "stall_timeout_s": cfg.stall_timeout_s,
-            "launched_at": float(handle.extra.get("submitted_at", time.time())),
-            "checkpoints_s3": settings.checkpoints_s3_uri(cfg.run_dir), "aws_conn_id": settings.aws_conn_id()}
+    cfg = RunConfig.from_dict(run.config)
+    backend = get_backend(**run.backend)
+    handle = backend.submit(cfg, launch_id=str(launch_no), airflow_run_id=run.airflow_run_id)
+    return Launch(backend=run.backend, handle=handle.to_dict(), run_dir=cfg.run_dir, final_step=cfg.steps,
+                  stall_timeout_s=cfg.stall_timeout_s, launched_at=float(handle.extra.get("submitted_at", time.time())),
+                  checkpoints_s3=settings.checkpoints_s3_uri(cfg.run_dir), aws_conn_id=settings.aws_conn_id())
 
 
-def next_launch_no(outcome: dict[str, Any]) -> int:
+def next_launch_no(outcome: Outcome) -> int:
     """Launches are numbered 0, 1, 2...: the launch after the one ``outcome`` watched."""
-    return int(outcome["launch_id"]) + 1
+    return int(outcome.launch_id) + 1
 
 
-def latest_outcome(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
+def latest_outcome(outcomes: list[Outcome | None]) -> Outcome:
     """The outcome of the newest launch that was watched."""
     seen = [o for o in outcomes if o]
     if not seen:
@@ -173,41 +173,41 @@ def latest_outcome(outcomes: list[dict[str, Any] | None]) -> dict[str, Any]:
     return seen[-1]
 
 
-def should_escalate(outcome: dict[str, Any], rung: int, max_replacements: int) -> tuple[bool, str]:
+def should_escalate(outcome: Outcome, rung: int, max_replacements: int) -> tuple[bool, str]:
     """Whether rung ``rung`` (1-based) climbs, and why (not)."""
-    failure = outcome.get("failure_class")
-    if outcome["outcome"] == "success":
+    failure = outcome.failure_class
+    if outcome.outcome == "success":
         return False, "the launch succeeded"
     if failure not in REPLACEABLE_FAILURES:
         return False, f"failure class {failure} is never retried and replaces no node: {what_to_do(failure)}"
     if rung > max_replacements:
         return False, f"max_node_replacements={max_replacements} spent"
-    return True, f"{failure}: {outcome['message']}"
+    return True, f"{failure}: {outcome.message}"
 
 
-def failure_message(run: dict[str, Any], outcome: dict[str, Any]) -> str:
+def failure_message(run: Run, outcome: Outcome) -> str:
     """Why the run failed, for the DAG's error: the class and message of the last launch, and
     what to do about a class the ladder never retries."""
-    failure = outcome.get("failure_class")
-    text = (f"training failed: {failure}: {outcome['message']} (after {next_launch_no(outcome)} launch(es), "
-            f"max_node_replacements={run['max_node_replacements']})")
+    failure = outcome.failure_class
+    text = (f"training failed: {failure}: {outcome.message} (after {next_launch_no(outcome)} launch(es), "
+            f"max_node_replacements={run.max_node_replacements})")
     if failure not in REPLACEABLE_FAILURES:
         text += f". What to do: {what_to_do(failure)}"
     return text
 
 
-def stop_launch(run: dict[str, Any], outcome: dict[str, Any]) -> None:
+def stop_launch(run: Run, outcome: Outcome) -> None:
     """Stop whatever is left of the launch ``outcome`` watched (a no-op for a finished one). Only
     that launch's own processes or pods: never another launcher of the run (``already_running``)."""
-    get_backend(**run["backend"]).cancel(JobHandle.from_dict(outcome["handle"]))
+    get_backend(**run.backend).cancel(JobHandle.from_dict(outcome.handle))
 
 
-def diagnose_and_replace(run: dict[str, Any], outcome: dict[str, Any], rung: int) -> dict[str, Any]:
+def diagnose_and_replace(run: Run, outcome: Outcome, rung: int) -> dict[str, Any]:
     """Stop what is left of the failed launch, find the bad node(s), have the backend replace
     them, and record the escalation in the run's events."""
     stop_launch(run, outcome)  # a stalled launch is still running; a failed one may have leftovers
-    backend = get_backend(**run["backend"])
-    handle = JobHandle.from_dict(outcome["handle"])
+    backend = get_backend(**run.backend)
+    handle = JobHandle.from_dict(outcome.handle)
     diagnosis = backend.diagnose(handle)
     if not diagnosis.replaceable:
         raise EscalationError(f"launch {handle.launch_id} failed with {diagnosis.failure_class}, which no node "
@@ -215,7 +215,7 @@ def diagnose_and_replace(run: dict[str, Any], outcome: dict[str, Any], rung: int
     replacement = backend.replace_nodes(diagnosis.bad_node_ids, reason=f"rung {rung}: {diagnosis.failure_class}")
     if replacement.refused:
         raise EscalationError(f"the backend refused to replace {replacement.refused}: {replacement.reason}")
-    cfg = RunConfig.from_dict(run["config"])
+    cfg = RunConfig.from_dict(run.config)
     EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
         Event.ESCALATION, rung=rung, from_launch=handle.launch_id, to_launch=str(next_launch_no(outcome)),
         failure_class=diagnosis.failure_class, nodes=replacement.replaced, reason="; ".join(diagnosis.evidence))
@@ -236,15 +236,15 @@ def _control_events(cfg: RunConfig, event: Event, since: float) -> list[dict[str
             if isinstance(r.get("ts"), (int, float)) and r["ts"] >= since]
 
 
-def spares_added(run: dict[str, Any], launch: dict[str, Any]) -> list[dict[str, Any]]:
+def spares_added(run: Run, launch: Launch) -> list[dict[str, Any]]:
     """The ``spare_added`` records of this launch: one per lost node whose spare was replaced."""
-    cfg = RunConfig.from_dict(run["config"])
-    launch_id = launch["handle"]["launch_id"]
-    return [r for r in _control_events(cfg, Event.SPARE_ADDED, launch["launched_at"])
+    cfg = RunConfig.from_dict(run.config)
+    launch_id = launch.launch_id
+    return [r for r in _control_events(cfg, Event.SPARE_ADDED, launch.launched_at)
             if str(r.get("launch_id")) == launch_id]
 
 
-def handled_nodes(run: dict[str, Any], launch: dict[str, Any]) -> list[str]:
+def handled_nodes(run: Run, launch: Launch) -> list[str]:
     """The nodes of this launch (``NodeStatus.key``: index and machine) whose loss the pool
     keeper already made up for (from the events log, so a retried task never quarantines and
     refills for the same node twice; on EKS a recreated pod keeps a lost pod's index on another
@@ -253,14 +253,14 @@ def handled_nodes(run: dict[str, Any], launch: dict[str, Any]) -> list[str]:
                    if isinstance(r.get("lost_node_rank"), int)})
 
 
-def node_replacements_done(run: dict[str, Any], since: float) -> tuple[int, int]:
+def node_replacements_done(run: Run, since: float) -> tuple[int, int]:
     """(escalations, spare refills) of this DAG run, whose first launch was at ``since``."""
-    cfg = RunConfig.from_dict(run["config"])
+    cfg = RunConfig.from_dict(run.config)
     return (len(_control_events(cfg, Event.ESCALATION, since)),
             len(_control_events(cfg, Event.SPARE_ADDED, since)))
 
 
-def keep_spare_pool(run: dict[str, Any], launch: dict[str, Any], nodes: list[dict[str, Any]], since: float,
+def keep_spare_pool(run: Run, launch: Launch, nodes: list[dict[str, Any]], since: float,
                     log: Any = print) -> list[dict[str, Any]]:
     """Make up for ``nodes`` (``NodeStatus`` dicts: lost, or spares that dropped out) of a launch
     that trains on, a spare having taken (or being ready to take) their place: take each out of
@@ -278,10 +278,10 @@ def keep_spare_pool(run: dict[str, Any], launch: dict[str, Any], nodes: list[dic
 
     Returns one dict per node: ``node_rank``, ``node_id``, ``refilled`` and ``why`` (and the
     new spare's ``spare`` when refilled)."""
-    cfg = RunConfig.from_dict(run["config"])
-    backend = get_backend(**run["backend"])
-    handle = JobHandle.from_dict(launch["handle"])
-    budget = int(run["max_node_replacements"])
+    cfg = RunConfig.from_dict(run.config)
+    backend = get_backend(**run.backend)
+    handle = JobHandle.from_dict(launch.handle)
+    budget = int(run.max_node_replacements)
     done = handled_nodes(run, launch)
     results = []
     for node in nodes:
@@ -342,47 +342,47 @@ def keep_spare_pool(run: dict[str, Any], launch: dict[str, Any], nodes: list[dic
     return results
 
 
-def trusted_checkpoint(run: dict[str, Any], task: str) -> CheckpointChoice:
+def trusted_checkpoint(run: Run, task: str) -> CheckpointChoice:
     """The newest committed checkpoint of the run that verifies (raises
     ``trusted_checkpoint.NoTrustedCheckpoint``), checked where its bytes are: the run dir when it
     is readable here (full checksums), else its S3 export (marker and sizes). Checkpoints that fail
     are quarantined only on the local backend, whose run dir is the trainers' own disk."""
-    cfg = RunConfig.from_dict(run["config"])
+    cfg = RunConfig.from_dict(run.config)
     readable = Path(cfg.run_dir).is_dir()
     try:
         s3_uri = None if readable else settings.checkpoints_s3_uri(cfg.run_dir)
     except ValueError as e:
         raise EscalationError(str(e)) from None
     return choose_checkpoint(cfg.run_dir, run_id=cfg.run_id, task=task,
-                             quarantine=readable and run["backend"]["name"] == "local",
+                             quarantine=readable and run.backend["name"] == "local",
                              s3_uri=s3_uri, aws_conn_id=settings.aws_conn_id())
 
 
-def evaluate(run: dict[str, Any]) -> dict[str, Any]:
+def evaluate(run: Run) -> dict[str, Any]:
     """Evaluate the newest committed checkpoint that verifies, where the run trained (a local
     process, a pod). The result says which checkpoint, and which newer ones were skipped and why
     (``checkpoint_check``)."""
     choice = trusted_checkpoint(run, task="evaluate")
     print(f"evaluating {choice.summary()}")
-    result = get_backend(**run["backend"]).run_evaluation(RunConfig.from_dict(run["config"]),
-                                                          checkpoint_id=choice.checkpoint_id)
+    result = get_backend(**run.backend).run_evaluation(RunConfig.from_dict(run.config),
+                                                       checkpoint_id=choice.checkpoint_id)
     return {**result, "checkpoint_check": choice.to_dict()}
 
 
-def export_plan(run: dict[str, Any], evaluation: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+def export_plan(run: Run, evaluation: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """What to export to S3 after a run, and why (not): on EKS with FSDP_FSX_FILE_SYSTEM_ID set,
     an FSx export task of the run's records (config, events, evaluation, report, logs) and of the
     one checkpoint evaluate verified and evaluated — never the others, which may be damaged (a
     copy in S3 with its commit marker would look committed there). Nothing on other backends."""
-    if run["backend"]["name"] != "eks":
-        return None, f"the {run['backend']['name']} backend's run dir is a local folder: nothing to export"
+    if run.backend["name"] != "eks":
+        return None, f"the {run.backend['name']} backend's run dir is a local folder: nothing to export"
     file_system = os.environ.get("FSDP_FSX_FILE_SYSTEM_ID", "").strip()
     if not file_system:
         return None, "FSDP_FSX_FILE_SYSTEM_ID is not set: the run dir stays on FSx only (set it to export to S3)"
     checkpoint_id = evaluation.get("checkpoint_id")
     if not checkpoint_id:
         raise EscalationError(f"the evaluation names no checkpoint ({evaluation}): nothing verified to export")
-    run_dir = Path(run["config"]["run_dir"])
+    run_dir = Path(run.config["run_dir"])
     try:
         fs_path = "/" + run_dir.relative_to(settings.fsx_mount_path()).as_posix()
     except ValueError:
@@ -399,13 +399,13 @@ def export_plan(run: dict[str, Any], evaluation: dict[str, Any]) -> tuple[dict[s
          "(verified and evaluated; no other checkpoint)")
 
 
-def publish(run: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
+def publish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
     """What to publish: the newest committed checkpoint that verifies now (raises
     ``NoTrustedCheckpoint`` when none does), which ones were skipped and why, and whether it is
     the one that was evaluated."""
     choice = trusted_checkpoint(run, task="publish")
     evaluated = evaluation.get("checkpoint_id")
-    published = {"run_id": run["config"]["run_id"], "checkpoint": choice.location, **choice.to_dict(),
+    published = {"run_id": run.config["run_id"], "checkpoint": choice.location, **choice.to_dict(),
                  "evaluated_checkpoint_id": evaluated}
     if evaluated != choice.checkpoint_id:
         # The evaluated one failed its checks since, or a newer one verifies now that did not then.

@@ -17,41 +17,22 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from fsdp_resilience.training.contract import CheckpointCatalog, Event, FailureClass, RunDir
 
 from fsdp_resilience.control.backends import JobHandle, JobStatus, TrainingBackend
+from fsdp_resilience.control.task_data import Outcome
 
 SUCCESS, FAILED, NO_PROGRESS = "success", "failed", "no_progress"
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What a watch saw: ``outcome`` is None while the launch is still healthy and running."""
-
-    outcome: str | None
-    failure_class: str | None
-    message: str
-    step: int  # newest committed step (0: none yet)
-    checkpoint_id: str | None
-    launch_id: str
-    handle: dict[str, Any]  # the launch's JobHandle, so the escalation ladder can act on it
-    job_state: str
-    last_progress_at: float
-    nodes: list[dict[str, Any]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def latest_checkpoint(run_dir: str, checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Any:
     """The run's newest committed checkpoint: from the run dir (FSx mounted here), or from its S3
     export when ``checkpoints_s3`` is set (a triggerer without the mount). Same rules either way."""
     if checkpoints_s3:
-        from fsdp_resilience.control.fsx_staging import latest_committed_in_s3
+        from fsdp_resilience.control.hooks.s3_checkpoints import latest_committed_in_s3
 
         return latest_committed_in_s3(checkpoints_s3, aws_conn_id=aws_conn_id or "aws_default")
     return CheckpointCatalog(run_dir).latest()
@@ -59,8 +40,9 @@ def latest_checkpoint(run_dir: str, checkpoints_s3: str | None = None, aws_conn_
 
 def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str, final_step: int,
                    stall_timeout_s: float, launched_at: float, now: float | None = None,
-                   checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Progress:
-    """One look at a launch: its job's state, then its newest committed checkpoint."""
+                   checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Outcome:
+    """One look at a launch: its job's state, then its newest committed checkpoint (an ``Outcome``
+    whose ``outcome`` is None while the launch is still healthy and running)."""
     status = backend.status(handle)
     latest = latest_checkpoint(run_dir, checkpoints_s3, aws_conn_id)
     return judge_progress(status, latest, handle, final_step=final_step,
@@ -68,7 +50,7 @@ def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str,
 
 
 def judge_progress(status: JobStatus, latest: Any, handle: JobHandle, *, final_step: int, stall_timeout_s: float,
-                   launched_at: float, now: float | None = None) -> Progress:
+                   launched_at: float, now: float | None = None) -> Outcome:
     """The verdict from a job's state and its run's newest committed checkpoint (``latest``: what
     ``CheckpointCatalog.latest()`` returns, or None). Read the job's state first, then the
     checkpoint: a job seen done has committed everything it ever will, so the checkpoint read after
@@ -80,9 +62,9 @@ def judge_progress(status: JobStatus, latest: Any, handle: JobHandle, *, final_s
     # A commit from an earlier launch is not progress of this one: count from the launch.
     last_progress_at = max(launched_at, (latest.committed_at or 0.0) if latest else 0.0)
 
-    def result(outcome: str | None, failure_class: str | None, message: str) -> Progress:
-        return Progress(outcome, failure_class, message, step, checkpoint_id, handle.launch_id,
-                        handle.to_dict(), status.state, last_progress_at, list(status.nodes))
+    def result(outcome: str | None, failure_class: str | None, message: str) -> Outcome:
+        return Outcome(outcome, failure_class, message, step, checkpoint_id, handle.launch_id,
+                       handle.to_dict(), status.state, last_progress_at, [n.to_dict() for n in status.nodes])
 
     if status.state == "succeeded":
         if step >= final_step:

@@ -120,7 +120,7 @@ def _choose_in_run_dir(run_dir: Path, *, run_id: str, task: str, quarantine: boo
 
 
 def _choose_in_s3(s3_uri: str, *, run_id: str, aws_conn_id: str | None) -> CheckpointChoice:
-    from fsdp_resilience.control.fsx_staging import S3CheckpointProgress
+    from fsdp_resilience.control.hooks.s3_checkpoints import S3CheckpointProgress
 
     export = S3CheckpointProgress(s3_uri, aws_conn_id=aws_conn_id)
     skipped: list[dict[str, Any]] = []

@@ -145,11 +145,12 @@ def run_triggers_as(kube: FakeKube, user: UserInfo, monkeypatch) -> None:
     its own (dag.test runs each trigger in ``asyncio.run``, the triggerer in a task per trigger),
     so it never leaks into the tasks; ``asyncio.to_thread`` copies the context into its thread, so
     NodeCapacityTrigger's sync ``backend.capacity`` call carries the token too."""
-    from fsdp_resilience.control import triggers
+    from fsdp_resilience.control.triggers.node_capacity import NodeCapacityTrigger
+    from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
     token = kube.token_for(user)
-    for trigger in (triggers.TrainingProgressTrigger, triggers.NodeCapacityTrigger,
-                    *([triggers.SparePoolTrigger] if hasattr(triggers, "SparePoolTrigger") else [])):
+    for trigger in (TrainingProgressTrigger, NodeCapacityTrigger, SparePoolTrigger):
         original = trigger.run
 
         async def run(self, _original=original):

@@ -10,7 +10,7 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from fsdp_resilience.control.fsx import FsxHook
+from fsdp_resilience.control.hooks.fsx import FsxHook
 
 REGION = "eu-west-1"
 FS = "fs-0123456789abcdef0"

@@ -345,7 +345,7 @@ def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
 
 
 #: What the triggerer's deferred triggers call on AWS, and nothing more: FsxDataRepositoryTaskTrigger
-#: (describe_task), the progress watch over the S3 export (fsx_staging.S3CheckpointProgress: list +
+#: (describe_task), the progress watch over the S3 export (hooks.s3_checkpoints.S3CheckpointProgress: list +
 #: get), and EksHook when Airflow builds its kubeconfig from the cluster (FSDP_EKS_CLUSTER_NAME).
 TRIGGERER_ACTIONS = {"fsx:DescribeDataRepositoryTasks", "s3:ListBucket", "s3:GetObject", "eks:DescribeCluster"}
 

@@ -309,7 +309,7 @@ def test_the_watch_reads_checkpoints_from_the_s3_export_and_the_job_through_the_
     AsyncKubernetesHook, all inside the deferrable trigger's event loop."""
     import boto3
 
-    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
     from fsdp_resilience.training.contract import COMMIT_MARKER
 
     for i in range(2):
@@ -361,8 +361,9 @@ def test_with_a_cluster_name_the_kubeconfig_comes_from_eks_and_the_aws_connectio
 def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_what_it_saw(cluster, tmp_path):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from fsdp_resilience.control.sensors import NodeCapacitySensor
-    from fsdp_resilience.control.triggers import NodeCapacityTrigger
+    from fsdp_resilience.control.sensors.node_capacity import NodeCapacitySensor
+    from fsdp_resilience.control.task_data import Run
+    from fsdp_resilience.control.triggers.node_capacity import NodeCapacityTrigger
 
     add_gpu_node(cluster, "gpu-0")
     add_gpu_node(cluster, "gpu-1", ready=False)
@@ -377,9 +378,9 @@ def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_wha
                                    poll_interval_s=0.05)
 
     gave_up = asyncio.run(first_event(trigger(0.2)))
-    assert gave_up["ready"] is False and gave_up["capacity"]["healthy"] == 1
-    sensor = NodeCapacitySensor(task_id="wait_for_capacity", run={"backend": backend.to_config(),
-                                                                  "config": {"nodes": 2}}, timeout_s=0.2)
+    assert gave_up["status"] == "timeout" and gave_up["capacity"]["healthy"] == 1
+    sensor = NodeCapacitySensor(task_id="wait_for_capacity", run=Run(config={"nodes": 2}, backend=backend.to_config(),
+                                                                     max_node_replacements=0), timeout_s=0.2)
     with pytest.raises(AirflowFailException, match="not enough healthy nodes for 2"):
         sensor.execute_complete({}, gave_up)
 
@@ -387,7 +388,7 @@ def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_wha
     assert NodeCapacityTrigger(**waiting.serialize()[1]).serialize() == waiting.serialize()
     threading.Timer(0.3, lambda: cluster.set_node_condition("gpu-1", "Ready", "True", "KubeletReady")).start()
     ready = asyncio.run(asyncio.wait_for(first_event(waiting), timeout=30))
-    assert ready["ready"] is True and ready["capacity"]["healthy"] == 2
+    assert ready["status"] == "success" and ready["capacity"]["healthy"] == 2
 
 
 # --------------------------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def test_an_image_outside_the_allowlist_fails_validate_config_and_nothing_is_sub
     # The default allowlist is FSDP_EKS_IMAGE's repository, matched by whole path components.
     with pytest.raises(ConfigError, match=rf"not allowed: images must come from {repository} .*FSDP_EKS_IMAGE_ALLOWLIST"):
         ladder.build_run_config(conf, "manual__1")
-    assert ladder.build_run_config({**conf, "image": f"{repository}:2"}, "manual__1")["backend"]["image_allowlist"] \
+    assert ladder.build_run_config({**conf, "image": f"{repository}:2"}, "manual__1").backend["image_allowlist"] \
         == [repository]
     monkeypatch.setenv("FSDP_EKS_IMAGE_ALLOWLIST", f"{repository}, 123456789012.dkr.ecr.us-west-2.amazonaws.com/eval")
     assert ladder.build_run_config({**conf, "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/eval/x:1"},
@@ -232,8 +232,10 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
 
     from fsdp_resilience.control import ladder
     from fsdp_resilience.control.backends import JobHandle, get_backend
-    from fsdp_resilience.control.sensors import CheckpointProgressSensor, SparePoolKeeper
-    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
+    from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
+    from fsdp_resilience.control.task_data import Outcome
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
     instances = make_asg("gpu-ng-spares", 5)
     for i, instance in enumerate(instances):
@@ -290,9 +292,10 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
 
         try:
             outcome, kept = asyncio.run(side_by_side())
+            outcome = Outcome.from_dict(watch.execute_complete(context, outcome))  # the watch's XCom
         finally:
-            get_backend(**run["backend"]).cancel(JobHandle.from_dict(launch["handle"]))
-    assert outcome["outcome"] == "success" and outcome["launch_id"] == "0", outcome
+            get_backend(**run.backend).cancel(JobHandle.from_dict(launch.handle))
+    assert outcome.outcome == "success" and outcome.launch_id == "0", outcome
     climb, why = ladder.should_escalate(outcome, rung=1, max_replacements=1)
     assert not climb, why
     lost = seen[1][0]
@@ -311,6 +314,6 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     assert sorted(r["node_rank"] for r in standby) == [1, 2]
     # One Job, never relaunched; it completed with every index (the spares' too).
     assert len([r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]) == 1
-    job = cluster.job(NS, launch["handle"]["job_name"])
+    job = cluster.job(NS, launch.handle["job_name"])
     assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"])
     assert job["status"]["failed"] == 1 and CheckpointCatalog(eks_env / "runs" / "spares-eks").latest().step == 20

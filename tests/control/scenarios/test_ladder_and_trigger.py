@@ -21,7 +21,9 @@ from control.support import REPO, TRAINING_PYTHON, make_dataset
 from fsdp_resilience.control import ladder
 from fsdp_resilience.control.backends import JobHandle, get_backend
 from fsdp_resilience.control.progress import LaunchChanges, check_progress
-from fsdp_resilience.control.triggers import SparePoolTrigger, TrainingProgressTrigger
+from fsdp_resilience.control.task_data import Launch, Run
+from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
+from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events
 
 FAST = FAST_RUN
@@ -35,7 +37,7 @@ def launched(tmp_path, monkeypatch):
     launches: list[dict] = []
     yield launches
     for launch in launches:
-        get_backend(**launch["backend"]).cancel(JobHandle.from_dict(launch["handle"]))
+        get_backend(**launch.backend).cancel(JobHandle.from_dict(launch.handle))
 
 
 def run_config(name: str, **params) -> dict:
@@ -49,11 +51,11 @@ def test_launching_the_same_run_again_never_starts_a_second_job(launched):
     first = ladder.launch(run, launch_no=0)
     launched.append(first)
     again = ladder.launch(run, launch_no=0)
-    assert again["handle"] == first["handle"]
-    record = json.loads((Path(run["backend"]["state_dir"]) / "jobs" / f"{first['handle']['job_name']}.json").read_text())
+    assert again.handle == first.handle
+    record = json.loads((Path(run.backend["state_dir"]) / "jobs" / f"{first.handle['job_name']}.json").read_text())
     assert len(record["nodes"]) == 1  # one node launched, once
-    backend = get_backend(**run["backend"])
-    assert backend.status(JobHandle.from_dict(first["handle"])).state in ("pending", "running")
+    backend = get_backend(**run.backend)
+    assert backend.status(JobHandle.from_dict(first.handle)).state in ("pending", "running")
 
 
 async def _watch(trigger: TrainingProgressTrigger, seconds: float | None):
@@ -79,22 +81,23 @@ def test_a_restarted_trigger_picks_the_run_up_where_it_was(launched):
                                  "faults": [{"kind": "hang", "step": 5, "rank": 1}]})
     launch = ladder.launch(run, launch_no=0)
     launched.append(launch)
-    kwargs = {k: launch[k] for k in ("backend", "handle", "run_dir", "final_step", "stall_timeout_s", "launched_at")}
+    kwargs = {k: getattr(launch, k) for k in ("backend", "handle", "run_dir", "final_step", "stall_timeout_s",
+                                              "launched_at")}
     trigger = TrainingProgressTrigger(**kwargs, poll_interval_s=1.0)
 
     # Wait for the hang; by then the last progress (a committed checkpoint) is on disk.
-    events = Path(launch["run_dir"]) / "events.jsonl"
+    events = Path(launch.run_dir) / "events.jsonl"
     deadline = time.time() + 240
     while not any(r["event"] == "fault_injected" for r in read_events(events)) and time.time() < deadline:
         time.sleep(1)
-    latest = CheckpointCatalog(launch["run_dir"]).latest()
+    latest = CheckpointCatalog(launch.run_dir).latest()
     assert latest is not None and latest.step >= 2
     last_commit = latest.committed_at
     assert asyncio.run(_watch(trigger, seconds=12)) is None  # still running: no event yet
 
     # The triggerer restarts: a new trigger from the serialized one.
     classpath, restored_kwargs = trigger.serialize()
-    assert classpath == "fsdp_resilience.control.triggers.TrainingProgressTrigger"
+    assert classpath == "fsdp_resilience.control.triggers.training_progress.TrainingProgressTrigger"
     restarted_at = time.time()
     event = asyncio.run(_watch(TrainingProgressTrigger(**restored_kwargs), seconds=stall + 60))
     fired_at = time.time()
@@ -113,7 +116,7 @@ def test_a_run_another_launcher_already_trains_is_refused_and_left_alone(launche
     the launch lock (exit 73, no event), and nothing climbs the ladder: no slot is quarantined,
     no relaunch, the other launcher keeps training and the run's status stays its own."""
     run = run_config("held", run_config={**FAST, "steps": 400})
-    cfg = RunConfig.from_dict(run["config"])
+    cfg = RunConfig.from_dict(run.config)
     config = tmp_path / "by-hand.json"
     config.write_text(cfg.to_json())
     by_hand = subprocess.Popen(
@@ -129,15 +132,15 @@ def test_a_run_another_launcher_already_trains_is_refused_and_left_alone(launche
 
         launch = ladder.launch(run, launch_no=0)
         launched.append(launch)
-        backend = get_backend(**run["backend"])
-        handle = JobHandle.from_dict(launch["handle"])
+        backend = get_backend(**run.backend)
+        handle = JobHandle.from_dict(launch.handle)
         deadline = time.time() + 120
         while backend.status(handle).state not in ("failed", "succeeded") and time.time() < deadline:
             time.sleep(0.5)
-        progress = check_progress(backend, handle, run_dir=launch["run_dir"], final_step=launch["final_step"],
-                                  stall_timeout_s=launch["stall_timeout_s"], launched_at=launch["launched_at"])
-        outcome = progress.to_dict()
-        assert outcome["failure_class"] == "already_running", outcome
+        progress = check_progress(backend, handle, run_dir=launch.run_dir, final_step=launch.final_step,
+                                  stall_timeout_s=launch.stall_timeout_s, launched_at=launch.launched_at)
+        outcome = progress
+        assert outcome.failure_class == "already_running", outcome
         assert backend.status(handle).exit_codes == {0: 73}
         climb, why = ladder.should_escalate(outcome, rung=1, max_replacements=3)
         assert not climb and "another fsdp_resilience.training.launch of this run" in why
@@ -280,9 +283,9 @@ def spared(tmp_path):
     cfg = RunConfig(**{**FAST, "run_id": "spared", "run_dir": str(tmp_path / "run"),
                        "dataset_dir": str(tmp_path / "no-data"), "steps": 4, "nodes": 2, "spare_nodes": 1,
                        "restart_mode": "injob"})
-    run = {"config": cfg.to_dict(), "backend": backend.to_config(), "max_node_replacements": 1}
+    run = Run(config=cfg.to_dict(), backend=backend.to_config(), max_node_replacements=1)
     launch = ladder.launch(run, launch_no=0)
-    handle = JobHandle.from_dict(launch["handle"])
+    handle = JobHandle.from_dict(launch.handle)
     deadline = time.time() + 60
     while backend.status(handle).state != "running" and time.time() < deadline:
         time.sleep(0.1)
@@ -292,26 +295,27 @@ def spared(tmp_path):
 
 def _lose(backend, launch, index: int) -> str:
     """The machine under node ``index`` goes: its launcher dies, nothing reports. Its slot."""
-    node = backend._store.read_job(launch["handle"]["job_name"])["nodes"][index]
+    node = backend._store.read_job(launch.handle["job_name"])["nodes"][index]
     os.kill(node["pid"], signal.SIGKILL)
     return node["node_id"]
 
 
 def _pool_trigger(backend, launch, handled=()) -> SparePoolTrigger:
-    return SparePoolTrigger(backend=backend.to_config(), handle=launch["handle"], run_dir=launch["run_dir"],
+    return SparePoolTrigger(backend=backend.to_config(), handle=launch.handle, run_dir=launch.run_dir,
                             handled=list(handled), poll_interval_s=3600.0)  # only the look between polls fires it
 
 
 def test_the_pool_trigger_fires_on_a_lost_node_not_yet_handled_and_on_the_launchs_end(spared):
     backend, run, launch = spared
-    handle = JobHandle.from_dict(launch["handle"])
+    handle = JobHandle.from_dict(launch.handle)
     trigger = _pool_trigger(backend, launch)
     classpath, kwargs = trigger.serialize()
-    assert classpath == "fsdp_resilience.control.triggers.SparePoolTrigger" and json.loads(json.dumps(kwargs)) == kwargs
+    assert classpath == "fsdp_resilience.control.triggers.spare_pool.SparePoolTrigger"
+    assert json.loads(json.dumps(kwargs)) == kwargs
 
     event = asyncio.run(_fire_after(trigger, lambda: _lose(backend, launch, 1), timeout_s=60))
     assert event is not None, "the trigger waited for its next poll"
-    assert not event["ended"] and event["state"] == "running", event  # a spare covers the node
+    assert event["status"] == "nodes_out_of_job" and event["state"] == "running", event  # a spare covers the node
     assert [(n["index"], n["state"]) for n in event["nodes"]] == [(1, "lost")]
     assert "node lost" in event["nodes"][0]["message"]
 
@@ -320,17 +324,17 @@ def test_the_pool_trigger_fires_on_a_lost_node_not_yet_handled_and_on_the_launch
     assert key == f"1@{event['nodes'][0]['node_id']}"  # the index and the machine: one node
     event = asyncio.run(_fire_after(_pool_trigger(backend, launch, handled=[key]), lambda: backend.cancel(handle),
                                     timeout_s=60))
-    assert event is not None and event["ended"] and event["state"] == "failed", event
+    assert event is not None and event["status"] == "launch_ended" and event["state"] == "failed", event
     assert event["nodes"] == [] and event["handled"] == [key]
 
 
 def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared):
     from airflow.sdk.exceptions import TaskDeferred
 
-    from fsdp_resilience.control.sensors import SparePoolKeeper
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
 
     backend, run, launch = spared
-    handle = JobHandle.from_dict(launch["handle"])
+    handle = JobHandle.from_dict(launch.handle)
     keeper = SparePoolKeeper(task_id="keep_spare_pool", launch=launch)
     context = {"ti": _XComs(validate_config=run, launch_training=launch)}
     with pytest.raises(TaskDeferred) as deferred:
@@ -343,7 +347,7 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
         keeper.execute_complete(context, event=event)
     assert deferred.value.trigger.handled == [f"1@{lost_slot}"]
     assert backend.capacity().quarantined == [lost_slot]
-    added = read_events(Path(launch["run_dir"]) / "events.jsonl", "spare_added")
+    added = read_events(Path(launch.run_dir) / "events.jsonl", "spare_added")
     assert len(added) == 1, added
     record = backend._store.read_job(handle.job_name)
     spare = record["nodes"][-1]
@@ -354,15 +358,15 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     assert backend.status(handle).state == "running"
 
     # A retried task (or a stale event) never handles the same node twice.
-    again = ladder.keep_spare_pool(run, launch, event["nodes"], since=launch["launched_at"], log=lambda _: None)
+    again = ladder.keep_spare_pool(run, launch, event["nodes"], since=launch.launched_at, log=lambda _: None)
     assert [r["refilled"] for r in again] == [False] and "already handled" in again[0]["why"]
     assert ladder.handled_nodes(run, launch) == [f"1@{lost_slot}"]
-    assert len(read_events(Path(launch["run_dir"]) / "events.jsonl", "spare_added")) == 1
+    assert len(read_events(Path(launch.run_dir) / "events.jsonl", "spare_added")) == 1
 
     # The launch ends (here: stopped): the keeper ends quietly, with what it did.
     backend.cancel(handle)
     event = asyncio.run(_watch(deferred.value.trigger, seconds=60))
-    assert event["ended"], event
+    assert event["status"] == "launch_ended", event
     summary = keeper.execute_complete(context, event=event)
     assert summary["state"] == "failed" and summary["nodes_handled"] == [f"1@{lost_slot}"]
     assert summary["spares_added"] == [{"lost_node_id": lost_slot, "lost_node_rank": 1, "quarantined": [lost_slot],
@@ -371,16 +375,16 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
 
 def test_keep_spare_pool_refills_nothing_past_its_budget_and_says_why(spared):
     backend, run, launch = spared
-    handle = JobHandle.from_dict(launch["handle"])
+    handle = JobHandle.from_dict(launch.handle)
     # One escalation of this DAG run already spent max_node_replacements=1.
-    cfg = RunConfig.from_dict(run["config"])
+    cfg = RunConfig.from_dict(run.config)
     EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit("escalation", rung=1)
     lost_slot = _lose(backend, launch, 1)
     deadline = time.time() + 30
     while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
         time.sleep(0.1)
     said = []
-    results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch["launched_at"] - 1,
+    results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch.launched_at - 1,
                                      log=said.append)
     assert [r["refilled"] for r in results] == [False] and "max_node_replacements=1 spent" in results[0]["why"]
     assert any("not refilled" in line and lost_slot in line for line in said), said
@@ -393,9 +397,9 @@ def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path)
     backend = script_backend(tmp_path / "full", IDLE_LAUNCHER, slots=3, cancel_grace_s=2)
     cfg = RunConfig(**{**FAST, "run_id": "full", "run_dir": str(tmp_path / "run"), "dataset_dir": str(tmp_path / "x"),
                        "steps": 4, "nodes": 2, "spare_nodes": 1, "restart_mode": "injob"})
-    run = {"config": cfg.to_dict(), "backend": backend.to_config(), "max_node_replacements": 2}
+    run = Run(config=cfg.to_dict(), backend=backend.to_config(), max_node_replacements=2)
     launch = ladder.launch(run, launch_no=0)
-    handle = JobHandle.from_dict(launch["handle"])
+    handle = JobHandle.from_dict(launch.handle)
     try:
         deadline = time.time() + 60
         while backend.status(handle).state != "running" and time.time() < deadline:
@@ -403,7 +407,7 @@ def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path)
         lost_slot = _lose(backend, launch, 2)  # the spare's machine goes, before it ever trained
         while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
             time.sleep(0.1)
-        results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch["launched_at"],
+        results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch.launched_at,
                                          log=lambda _: None)
         assert [r["refilled"] for r in results] == [False], results
         assert "no free healthy" in results[0]["why"] and results[0]["quarantined"] == [lost_slot]
@@ -417,15 +421,16 @@ def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path)
 def test_a_run_without_spares_skips_its_keepers_and_spares_count_in_capacity(launched):
     from airflow.sdk.exceptions import AirflowSkipException
 
-    from fsdp_resilience.control.sensors import SparePoolKeeper
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
     from fsdp_resilience.training.contract import ConfigError
 
     run = run_config("no-spares")
-    launch = {"handle": {"launch_id": "0", "job_name": "never-submitted"}}
+    launch = Launch(backend=run.backend, handle={"launch_id": "0", "job_name": "never-submitted"},
+                    run_dir=run.config["run_dir"], final_step=12, stall_timeout_s=60.0, launched_at=0.0)
     with pytest.raises(AirflowSkipException, match="spare_nodes=0"):
         SparePoolKeeper(task_id="keep_spare_pool", launch=launch).execute({"ti": _XComs(validate_config=run)})
     spared = run_config("with-spares", nodes=2, spare_nodes=1, restart_mode="injob")
-    assert spared["config"]["spare_nodes"] == 1
+    assert spared.config["spare_nodes"] == 1
     with pytest.raises(ConfigError, match="needs in-job restarts"):
         run_config("spares-need-injob", nodes=2, spare_nodes=1, restart_mode="inprocess")
     with pytest.raises(ConfigError, match="capacity: .*5"):  # 3 + 2 launchers on 4 local slots

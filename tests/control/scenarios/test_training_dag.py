@@ -96,8 +96,8 @@ def test_no_param_places_a_run_outside_its_roots(roots, monkeypatch):
         return ladder.build_run_config({"dataset": "python-stdlib", **params}, "manual__x")
 
     good = build(run_name="fine")
-    assert good["config"]["run_dir"] == str(roots.resolve() / "fine")
-    assert good["config"]["dataset_dir"] == str(Path(os.environ["FSDP_DATA_ROOT"]).resolve() / "python-stdlib")
+    assert good.config["run_dir"] == str(roots.resolve() / "fine")
+    assert good.config["dataset_dir"] == str(Path(os.environ["FSDP_DATA_ROOT"]).resolve() / "python-stdlib")
     for field in ladder.PLACEMENT_FIELDS:
         with pytest.raises(ConfigError, match=f"run_config may not set {field}"):
             build(run_name="sneaky", run_config={field: "/tmp/x" if field != "rdzv_port" else 2222})
@@ -155,8 +155,10 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
     and keep_spare_pool side by side, as the triggerer runs them. (dag.test() runs one task at a
     time, so the keeper would only start once the watch had seen the launch end.)"""
     from fsdp_resilience.control import ladder
-    from fsdp_resilience.control.sensors import CheckpointProgressSensor, SparePoolKeeper
-    from fsdp_resilience.control.triggers import TrainingProgressTrigger
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
+    from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
+    from fsdp_resilience.control.task_data import Outcome
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
     conf = base_conf("spare", nodes=2, spare_nodes=1, procs_per_node=1, restart_mode="injob", max_restarts=2,
                      run_config={**FAST, "faults": [{"kind": "node_loss", "step": 5, "node": 1}]})
@@ -166,7 +168,7 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
     params.update(conf)  # what a trigger does with its conf: the form's schema and defaults
     run = ladder.build_run_config(params.validate(), "manual__spare")  # validate_config
     launch = ladder.launch(run, launch_no=0)  # launch_training
-    backend = get_backend(**run["backend"])
+    backend = get_backend(**run.backend)
     try:
         watch = CheckpointProgressSensor(task_id="watch_checkpoints", launch=launch)
         keeper = SparePoolKeeper(task_id="keep_spare_pool", launch=launch, poll_interval_s=2.0)
@@ -178,11 +180,12 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
                 _keep_pool(keeper, context)), timeout=480)
 
         outcome, kept = asyncio.run(side_by_side())
+        outcome = Outcome.from_dict(watch.execute_complete(context, outcome))  # the watch's XCom
     finally:
-        backend.cancel(JobHandle.from_dict(launch["handle"]))
+        backend.cancel(JobHandle.from_dict(launch.handle))
     run_dir = roots / "spare"
     events = read_events(run_dir / "events.jsonl")
-    assert outcome["outcome"] == "success" and outcome["launch_id"] == "0", outcome
+    assert outcome.outcome == "success" and outcome.launch_id == "0", outcome
     climb, why = ladder.should_escalate(outcome, rung=1, max_replacements=1)
     assert not climb, why  # no rung runs
     assert {r.get("launch_id") for r in events if r["event"] == "launch_begin"} == {"0"}  # one launch

@@ -13,6 +13,7 @@ from fsdp_resilience.control import ladder
 from fsdp_resilience.control.backends import JobStatus, NodeStatus
 
 from fsdp_resilience.control.backends.evidence import blame_from_events
+from fsdp_resilience.control.task_data import Outcome, Run
 from fsdp_resilience.training.contract import (
     Event,
     EventLog,
@@ -29,8 +30,9 @@ NEVER_RETRIED = (FailureClass.USER_ERROR, FailureClass.STORAGE_ERROR, FailureCla
                  FailureClass.ALREADY_RUNNING, FailureClass.UNKNOWN)
 
 
-def outcome(failure: FailureClass, message: str = "node 0 (slot-0) failed") -> dict:
-    return {"outcome": "failed", "failure_class": failure.value, "message": message, "launch_id": "0"}
+def outcome(failure: FailureClass, message: str = "node 0 (slot-0) failed") -> Outcome:
+    return Outcome(outcome="failed", failure_class=failure.value, message=message, step=0, checkpoint_id=None,
+                   launch_id="0", handle={}, job_state="failed", last_progress_at=0.0)
 
 
 @pytest.mark.parametrize("failure", NEVER_RETRIED)
@@ -48,7 +50,7 @@ def test_restarts_exhausted_and_no_progress_climb_while_rungs_are_left(failure):
 
 
 def test_the_failure_message_says_what_to_do():
-    run = {"max_node_replacements": 1}
+    run = Run(config={}, backend={}, max_node_replacements=1)
     storage = ladder.failure_message(run, outcome(FailureClass.STORAGE_ERROR, "node 0 exited 74"))
     assert storage.startswith("training failed: storage_error: node 0 exited 74")
     assert "free space" in storage and "fix its mount" in storage and "trigger the run again" in storage

@@ -5,6 +5,7 @@ the way disks and people damage them; S3 is moto's server."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from fsdp_resilience.control import ladder, settings
 from fsdp_resilience.control.report.build import build_report
+from fsdp_resilience.control.task_data import Run
 from fsdp_resilience.control.trusted_checkpoint import CHECKSUMS, SIZES, NoTrustedCheckpoint
 from control.fakes.saved_checkpoints import flip_bytes, save_checkpoint
 from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, Event, read_events
@@ -26,11 +28,11 @@ def runs_root(tmp_path, monkeypatch) -> Path:
     return root
 
 
-def run_for(name: str, backend: str = "local") -> dict:
+def run_for(name: str, backend: str = "local") -> Run:
     """A run as validate_config builds it, placed on ``backend`` (the checkpoint checks never call
     the backend, so an EKS run needs no cluster here)."""
     run = ladder.build_run_config({"run_name": name, "dataset": "c4", "backend": "local"}, dag_run_id=name)
-    return {**run, "backend": settings.backend_config(backend)}
+    return dataclasses.replace(run, backend=settings.backend_config(backend))
 
 
 def damaged_run(run_dir: Path) -> None:
@@ -45,7 +47,7 @@ def damaged_run(run_dir: Path) -> None:
 
 def test_publish_skips_flipped_bytes_and_a_missing_shard_and_quarantines_them_on_the_local_backend(runs_root):
     run = run_for("damaged")
-    run_dir = Path(run["config"]["run_dir"])
+    run_dir = Path(run.config["run_dir"])
     damaged_run(run_dir)
 
     published = ladder.publish(run, {"checkpoint_id": "step_00000020"})
@@ -82,7 +84,7 @@ def test_publish_skips_flipped_bytes_and_a_missing_shard_and_quarantines_them_on
 
 def test_on_eks_a_checkpoint_that_fails_is_skipped_and_left_where_it_is(runs_root):
     run = run_for("on-fsx", backend="eks")
-    run_dir = Path(run["config"]["run_dir"])
+    run_dir = Path(run.config["run_dir"])
     damaged_run(run_dir)
     for task in ("evaluate", "publish"):  # both tasks check, and say so
         choice = ladder.trusted_checkpoint(run, task=task)
@@ -103,7 +105,7 @@ def test_on_eks_a_checkpoint_that_fails_is_skipped_and_left_where_it_is(runs_roo
 
 def test_when_no_checkpoint_verifies_nothing_is_published_and_the_error_says_why(runs_root):
     run = run_for("all-bad", backend="eks")
-    run_dir = Path(run["config"]["run_dir"])
+    run_dir = Path(run.config["run_dir"])
     run_dir.mkdir(parents=True)
     with pytest.raises(NoTrustedCheckpoint, match="has no committed checkpoint"):
         ladder.publish(run, {})  # no checkpoint yet: train first
@@ -123,7 +125,7 @@ def test_when_no_checkpoint_verifies_nothing_is_published_and_the_error_says_why
 
 def test_publish_says_so_when_the_evaluated_checkpoint_no_longer_verifies(runs_root):
     run = run_for("changed")
-    run_dir = Path(run["config"]["run_dir"])
+    run_dir = Path(run.config["run_dir"])
     for step in (10, 20):
         save_checkpoint(run_dir, step)
     evaluation = {"checkpoint_id": ladder.trusted_checkpoint(run, task="evaluate").checkpoint_id}
@@ -142,7 +144,7 @@ def test_without_the_mount_the_s3_export_is_checked_by_its_marker_and_sizes(runs
     monkeypatch.setenv("FSDP_CHECKPOINTS_S3", "s3://trusted/exports/runs")
     monkeypatch.setenv("FSDP_AWS_CONN_ID", "aws_fake")
     run = run_for("exported", backend="eks")
-    assert not Path(run["config"]["run_dir"]).exists()  # FSx is not mounted in this worker
+    assert not Path(run.config["run_dir"]).exists()  # FSx is not mounted in this worker
     written = tmp_path / "on-fsx"  # what the pods wrote, as the export copied it to S3
     damaged_run(written)
     (written / "checkpoints" / "step_00000030").rename(written / "checkpoints" / "step_00000035")  # keep 30's
@@ -165,7 +167,7 @@ def test_without_the_mount_the_s3_export_is_checked_by_its_marker_and_sizes(runs
         ("step_00000040", ".metadata is missing"),
         ("step_00000035", "__0_0.distcp is missing"),
         ("step_00000030", "__1_0.distcp is 5 bytes, the commit recorded 256")]
-    assert not Path(run["config"]["run_dir"]).exists()  # nothing was written anywhere
+    assert not Path(run.config["run_dir"]).exists()  # nothing was written anywhere
 
     monkeypatch.delenv("FSDP_CHECKPOINTS_S3")
     with pytest.raises(NoTrustedCheckpoint, match="not readable here and no S3 export"):
@@ -174,7 +176,7 @@ def test_without_the_mount_the_s3_export_is_checked_by_its_marker_and_sizes(runs
 
 def test_the_export_takes_the_run_records_and_the_verified_checkpoint_only(runs_root, monkeypatch):
     run = run_for("export", backend="eks")
-    run_dir = Path(run["config"]["run_dir"])
+    run_dir = Path(run.config["run_dir"])
     assert ladder.export_plan(run, {"checkpoint_id": "step_00000020"})[0] is None  # no file system configured
     monkeypatch.setenv("FSDP_FSX_FILE_SYSTEM_ID", "fs-0123456789abcdef0")
     damaged_run(run_dir)

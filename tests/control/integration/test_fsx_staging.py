@@ -1,8 +1,8 @@
-"""FSx for Lustre staging: path mapping, validation, idempotent data repository tasks, the trigger and
-operator, the stage_dataset DAG's EKS path, and checkpoint progress read from an S3 export.
+"""FSx for Lustre staging against FSx's API: validation, idempotent data repository tasks
+(``FsxHook``), the trigger and operator, and the stage_dataset DAG's EKS path.
 
 FSx calls go to a real botocore client with a ``Stubber`` (moto has no data repository tasks), so
-every request is checked against botocore's FSx model; S3 is moto's server on 127.0.0.1.
+every request is checked against botocore's FSx model.
 """
 
 from __future__ import annotations
@@ -15,52 +15,32 @@ from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
-import boto3
 import pytest
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 from botocore.stub import ANY
 
-from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+from fsdp_resilience.control import fsx
+from fsdp_resilience.control.fsx import FsxStagingError
+from fsdp_resilience.control.hooks.fsx import FsxHook
+from fsdp_resilience.control.operators.fsx import FsxDataRepositoryTaskOperator
+from fsdp_resilience.control.triggers.fsx import FsxDataRepositoryTaskTrigger
 
 from control.fakes.fsx_stubs import (  # noqa: F401  (stub is a fixture)
-    ASSOCIATIONS, DATASETS, DATASETS_EXTRA, FS, FS_FILTER, IN_FLIGHT_FILTER, REGION, RUNS, TASK, a_task,
+    ASSOCIATIONS,
+    DATASETS,
+    FS,
+    FS_FILTER,
+    REGION,
+    RUNS,
+    TASK,
+    a_task,
     expect_associations,
-    expect_describe, expect_file_system, expect_in_flight, stub)
-from control.fakes.saved_checkpoints import save_checkpoint
-from control.support import REPO
-from fsdp_resilience.control import fsx
-from fsdp_resilience.control.fsx import FsxHook, FsxStagingError
-from fsdp_resilience.control.fsx_staging import (
-    FsxDataRepositoryTaskOperator,
-    FsxDataRepositoryTaskTrigger,
-    S3CheckpointProgress,
-    latest_committed_in_s3,
+    expect_describe,
+    expect_file_system,
+    expect_in_flight,
+    stub,
 )
-from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, RunDir
-
-# -- paths ------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("path, association, fs_path", [
-    ("s3://bucket/datasets/c4/", DATASETS, "/datasets/c4"),
-    ("s3://bucket/datasets/c4/en/shard.bin", DATASETS, "/datasets/c4/en/shard.bin"),
-    ("s3://bucket/datasets", DATASETS, "/datasets"),
-    ("s3://bucket/datasets-extra/c4", DATASETS_EXTRA, "/extra/c4"),
-    ("s3://bucket/exports/runs/r1/checkpoints/", RUNS, "/runs/r1/checkpoints"),
-    ("/runs/r1/checkpoints", RUNS, "/runs/r1/checkpoints"),
-    ("/datasets/c4/", DATASETS, "/datasets/c4"),
-])
-def test_paths_map_through_the_covering_association(path, association, fs_path):
-    assert fsx.resolve_path(ASSOCIATIONS, path) == (association, fs_path)
-
-
-def test_the_longest_association_wins_and_prefixes_match_whole_segments():
-    root = {**DATASETS, "AssociationId": "dra-0123456789abcdef3", "DataRepositoryPath": "s3://bucket",
-            "FileSystemPath": "/"}
-    nested = {**DATASETS, "DataRepositoryPath": "s3://bucket/datasets/c4/", "FileSystemPath": "/c4"}
-    assert fsx.resolve_path([root, nested], "s3://bucket/datasets/c4/en") == (nested, "/c4/en")
-    assert fsx.resolve_path([root, nested], "s3://bucket/datasets/c40") == (root, "/datasets/c40")
-    assert fsx.locate([DATASETS], "s3://bucket/datasets2/c4") is None
-    assert fsx.locate([DATASETS], "s3://other-bucket/datasets/c4") is None
+from control.support import REPO
 
 
 def test_hook_resolves_paths_through_every_page_of_associations(stub):
@@ -69,15 +49,6 @@ def test_hook_resolves_paths_through_every_page_of_associations(stub):
     stub.add_response("describe_data_repository_associations", {"Associations": [RUNS]},
                       {"Filters": FS_FILTER, "MaxResults": 25, "NextToken": "bmV4dA=="})
     assert FsxHook().resolve_path(FS, "s3://bucket/exports/runs/r7") == (RUNS, "/runs/r7")
-
-
-def test_bad_uris_and_paths_are_refused_with_an_example():
-    with pytest.raises(FsxStagingError, match=r"not an S3 URI; give one like s3://"):
-        fsx.resolve_path(ASSOCIATIONS, "s3:/bucket/datasets")
-    with pytest.raises(FsxStagingError, match=r"'\.\.' segments"):
-        fsx.resolve_path(ASSOCIATIONS, "/datasets/../etc")
-    with pytest.raises(FsxStagingError, match="not an absolute file-system path"):
-        fsx.resolve_path(ASSOCIATIONS, "datasets/c4")
 
 
 # -- clear errors before anything is created ----------------------------------------------------
@@ -178,36 +149,6 @@ def test_an_export_names_paths_relative_to_the_file_system_root(stub):
     FsxHook().start_task("export", FS, ["/runs/r1/eval.json", "s3://bucket/exports/runs/r1/checkpoints/"])
 
 
-# -- outcomes -----------------------------------------------------------------------------------
-
-
-def test_a_failed_task_says_why_and_where_the_report_is():
-    status, message = fsx.task_outcome(a_task(
-        "FAILED", FailureDetails={"Message": "Access denied to s3://bucket/datasets/c4"},
-        Report={"Enabled": True, "Path": "s3://bucket/datasets/reports"}))
-    assert status == "failed"
-    assert "Access denied to s3://bucket/datasets/c4" in message and "s3://bucket/datasets/reports" in message
-
-
-def test_a_task_that_succeeded_with_failed_files_is_a_failure():
-    status, message = fsx.task_outcome(a_task(
-        "SUCCEEDED", Status={"TotalCount": 40, "SucceededCount": 37, "FailedCount": 3},
-        Report={"Enabled": True, "Path": "s3://bucket/datasets/reports"}))
-    assert status == "failed" and "3 of 40 files failed" in message and "s3://bucket/datasets/reports" in message
-    status, message = fsx.task_outcome(a_task("SUCCEEDED", Status={"TotalCount": 40, "SucceededCount": 37,
-                                                                   "FailedCount": 3}))
-    assert status == "failed" and "give report_path" in message
-
-
-def test_running_and_clean_outcomes():
-    assert fsx.task_outcome(a_task("PENDING"))[0] == "running"
-    assert fsx.task_outcome(a_task("CANCELING"))[0] == "running"
-    assert fsx.task_outcome(a_task("CANCELED"))[0] == "failed"
-    status, message = fsx.task_outcome(a_task("SUCCEEDED", Status={"TotalCount": 5, "SucceededCount": 5,
-                                                                   "FailedCount": 0}))
-    assert status == "succeeded" and "5 of 5 files" in message
-
-
 # -- the trigger ----------------------------------------------------------------------------------
 
 
@@ -224,7 +165,7 @@ def test_the_trigger_waits_for_the_task_and_fires_once_on_success(stub):
                                  EndTime=datetime(2025, 1, 1, 0, 5, tzinfo=timezone.utc)))
     events = run_trigger(FsxDataRepositoryTaskTrigger(task_id=TASK, file_system_id=FS, poll_interval_s=0))
     assert len(events) == 1
-    assert events[0]["status"] == "succeeded"
+    assert events[0]["status"] == "success"
     assert events[0]["task"]["task_id"] == TASK and events[0]["task"]["succeeded_files"] == 9
     json.dumps(events[0])  # trigger events must be JSON-safe (no datetimes)
 
@@ -232,7 +173,7 @@ def test_the_trigger_waits_for_the_task_and_fires_once_on_success(stub):
 def test_the_trigger_reports_a_failed_task_with_its_reason(stub):
     expect_describe(stub, a_task("FAILED", FailureDetails={"Message": "The S3 prefix does not exist"}))
     [event] = run_trigger(FsxDataRepositoryTaskTrigger(task_id=TASK, file_system_id=FS, poll_interval_s=0))
-    assert event["status"] == "failed" and "The S3 prefix does not exist" in event["message"]
+    assert event["status"] == "failure" and "The S3 prefix does not exist" in event["message"]
 
 
 def test_the_trigger_round_trips_through_serialize():
@@ -266,16 +207,16 @@ def test_the_operator_starts_the_task_then_defers_to_the_trigger(stub):
         op.execute(context())
     assert deferred.value.method_name == "execute_complete"
     assert deferred.value.trigger.serialize() == (
-        "fsdp_resilience.control.fsx_staging.FsxDataRepositoryTaskTrigger",
+        "fsdp_resilience.control.triggers.fsx.FsxDataRepositoryTaskTrigger",
         {"task_id": TASK, "file_system_id": FS, "aws_conn_id": "aws_fsx", "region_name": None, "poll_interval_s": 7})
 
 
 def test_execute_complete_returns_the_summary_or_fails_with_the_message():
     op = FsxDataRepositoryTaskOperator(task_id="import_to_fsx", kind="import", file_system_id=FS, paths=[])
     summary = {"task_id": TASK, "lifecycle": "SUCCEEDED"}
-    assert op.execute_complete(context(), {"status": "succeeded", "message": "ok", "task": summary}) == summary
+    assert op.execute_complete(context(), {"status": "success", "message": "ok", "task": summary}) == summary
     with pytest.raises(AirflowFailException, match="3 of 40 files failed"):
-        op.execute_complete(context(), {"status": "failed", "message": "... 3 of 40 files failed ...", "task": None})
+        op.execute_complete(context(), {"status": "failure", "message": "... 3 of 40 files failed ...", "task": None})
 
 
 def test_the_operator_polls_in_the_worker_when_not_deferrable(stub):
@@ -340,61 +281,3 @@ def test_stage_dataset_imports_an_s3_dataset_into_fsx_and_verifies_it(stub, tmp_
     bad = dag.test(run_conf={"backend": "eks", "source": "s3://bucket/elsewhere/c4/"})
     assert str(bad.state) == "failed"
     assert {ti.task_id: str(ti.state) for ti in bad.get_task_instances()}["validate_source"] == "failed"
-
-
-# -- checkpoint progress from the S3 export -------------------------------------------------------
-
-
-@pytest.fixture()
-def s3(aws):
-    """A bucket in moto's server (the ``aws`` fixture: tests/control/eks_cluster.py)."""
-    client = boto3.client("s3")
-    client.create_bucket(Bucket="exports", CreateBucketConfiguration={"LocationConstraint": client.meta.region_name})
-    yield client
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket="exports"):
-        for obj in page.get("Contents", []):
-            client.delete_object(Bucket="exports", Key=obj["Key"])
-    client.delete_bucket(Bucket="exports")
-
-
-def save(catalog: CheckpointCatalog, step: int, world_size: int = 2, commit: bool = True) -> None:
-    """A checkpoint as the trainer leaves it: a shard per rank with its checksums and DCP's
-    .metadata, then the commit."""
-    save_checkpoint(catalog.layout.root, step, world_size, commit=commit)
-
-
-def upload(client, run_dir: Path, prefix: str) -> None:
-    for f in sorted(p for p in run_dir.rglob("*") if p.is_file()):
-        client.put_object(Bucket="exports", Key=f"{prefix}/{f.relative_to(run_dir).as_posix()}", Body=f.read_bytes())
-
-
-def test_s3_progress_agrees_with_the_catalog_skipping_torn_checkpoints(s3, tmp_path):
-    run_dir = tmp_path / "r1"
-    catalog = CheckpointCatalog(run_dir)
-    RunDir(run_dir).create()
-    uri = "s3://exports/runs/r1/"
-    assert latest_committed_in_s3(uri, aws_conn_id=None) is None and catalog.latest() is None
-
-    for step in (10, 20):
-        save(catalog, step)
-    save(catalog, 30, commit=False)  # torn: the writer died before the marker
-    save(catalog, 40)
-    (catalog.layout.checkpoint_dir(40) / COMMIT_MARKER).write_text('{"step": 40, "world')  # torn: half a marker
-    save(catalog, 5)  # an old one, committed after the others in time
-    (run_dir / "checkpoints" / "step_latest-notes").mkdir()  # not a checkpoint folder name
-    (run_dir / "checkpoints" / "step_latest-notes" / "x").write_text("x")
-    upload(s3, run_dir, "runs/r1")
-
-    local = catalog.latest()
-    remote = S3CheckpointProgress(uri, aws_conn_id=None).latest()
-    assert local.step == 20 and [c.step for c in catalog.torn()] == [30, 40]
-    assert (remote.step, remote.checkpoint_id, remote.committed, remote.world_size, remote.committed_at) == (
-        local.step, local.checkpoint_id, True, local.world_size, local.committed_at)
-    assert remote.uri == "s3://exports/runs/r1/checkpoints/step_00000020"
-
-    # Only torn checkpoints: no progress, on both sides.
-    torn_only = tmp_path / "r2"
-    save(CheckpointCatalog(torn_only), 10, commit=False)
-    upload(s3, torn_only, "runs/r2")
-    assert CheckpointCatalog(torn_only).latest() is None
-    assert latest_committed_in_s3("s3://exports/runs/r2", aws_conn_id=None) is None
