@@ -68,7 +68,6 @@ from bench.common import (
     write_json,
     young_interval,
 )
-
 from bench.drive import drive, relaunch_trials, spare_trials  # noqa: E402
 from bench.restarts import injected_faults, launcher_marks, restart_trials, step_cadence  # noqa: E402
 from fsdp_resilience.control.report.build import build_report  # noqa: E402
@@ -81,8 +80,15 @@ from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E4
 LLAMA3_MTBF_S = 54 * 86400 / 419
 #: Seconds a fault of each kind costs on this machine when no calibration is at hand (restart,
 #: without lost progress): used only to size the run so it lasts the requested duration.
-DEFAULT_COST_S = {"exception": 5.0, "hang": 6.0, "checkpoint_crash": 4.0, "sigkill": 14.0, "oom": 14.0,
-                  "sigstop": 35.0, "node_loss": 35.0}
+DEFAULT_COST_S = {
+    "exception": 5.0,
+    "hang": 6.0,
+    "checkpoint_crash": 4.0,
+    "sigkill": 14.0,
+    "oom": 14.0,
+    "sigstop": 35.0,
+    "node_loss": 35.0,
+}
 STARTUP_S = 25.0
 
 
@@ -100,24 +106,52 @@ def calibration(args: argparse.Namespace, work: Path, dataset: Path) -> dict[str
         for row in (read_json(recovery_json).get("recovery") or {}).get("rows") or []:
             if row.get("restart_mode") == "layered" and row["latency_s"].get("n"):
                 cal["cost_s"][row["kind"]] = row["latency_s"]["median"]
-        cal["cost_source"] = str(recovery_json.relative_to(REPO) if recovery_json.is_relative_to(REPO) else recovery_json)
+        cal["cost_source"] = str(
+            recovery_json.relative_to(REPO) if recovery_json.is_relative_to(REPO) else recovery_json
+        )
     if args.step_time_s and args.save_cost_s:
         return {**cal, "source": "command line", "step_time_s": args.step_time_s, "save_cost_s": args.save_cost_s}
     run_dir = work / "calibration"
-    cfg = RunConfig(**{**RUN_SETTINGS, "model": args.model, "run_id": "chaos-calibration", "run_dir": str(run_dir),
-                       "dataset_dir": str(dataset), "nodes": args.nodes, "procs_per_node": args.procs_per_node,
-                       "steps": CALIBRATION_STEPS,
-                       "checkpoint_interval": 10, "restart_mode": "layered", "rdzv_port": free_port()})
+    cfg = RunConfig(
+        **{
+            **RUN_SETTINGS,
+            "model": args.model,
+            "run_id": "chaos-calibration",
+            "run_dir": str(run_dir),
+            "dataset_dir": str(dataset),
+            "nodes": args.nodes,
+            "procs_per_node": args.procs_per_node,
+            "steps": CALIBRATION_STEPS,
+            "checkpoint_interval": 10,
+            "restart_mode": "layered",
+            "rdzv_port": free_port(),
+        }
+    )
     cfg_path = work / "calibration.json"
     cfg_path.write_text(cfg.to_json())
     # Every node of the calibration run: one fsdp_resilience.training.launch each, as the local backend starts them.
     logs = [open(work / f"calibration-node{i}.log", "w") for i in range(cfg.nodes)]
     nodes: list[subprocess.Popen] = []
     try:
-        nodes += [subprocess.Popen([str(TRAINING_PYTHON), "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path),
-                                   "--node-rank", str(i), "--rdzv-host", "127.0.0.1"], cwd=REPO, stdout=log_file,
-                                  stderr=subprocess.STDOUT)
-                 for i, log_file in enumerate(logs)]
+        nodes += [
+            subprocess.Popen(
+                [
+                    str(TRAINING_PYTHON),
+                    "-m",
+                    "fsdp_resilience.training.launch",
+                    "--config",
+                    str(cfg_path),
+                    "--node-rank",
+                    str(i),
+                    "--rdzv-host",
+                    "127.0.0.1",
+                ],
+                cwd=REPO,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+            )
+            for i, log_file in enumerate(logs)
+        ]
         rc = max(node.wait(timeout=600) for node in nodes)
     finally:
         for node in nodes:
@@ -133,9 +167,13 @@ def calibration(args: argparse.Namespace, work: Path, dataset: Path) -> dict[str
     # A save costs the loop its blocking time and its writer's interference with the steps.
     costs = save_costs(events, goodput(events))
     save_cost = statistics.median(blocking) + costs["interference_per_save_s"]
-    return {**cal, "source": f"calibration run ({CALIBRATION_STEPS} steps, no faults)",
-            "step_time_s": args.step_time_s or cadence, "save_cost_s": args.save_cost_s or save_cost,
-            "calibration_save_costs": costs}
+    return {
+        **cal,
+        "source": f"calibration run ({CALIBRATION_STEPS} steps, no faults)",
+        "step_time_s": args.step_time_s or cadence,
+        "save_cost_s": args.save_cost_s or save_cost,
+        "calibration_save_costs": costs,
+    }
 
 
 def plan(args: argparse.Namespace, cal: dict[str, Any]) -> dict[str, Any]:
@@ -154,20 +192,39 @@ def plan(args: argparse.Namespace, cal: dict[str, Any]) -> dict[str, Any]:
     fault_s = sum(cal["cost_s"].get(k, DEFAULT_COST_S[k]) for k in kinds)
     expected = max(40 * n_faults, math.ceil((args.duration_s - STARTUP_S - fault_s - lost_s) / cal["step_time_s"]))
     gap = max(3 * interval + 4, 12)
-    drills = spread_schedule(kinds, first_step=max(2 * interval + 5, 20), last_step=int(0.95 * expected), min_gap=gap,
-                             interval=interval, world_size=args.nodes * args.procs_per_node, seed=args.seed)
+    drills = spread_schedule(
+        kinds,
+        first_step=max(2 * interval + 5, 20),
+        last_step=int(0.95 * expected),
+        min_gap=gap,
+        interval=interval,
+        world_size=args.nodes * args.procs_per_node,
+        seed=args.seed,
+    )
     # Without spares each drill is tied to its launch's slot (a relaunch replays steps); with
     # spares a node loss fires on any round, at node 1 and then at the spares (assign_attempts).
-    return {"n_faults": n_faults, "counts": counts, "interval_steps": interval, "interval_s_target": interval_s,
-            "expected_steps": expected, "steps": 2 * expected,
-            "drills": assign_attempts(drills, "layered", slot_prefix=None if args.spare_nodes else "slot-",
-                                      nodes=args.nodes, procs_per_node=args.procs_per_node,
-                                      spare_nodes=args.spare_nodes)}
+    return {
+        "n_faults": n_faults,
+        "counts": counts,
+        "interval_steps": interval,
+        "interval_s_target": interval_s,
+        "expected_steps": expected,
+        "steps": 2 * expected,
+        "drills": assign_attempts(
+            drills,
+            "layered",
+            slot_prefix=None if args.spare_nodes else "slot-",
+            nodes=args.nodes,
+            procs_per_node=args.procs_per_node,
+            spare_nodes=args.spare_nodes,
+        ),
+    }
 
 
 def stop_when_done(cfg: RunConfig, duration_s: float, n_faults: int, limit_s: float) -> Callable[[], bool]:
     """True once the run has lasted ``duration_s`` (from its first launch) and every scheduled
     fault fired and was recovered from (a step completed after the last one); or at ``limit_s``."""
+
     def stop() -> bool:
         events = read_events(cfg.layout.events)
         begins = [r["ts"] for r in events if r.get("event") == "launch_begin"]
@@ -180,7 +237,8 @@ def stop_when_done(cfg: RunConfig, duration_s: float, n_faults: int, limit_s: fl
             return False
         faults = injected_faults(events)
         return len(faults) >= n_faults and any(
-            r.get("event") == "restart_end" and r["ts"] > faults[-1]["ts"] for r in events)
+            r.get("event") == "restart_end" and r["ts"] > faults[-1]["ts"] for r in events
+        )
 
     return stop
 
@@ -191,22 +249,32 @@ def save_costs(events: list[dict[str, Any]], accounting: dict[str, Any]) -> dict
     CPU: the report's ``checkpoint_interference``, badput like the blocking time), and the commit
     latency (save begins -> committed)."""
     windows = save_windows(events)
-    blocking = [r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin" and r.get("blocking_s") is not None]
+    blocking = [
+        r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin" and r.get("blocking_s") is not None
+    ]
     commits = [r for r in events if r.get("event") == "checkpoint_commit"]
     _, slowed = steps_during_saves(step_executions(events), windows)
     during = [e.end - e.start for e in slowed]
     interference = accounting["badput_s"].get("checkpoint_interference", 0.0) / max(1, len(windows))
     block = statistics.median(blocking) if blocking else 0.0
     usual = accounting.get("usual_step_s")
-    return {"blocking_s": summarize(blocking), "commit_s": summarize(c.get("save_s") for c in commits),
-            "saves_committed": len(windows), "steps_during_a_save": len(during),
-            "step_s_during_a_save": summarize(during), "step_s_otherwise_median": usual,
-            "interference_ratio": round(statistics.median(during) / usual, 3) if during and usual else None,
-            "interference_per_save_s": round(interference, 4), "blocking_median_s": round(block, 4),
-            "blocking_plus_interference_s": round(block + interference, 4)}
+    return {
+        "blocking_s": summarize(blocking),
+        "commit_s": summarize(c.get("save_s") for c in commits),
+        "saves_committed": len(windows),
+        "steps_during_a_save": len(during),
+        "step_s_during_a_save": summarize(during),
+        "step_s_otherwise_median": usual,
+        "interference_ratio": round(statistics.median(during) / usual, 3) if during and usual else None,
+        "interference_per_save_s": round(interference, 4),
+        "blocking_median_s": round(block, 4),
+        "blocking_plus_interference_s": round(block + interference, 4),
+    }
 
 
-def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def analyse(
+    cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     events = read_events(cfg.layout.events)
     whole = goodput(events)
     # Steady state, as a multi-day run sees it: without the first start-up (launch -> the first
@@ -217,11 +285,17 @@ def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], arg
     train_ends = [r["ts"] for r in events if r.get("event") == "train_end"]
     ended = driven.get("stopped_at") or (max(train_ends) if train_ends else whole["end_ts"])
     shutdown = max(0.0, whole["end_ts"] - ended)
-    steady_b = dict(whole["badput_s"], startup_restore=whole["badput_s"].get("startup_restore", 0.0) - initial,
-                    other=max(0.0, whole["badput_s"].get("other", 0.0) - shutdown))
+    steady_b = dict(
+        whole["badput_s"],
+        startup_restore=whole["badput_s"].get("startup_restore", 0.0) - initial,
+        other=max(0.0, whole["badput_s"].get("other", 0.0) - shutdown),
+    )
     steady_wall = whole["wall_s"] - initial - shutdown
-    steady = {"wall_s": steady_wall, "badput_s": steady_b,
-              "ettr": whole["productive_s"] / steady_wall if steady_wall > 0 else None}
+    steady = {
+        "wall_s": steady_wall,
+        "badput_s": steady_b,
+        "ettr": whole["productive_s"] / steady_wall if steady_wall > 0 else None,
+    }
     faults = injected_faults(events)
     marks = []
     for log_file in sorted(cfg.layout.logs.glob("*-node*.log")):
@@ -245,61 +319,107 @@ def analyse(cfg: RunConfig, driven: dict[str, Any], planned: dict[str, Any], arg
     realised_mtbf = steady["wall_s"] / n if n else math.inf
 
     def model(interval: float, mtbf: float) -> float:
-        return round(ettr_model(interval, save_cost_s=delta + interference, mtbf_s=mtbf, restart_s=restart_per_fault,
-                                commit_s=commit, loop_overhead=loop_overhead), 4)
+        return round(
+            ettr_model(
+                interval,
+                save_cost_s=delta + interference,
+                mtbf_s=mtbf,
+                restart_s=restart_per_fault,
+                commit_s=commit,
+                loop_overhead=loop_overhead,
+            ),
+            4,
+        )
 
     young_daly = []
-    for label, mtbf in (("this run (realised)", realised_mtbf), ("target: one fault per 10 min", args.target_mtbf_s),
-                        ("Llama 3 405B job (54 d, 419 faults)", LLAMA3_MTBF_S)):
+    for label, mtbf in (
+        ("this run (realised)", realised_mtbf),
+        ("target: one fault per 10 min", args.target_mtbf_s),
+        ("Llama 3 405B job (54 d, 419 faults)", LLAMA3_MTBF_S),
+    ):
         tau = young_interval(delta + interference, mtbf)
-        young_daly.append({"mtbf": label, "mtbf_s": round(mtbf, 1), "young_interval_s": round(tau, 3),
-                           "daly_interval_s": round(daly_interval(delta + interference, mtbf), 3),
-                           "interval_steps": max(1, round(tau / cadence)),
-                           "ettr": {"half": model(tau / 2, mtbf), "young_daly": model(tau, mtbf), "double": model(2 * tau, mtbf)}})
+        young_daly.append(
+            {
+                "mtbf": label,
+                "mtbf_s": round(mtbf, 1),
+                "young_interval_s": round(tau, 3),
+                "daly_interval_s": round(daly_interval(delta + interference, mtbf), 3),
+                "interval_steps": max(1, round(tau / cadence)),
+                "ettr": {"half": model(tau / 2, mtbf), "young_daly": model(tau, mtbf), "double": model(2 * tau, mtbf)},
+            }
+        )
     target_row = young_daly[1]
     # What a node loss cost here: the fault -> the next completed step, by whichever rung
     # recovered it (a relaunch without spares, an in-job restart onto a spare with them).
     node_losses = [t for t in trials if t["kind"] == "node_loss"]
-    node_loss = {"n": len(node_losses), "recovered_by": sorted({t["layer"] for t in node_losses if t.get("layer")}),
-                 "fault_to_next_step_s": summarize(t.get("measured_s") for t in node_losses),
-                 "relaunches": len(driven["rungs"])}
+    node_loss = {
+        "n": len(node_losses),
+        "recovered_by": sorted({t["layer"] for t in node_losses if t.get("layer")}),
+        "fault_to_next_step_s": summarize(t.get("measured_s") for t in node_losses),
+        "relaunches": len(driven["rungs"]),
+    }
     if cfg.spare_nodes:
         spares = spare_trials(cfg, driven)
-        node_loss.update(spare_nodes=cfg.spare_nodes, covered_by_a_spare=sum(
-                             1 for t in spares if t["recovery_s"] is not None and not t["relaunched"]),
-                         refill_s=summarize(t["refill_s"] for t in spares), spare_trials=spares,
-                         refills=driven.get("refills") or [],
-                         promotions=sum(1 for r in events if r.get("event") == "spare_promoted"))
+        node_loss.update(
+            spare_nodes=cfg.spare_nodes,
+            covered_by_a_spare=sum(1 for t in spares if t["recovery_s"] is not None and not t["relaunched"]),
+            refill_s=summarize(t["refill_s"] for t in spares),
+            spare_trials=spares,
+            refills=driven.get("refills") or [],
+            promotions=sum(1 for r in events if r.get("event") == "spare_promoted"),
+        )
     by_kind: dict[str, list[float]] = {}
     for t in trials:
         if t.get("latency_s") is not None:
             by_kind.setdefault(f"{t['kind']} → {t['layer']}", []).append(t["latency_s"])
     return {
-        "wall_s": round(whole["wall_s"], 1), "meets_min_duration": whole["wall_s"] >= args.duration_s,
+        "wall_s": round(whole["wall_s"], 1),
+        "meets_min_duration": whole["wall_s"] >= args.duration_s,
         "ettr": round(whole["ettr"], 4) if whole["ettr"] is not None else None,
         "ettr_steady": round(steady["ettr"], 4) if steady["ettr"] is not None else None,
-        "initial_startup_s": round(initial, 2), "final_shutdown_s": round(shutdown, 2),
+        "initial_startup_s": round(initial, 2),
+        "final_shutdown_s": round(shutdown, 2),
         "badput_s": {k: round(v, 2) for k, v in whole["badput_s"].items()},
         "badput_steady_s": {k: round(v, 2) for k, v in b.items()},
-        "productive_s": round(whole["productive_s"], 1), "steps": whole["last_step"],
-        "faults_injected": n, "faults_by_kind": {k: sum(1 for f in faults if f.get("kind") == k)
-                                                 for k in sorted({f.get("kind") for f in faults})},
+        "productive_s": round(whole["productive_s"], 1),
+        "steps": whole["last_step"],
+        "faults_injected": n,
+        "faults_by_kind": {
+            k: sum(1 for f in faults if f.get("kind") == k) for k in sorted({f.get("kind") for f in faults})
+        },
         "faults_scheduled": planned["n_faults"],
         "lost_per_fault_s": round(per_fault, 2) if per_fault is not None else None,
-        "lost_per_fault_parts_s": {"restart_and_restore": round(restart_per_fault, 2),
-                                   "lost_progress": round(lost / n, 2) if n else None},
+        "lost_per_fault_parts_s": {
+            "restart_and_restore": round(restart_per_fault, 2),
+            "lost_progress": round(lost / n, 2) if n else None,
+        },
         "recovery_by_kind_s": {k: summarize(v) for k, v in sorted(by_kind.items())},
-        "relaunches": rungs, "launches": driven["launches"], "rungs": driven["rungs"], "node_loss": node_loss,
-        "save_costs": costs, "step_cadence_s": round(cadence, 4), "interval_s": round(interval_s, 3),
-        "model": {"formula": "ETTR = (1 - loop_overhead - (C + I)/T) * (1 - (R + T/2 + W)/MTBF)",
-                  "C_save_cost_s": delta, "I_interference_per_save_s": interference, "R_restart_per_fault_s": round(restart_per_fault, 3),
-                  "W_commit_s": commit, "loop_overhead": round(loop_overhead, 4),
-                  "check": {"measured_ettr_steady": round(steady["ettr"], 4) if steady["ettr"] else None,
-                            "model_at_this_run": model(interval_s, realised_mtbf)}},
+        "relaunches": rungs,
+        "launches": driven["launches"],
+        "rungs": driven["rungs"],
+        "node_loss": node_loss,
+        "save_costs": costs,
+        "step_cadence_s": round(cadence, 4),
+        "interval_s": round(interval_s, 3),
+        "model": {
+            "formula": "ETTR = (1 - loop_overhead - (C + I)/T) * (1 - (R + T/2 + W)/MTBF)",
+            "C_save_cost_s": delta,
+            "I_interference_per_save_s": interference,
+            "R_restart_per_fault_s": round(restart_per_fault, 3),
+            "W_commit_s": commit,
+            "loop_overhead": round(loop_overhead, 4),
+            "check": {
+                "measured_ettr_steady": round(steady["ettr"], 4) if steady["ettr"] else None,
+                "model_at_this_run": model(interval_s, realised_mtbf),
+            },
+        },
         "young_daly": young_daly,
-        "targets": {"ETTR >= 0.85 at one fault per minute (measured, whole run)": (whole["ettr"] or 0.0) >= 0.85,
-                    "ETTR >= 0.97 at one fault per 10 min (modeled, Young/Daly interval)": target_row["ettr"]["young_daly"] >= 0.97,
-                    "<= 10 s lost per fault (measured)": per_fault is not None and per_fault <= 10.0},
+        "targets": {
+            "ETTR >= 0.85 at one fault per minute (measured, whole run)": (whole["ettr"] or 0.0) >= 0.85,
+            "ETTR >= 0.97 at one fault per 10 min (modeled, Young/Daly interval)": target_row["ettr"]["young_daly"]
+            >= 0.97,
+            "<= 10 s lost per fault (measured)": per_fault is not None and per_fault <= 10.0,
+        },
     }
 
 
@@ -313,13 +433,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=RUN_SETTINGS["model"])
     parser.add_argument("--step-time-s", type=float, default=None, help="override the calibrated step cadence")
     parser.add_argument("--save-cost-s", type=float, default=None, help="override the calibrated save cost")
-    parser.add_argument("--calibration", type=Path, default=None,
-                        help="training-plane results to calibrate from (default OUT/training_plane.json)")
-    parser.add_argument("--spare-nodes", type=int, default=0,
-                        help="hot spares the run keeps (default 0); with N > 0 results go to chaos_spares.json")
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="training-plane results to calibrate from (default OUT/training_plane.json)",
+    )
+    parser.add_argument(
+        "--spare-nodes",
+        type=int,
+        default=0,
+        help="hot spares the run keeps (default 0); with N > 0 results go to chaos_spares.json",
+    )
     parser.add_argument("--nodes", type=int, default=None, help="training nodes (default 1; with spares 2)")
-    parser.add_argument("--procs-per-node", type=int, default=None,
-                        help="ranks per node (default 2; with spares 1: the same 2 ranks either way)")
+    parser.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default 2; with spares 1: the same 2 ranks either way)",
+    )
     args = parser.parse_args(argv)
     args.nodes = args.nodes or (2 if args.spare_nodes else 1)
     args.procs_per_node = args.procs_per_node or (1 if args.spare_nodes else 2)
@@ -335,20 +467,41 @@ def main(argv: list[str] | None = None) -> int:
     cal = calibration(args, work, dataset)
     planned = plan(args, cal)
     run_id = name.replace("_", "-")  # a run id names Kubernetes objects: no underscores
-    cfg = RunConfig(**{**RUN_SETTINGS, "model": args.model, "run_id": run_id, "run_dir": str(work / run_id),
-                       "dataset_dir": str(dataset), "nodes": args.nodes, "spare_nodes": args.spare_nodes,
-                       "procs_per_node": args.procs_per_node, "steps": planned["steps"],
-                       "checkpoint_interval": planned["interval_steps"], "keep_checkpoints": 3, "restart_mode": "layered",
-                       "max_restarts": 50, "max_inprocess_restarts": 50, "stall_timeout_s": 600.0,
-                       "rdzv_port": free_port(), "faults": planned["drills"]})
+    cfg = RunConfig(
+        **{
+            **RUN_SETTINGS,
+            "model": args.model,
+            "run_id": run_id,
+            "run_dir": str(work / run_id),
+            "dataset_dir": str(dataset),
+            "nodes": args.nodes,
+            "spare_nodes": args.spare_nodes,
+            "procs_per_node": args.procs_per_node,
+            "steps": planned["steps"],
+            "checkpoint_interval": planned["interval_steps"],
+            "keep_checkpoints": 3,
+            "restart_mode": "layered",
+            "max_restarts": 50,
+            "max_inprocess_restarts": 50,
+            "stall_timeout_s": 600.0,
+            "rdzv_port": free_port(),
+            "faults": planned["drills"],
+        }
+    )
     # Each node loss spends one node replacement: a relaunch on a new slot without spares, a
     # refill of the spare pool (a new slot) with them; one more for a loss a spare misses.
     losses = planned["counts"].get("node_loss", 0)
-    backend = {"name": "local", "state_dir": str(work / ".local-backend"),
-               "slots": max(4, cfg.launch_nodes + losses + 1), "training_python": str(TRAINING_PYTHON)}
+    backend = {
+        "name": "local",
+        "state_dir": str(work / ".local-backend"),
+        "slots": max(4, cfg.launch_nodes + losses + 1),
+        "training_python": str(TRAINING_PYTHON),
+    }
     run = Run(config=cfg.to_dict(), backend=backend, max_node_replacements=losses + 1)
-    log(f"chaos: {planned['steps']} steps, interval {planned['interval_steps']} steps, {planned['n_faults']} faults "
-        f"{planned['counts']}, calibration from {cal['source']}")
+    log(
+        f"chaos: {planned['steps']} steps, interval {planned['interval_steps']} steps, {planned['n_faults']} faults "
+        f"{planned['counts']}, calibration from {cal['source']}"
+    )
     with LoadMonitor() as load:
         t0 = time.time()
         stop = stop_when_done(cfg, args.duration_s, planned["n_faults"], limit_s=1.5 * args.duration_s)
@@ -358,19 +511,37 @@ def main(argv: list[str] | None = None) -> int:
     paths = build_report(cfg.run_dir)  # the run report's own figures, for the README
     for png_name, png in ((f"{name}-timeline.png", paths.timeline_png), (f"{name}-goodput.png", paths.goodput_png)):
         shutil.copyfile(png, args.out / png_name)
-    out = {"bench": name, "machine": machine(), "load": load.result(),
-           "topology": {"nodes": cfg.nodes, "procs_per_node": cfg.procs_per_node, "spare_nodes": cfg.spare_nodes,
-                        "world_size": cfg.world_size},
-           "command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "driver_wall_s": round(wall, 1), "run_dir": cfg.run_dir, "seed": args.seed,
-           "mtbf_s": args.mtbf_s, "duration_s": args.duration_s, "calibration": cal, "plan": planned,
-           "mix": [{"cause": c, "count": n, "paper_pct": p, "drill": d, "why": w} for c, n, p, d, w in LLAMA3_INTERRUPTIONS],
-           "drill_shares": {k: round(v, 4) for k, v in drill_weights().items()},
-           "outcome": driven["launches"][-1]["outcome"] if driven["launches"] else None,
-           "stopped_because": driven.get("stopped_because"), **result}
+    out = {
+        "bench": name,
+        "machine": machine(),
+        "load": load.result(),
+        "topology": {
+            "nodes": cfg.nodes,
+            "procs_per_node": cfg.procs_per_node,
+            "spare_nodes": cfg.spare_nodes,
+            "world_size": cfg.world_size,
+        },
+        "command": "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "driver_wall_s": round(wall, 1),
+        "run_dir": cfg.run_dir,
+        "seed": args.seed,
+        "mtbf_s": args.mtbf_s,
+        "duration_s": args.duration_s,
+        "calibration": cal,
+        "plan": planned,
+        "mix": [
+            {"cause": c, "count": n, "paper_pct": p, "drill": d, "why": w} for c, n, p, d, w in LLAMA3_INTERRUPTIONS
+        ],
+        "drill_shares": {k: round(v, 4) for k, v in drill_weights().items()},
+        "outcome": driven["launches"][-1]["outcome"] if driven["launches"] else None,
+        "stopped_because": driven.get("stopped_because"),
+        **result,
+    }
     path = write_json(args.out / f"{name}.json", out)
-    log(f"chaos: wall {result['wall_s']}s, ETTR {result['ettr']} (steady {result['ettr_steady']}), "
-        f"{result['faults_injected']} faults, {result['lost_per_fault_s']}s lost per fault -> {path}")
+    log(
+        f"chaos: wall {result['wall_s']}s, ETTR {result['ettr']} (steady {result['ettr_steady']}), "
+        f"{result['faults_injected']} faults, {result['lost_per_fault_s']}s lost per fault -> {path}"
+    )
     return 0 if out["outcome"] in ("success", "stopped") else 1
 
 

@@ -34,8 +34,15 @@ AIRFLOW_PYTHON = REPO / ".venv-airflow" / "bin" / "python"
 #: timeouts that resolve faults in seconds on a loaded 2-core machine). On a GPU node pass larger
 #: ones (model, seq_len, batch_size) on the command line; the timeouts then bound detection.
 RUN_SETTINGS: dict[str, Any] = {
-    "model": "tiny", "seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
-    "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 5.0, "device": "cpu", "eval_batches": 4,
+    "model": "tiny",
+    "seq_len": 64,
+    "batch_size": 4,
+    "collective_timeout_s": 3.0,
+    "heartbeat_timeout_s": 30.0,
+    "initial_heartbeat_timeout_s": 90.0,
+    "hang_timeout_s": 5.0,
+    "device": "cpu",
+    "eval_batches": 4,
 }
 
 
@@ -49,15 +56,23 @@ def summarize(values: Iterable[float | None], digits: int = 4) -> dict[str, Any]
     known = [float(v) for v in values if v is not None]
     if not known:
         return {"n": 0, "values": []}
-    return {"n": len(known), "min": round(min(known), digits), "median": round(statistics.median(known), digits),
-            "max": round(max(known), digits), "mean": round(statistics.fmean(known), digits),
-            "values": [round(v, digits) for v in known]}
+    return {
+        "n": len(known),
+        "min": round(min(known), digits),
+        "median": round(statistics.median(known), digits),
+        "max": round(max(known), digits),
+        "mean": round(statistics.fmean(known), digits),
+        "values": [round(v, digits) for v in known],
+    }
 
 
 def machine() -> dict[str, Any]:
     """The machine the figures come from."""
-    info: dict[str, Any] = {"cores": os.cpu_count(), "platform": platform.platform(),
-                            "python": platform.python_version()}
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -98,11 +113,14 @@ class LoadMonitor:
         self._thread.join()
 
     def result(self) -> dict[str, Any]:
-        return {"cores": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in self.start_load],
-                "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-                "loadavg_1m_during": summarize(self.samples, 2),
-                "started_at": datetime.fromtimestamp(self.started).astimezone().isoformat(timespec="seconds"),
-                "wall_s": round(time.time() - self.started, 1)}
+        return {
+            "cores": os.cpu_count(),
+            "loadavg_at_start": [round(x, 2) for x in self.start_load],
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "loadavg_1m_during": summarize(self.samples, 2),
+            "started_at": datetime.fromtimestamp(self.started).astimezone().isoformat(timespec="seconds"),
+            "wall_s": round(time.time() - self.started, 1),
+        }
 
 
 def write_json(path: Path, data: Any) -> Path:
@@ -142,8 +160,12 @@ def ensure_dataset(dst: Path, python: str | os.PathLike = TRAINING_PYTHON) -> Pa
             out = src / package / f.relative_to(stdlib / package)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(f.read_bytes())
-    subprocess.run([str(python), "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst),
-                    "--val-fraction", "0.1"], check=True, cwd=REPO, capture_output=True)
+    subprocess.run(
+        [str(python), "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     shutil.rmtree(src, ignore_errors=True)  # copies of .py files: tools that walk the repo need not see them
     return dst
 
@@ -151,8 +173,12 @@ def ensure_dataset(dst: Path, python: str | os.PathLike = TRAINING_PYTHON) -> Pa
 def nvrx_version(python: str | os.PathLike = TRAINING_PYTHON) -> str | None:
     """The training plane's NVRx version (how spares are promoted depends on it)."""
     try:
-        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
-                              "print(m.version('nvidia-resiliency-ext'))"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(python), "-c", "import importlib.metadata as m; print(m.version('nvidia-resiliency-ext'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -198,8 +224,10 @@ LLAMA3_INTERRUPTIONS: tuple[tuple[str, int, float, str, str], ...] = (
 
 #: Drills after which the next launcher round starts (ft_launcher respawns the workers, so the
 #: drill attempt counter moves on), per restart mode.
-_NEW_ROUND = {"layered": {"sigkill", "oom", "sigstop"}, "injob": {"sigkill", "oom", "sigstop", "exception", "hang",
-                                                                  "checkpoint_crash"}}
+_NEW_ROUND = {
+    "layered": {"sigkill", "oom", "sigstop"},
+    "injob": {"sigkill", "oom", "sigstop", "exception", "hang", "checkpoint_crash"},
+}
 
 
 def drill_weights(mix: Iterable[tuple[str, int, float, str, str]] = LLAMA3_INTERRUPTIONS) -> dict[str, float]:
@@ -221,8 +249,9 @@ def apportion(n: int, weights: dict[str, float]) -> dict[str, int]:
     return {k: c for k, c in counts.items() if c}
 
 
-def spread_schedule(kinds: list[str], *, first_step: int, last_step: int, min_gap: int, interval: int,
-                    world_size: int, seed: int) -> list[dict[str, Any]]:
+def spread_schedule(
+    kinds: list[str], *, first_step: int, last_step: int, min_gap: int, interval: int, world_size: int, seed: int
+) -> list[dict[str, Any]]:
     """One drill per kind in ``kinds`` (in that order), one in each equal stretch of
     [first_step, last_step], at a seeded random step inside it, at least ``min_gap`` steps apart;
     ranks are seeded too. A ``checkpoint_crash`` fires after a save, so it moves to a
@@ -233,8 +262,10 @@ def spread_schedule(kinds: list[str], *, first_step: int, last_step: int, min_ga
         return []
     stretch = (last_step - first_step) / n
     if stretch < min_gap:
-        raise ValueError(f"{n} faults need {n * min_gap} steps between {first_step} and {last_step}; "
-                         "train more steps or schedule fewer faults")
+        raise ValueError(
+            f"{n} faults need {n * min_gap} steps between {first_step} and {last_step}; "
+            "train more steps or schedule fewer faults"
+        )
     drills, previous = [], -min_gap
     for i, kind in enumerate(kinds):
         lo = max(int(first_step + i * stretch), previous + min_gap)
@@ -250,8 +281,15 @@ def spread_schedule(kinds: list[str], *, first_step: int, last_step: int, min_ga
     return drills
 
 
-def assign_attempts(drills: list[dict[str, Any]], restart_mode: str, slot_prefix: str | None = None, *,
-                    nodes: int = 1, procs_per_node: int = 2, spare_nodes: int = 0) -> list[dict[str, Any]]:
+def assign_attempts(
+    drills: list[dict[str, Any]],
+    restart_mode: str,
+    slot_prefix: str | None = None,
+    *,
+    nodes: int = 1,
+    procs_per_node: int = 2,
+    spare_nodes: int = 0,
+) -> list[dict[str, Any]]:
     """Set each drill's ``attempt`` (the launcher round it fires in) so every scheduled fault fires
     exactly once, and aim each ``node_loss`` at the last training node, ``nodes - 1``.
 
@@ -316,8 +354,15 @@ def daly_interval(save_cost_s: float, mtbf_s: float) -> float:
     return math.sqrt(2 * c * m) * (1 + math.sqrt(x) / 3 + x / 9) - c
 
 
-def ettr_model(interval_s: float, *, save_cost_s: float, mtbf_s: float, restart_s: float, commit_s: float,
-               loop_overhead: float = 0.0) -> float:
+def ettr_model(
+    interval_s: float,
+    *,
+    save_cost_s: float,
+    mtbf_s: float,
+    restart_s: float,
+    commit_s: float,
+    loop_overhead: float = 0.0,
+) -> float:
     """Expected ETTR at a checkpoint interval, to first order.
 
     Fault-free, a fraction ``loop_overhead`` of the time and ``save_cost_s`` per interval are not

@@ -59,7 +59,6 @@ from bench.common import (
     summarize,
     write_json,
 )
-
 from fsdp_resilience.control.backends import JobStatus, TrainingBackend  # noqa: E402
 from fsdp_resilience.control.task_data import Run  # noqa: E402
 
@@ -111,11 +110,19 @@ def bench_parse(trials: int) -> dict[str, Any]:
             elapsed, per_file, bag = parse(fresh=mode == "fresh_imports")
             runs[mode].append((elapsed, per_file))
     files = sorted(runs["fresh_imports"][0][1])
-    return {"dags": sorted(bag.dag_ids), "trials": trials, "airflow_import_s": round(airflow_import, 3),
-            "torch_blocked": True,
-            **{mode: {"dagbag_s": summarize(r[0] for r in rs),
-                      "per_file_s": {f: summarize(r[1].get(f) for r in rs) for f in files}}
-               for mode, rs in runs.items()}}
+    return {
+        "dags": sorted(bag.dag_ids),
+        "trials": trials,
+        "airflow_import_s": round(airflow_import, 3),
+        "torch_blocked": True,
+        **{
+            mode: {
+                "dagbag_s": summarize(r[0] for r in rs),
+                "per_file_s": {f: summarize(r[1].get(f) for r in rs) for f in files},
+            }
+            for mode, rs in runs.items()
+        },
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,12 +143,19 @@ def _not_here(self: Any, *args: Any, **kwargs: Any) -> Any:
 #: A stand-in job for timing the watch alone: its state is what the benchmark writes to
 #: ``<state_dir>/state`` ("running" until then). The watch only asks for ``status``; every other
 #: method of the interface (whatever it holds by now) says it is not used here.
-RunDirJob = type("RunDirJob", (TrainingBackend,), {
-    **{name: _not_here for name in TrainingBackend.__abstractmethods__},
-    "__module__": __name__, "__doc__": "Stand-in job whose state the watch benchmark sets.",
-    "name": "bench-rundir", "__init__": lambda self, state_dir: setattr(self, "state_dir", state_dir),
-    "status": _stand_in_status, "to_config": lambda self: {"name": "bench-rundir", "state_dir": self.state_dir},
-})
+RunDirJob = type(
+    "RunDirJob",
+    (TrainingBackend,),
+    {
+        **{name: _not_here for name in TrainingBackend.__abstractmethods__},
+        "__module__": __name__,
+        "__doc__": "Stand-in job whose state the watch benchmark sets.",
+        "name": "bench-rundir",
+        "__init__": lambda self, state_dir: setattr(self, "state_dir", state_dir),
+        "status": _stand_in_status,
+        "to_config": lambda self: {"name": "bench-rundir", "state_dir": self.state_dir},
+    },
+)
 
 
 def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, Any]:
@@ -161,8 +175,12 @@ def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, 
         trigger = TrainingProgressTrigger(
             backend={"name": RunDirJob.name, "state_dir": str(root)},
             handle=JobHandle(backend=RunDirJob.name, run_id="watch", launch_id="0", job_name="watch-0").to_dict(),
-            run_dir=str(layout.root), final_step=final, stall_timeout_s=3600.0, launched_at=time.time(),
-            poll_interval_s=poll_s)
+            run_dir=str(layout.root),
+            final_step=final,
+            stall_timeout_s=3600.0,
+            launched_at=time.time(),
+            poll_interval_s=poll_s,
+        )
         fired: asyncio.Future = asyncio.get_running_loop().create_future()
 
         async def run_trigger() -> None:
@@ -201,11 +219,15 @@ def bench_watch(work: Path, trials: int, poll_s: float, seed: int) -> dict[str, 
         if payload.get("outcome") != "success" or payload.get("step") != final:
             raise RuntimeError(f"the trigger fired {payload}, expected success at step {final}")
         latencies.append(latency)
-    return {"poll_interval_s": poll_s, "trials": trials, "commit_to_trigger_event_s": summarize(latencies),
-            "note": "TrainingProgressTrigger run with asyncio as the triggerer runs it; the final checkpoint is "
-                    "committed with CheckpointCatalog at a random phase of its poll loop; latency = the "
-                    "TriggerEvent - the commit marker's committed_at. The poll interval bounds it (the "
-                    "sensor's default is 5 s)."}
+    return {
+        "poll_interval_s": poll_s,
+        "trials": trials,
+        "commit_to_trigger_event_s": summarize(latencies),
+        "note": "TrainingProgressTrigger run with asyncio as the triggerer runs it; the final checkpoint is "
+        "committed with CheckpointCatalog at a random phase of its poll loop; latency = the "
+        "TriggerEvent - the commit marker's committed_at. The poll interval bounds it (the "
+        "sensor's default is 5 s).",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,8 +257,14 @@ def bench_slots(work: Path, steps: int) -> dict[str, Any]:
         ti = kwargs.get("ti") or args[0]
         began = time.time()
         result = real_run_task(*args, **kwargs)
-        tasks.append({"task_id": ti.task_id, "began": began, "ended": time.time(),
-                      "deferred": type(getattr(result, "msg", None)).__name__ == "DeferTask"})
+        tasks.append(
+            {
+                "task_id": ti.task_id,
+                "began": began,
+                "ended": time.time(),
+                "deferred": type(getattr(result, "msg", None)).__name__ == "DeferTask",
+            }
+        )
         return result
 
     def inline_trigger(*args: Any, **kwargs: Any):
@@ -248,9 +276,14 @@ def bench_slots(work: Path, steps: int) -> dict[str, Any]:
 
     supervisor.run_task_in_process, dag_module._run_inline_trigger = run_task, inline_trigger
     run_name = "slots"
-    conf = {"run_name": run_name, "steps": steps, "checkpoint_interval": 3, "max_restarts": 1,
-            "max_node_replacements": 1,
-            "run_config": {**RUN_SETTINGS, "faults": [{"kind": "exception", "step": max(2, steps // 2), "rank": 1}]}}
+    conf = {
+        "run_name": run_name,
+        "steps": steps,
+        "checkpoint_interval": 3,
+        "max_restarts": 1,
+        "max_node_replacements": 1,
+        "run_config": {**RUN_SETTINGS, "faults": [{"kind": "exception", "step": max(2, steps // 2), "rank": 1}]},
+    }
     try:
         dag = DagBag(dag_folder=str(REPO / "dags")).get_dag("fsdp_training")
         t0 = time.time()
@@ -274,21 +307,27 @@ def bench_slots(work: Path, steps: int) -> dict[str, Any]:
     # Task code running while a deferred sensor's trigger waited (in a deployment: slots held
     # while deferred). dag.test() runs one thing at a time, so this shows that the sensor did
     # defer (the wait is in the trigger), not how a scheduler would pack other tasks.
-    held_while_deferred = max((sum(1 for t in tasks if _overlap((t["began"], t["ended"]), trig) > 0)
-                               for trig in triggers), default=0)
+    held_while_deferred = max(
+        (sum(1 for t in tasks if _overlap((t["began"], t["ended"]), trig) > 0) for trig in triggers), default=0
+    )
     training_s = window[1] - window[0]
-    return {"dag_run_state": str(dag_run.state), "dag_test_wall_s": round(wall, 1), "steps": steps,
-            "training_window_s": round(training_s, 2),
-            "worker_slot_s_during_training": round(slot_s, 3),
-            "worker_slot_share_of_training": round(slot_s / training_s, 4),
-            "worker_slot_s_by_task": in_window,
-            "deferred_trigger_s_during_training": round(trigger_s, 2),
-            "slots_held_while_deferred": held_while_deferred,
-            "task_runs": len(tasks), "deferrals": sum(1 for t in tasks if t["deferred"]),
-            "note": "dag.test() runs tasks and the deferred sensor's trigger inline, one at a time, in one "
-                    "process: 'worker slot' seconds are task code running, 'trigger' seconds are the "
-                    "deferred sensor's trigger (the triggerer's job in a deployment). A real scheduler adds "
-                    "queueing; poke mode would hold a slot for the whole training window."}
+    return {
+        "dag_run_state": str(dag_run.state),
+        "dag_test_wall_s": round(wall, 1),
+        "steps": steps,
+        "training_window_s": round(training_s, 2),
+        "worker_slot_s_during_training": round(slot_s, 3),
+        "worker_slot_share_of_training": round(slot_s / training_s, 4),
+        "worker_slot_s_by_task": in_window,
+        "deferred_trigger_s_during_training": round(trigger_s, 2),
+        "slots_held_while_deferred": held_while_deferred,
+        "task_runs": len(tasks),
+        "deferrals": sum(1 for t in tasks if t["deferred"]),
+        "note": "dag.test() runs tasks and the deferred sensor's trigger inline, one at a time, in one "
+        "process: 'worker slot' seconds are task code running, 'trigger' seconds are the "
+        "deferred sensor's trigger (the triggerer's job in a deployment). A real scheduler adds "
+        "queueing; poke mode would hold a slot for the whole training window.",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,11 +343,10 @@ RELAUNCH_TARGET_S = 10.0
 
 
 def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[str, Any]:
+    from bench.common import free_port
     from bench.drive import drive, relaunch_trials
     from fsdp_resilience.control.progress import CHANGE_TICK_S
     from fsdp_resilience.training.contract import RunConfig
-
-    from bench.common import free_port
 
     root = work / "relaunch"
     shutil.rmtree(root, ignore_errors=True)
@@ -321,12 +359,28 @@ def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[st
         drill = {"kind": kind, "step": every * (i + 1), "attempt": None, "node_id": f"slot-{i}"}
         drill.update({"node": 0} if kind == "node_loss" else {"rank": i % 2})
         faults.append(drill)
-    cfg = RunConfig(**{**RUN_SETTINGS, "run_id": "relaunch", "run_dir": str(root / "relaunch"),
-                       "dataset_dir": str(dataset), "nodes": 1, "procs_per_node": 2,
-                       "steps": every * (len(kinds) + 1), "checkpoint_interval": 2, "restart_mode": "layered",
-                       "max_restarts": 0, "rdzv_port": free_port(), "faults": faults})
-    backend = {"name": "local", "state_dir": str(root / ".local-backend"), "slots": len(kinds) + 1,
-               "training_python": str(TRAINING_PYTHON)}
+    cfg = RunConfig(
+        **{
+            **RUN_SETTINGS,
+            "run_id": "relaunch",
+            "run_dir": str(root / "relaunch"),
+            "dataset_dir": str(dataset),
+            "nodes": 1,
+            "procs_per_node": 2,
+            "steps": every * (len(kinds) + 1),
+            "checkpoint_interval": 2,
+            "restart_mode": "layered",
+            "max_restarts": 0,
+            "rdzv_port": free_port(),
+            "faults": faults,
+        }
+    )
+    backend = {
+        "name": "local",
+        "state_dir": str(root / ".local-backend"),
+        "slots": len(kinds) + 1,
+        "training_python": str(TRAINING_PYTHON),
+    }
     run = Run(config=cfg.to_dict(), backend=backend, max_node_replacements=len(kinds))
     t0 = time.time()
     driven = drive(run, poll_s=poll_s, timeout_s=900)
@@ -335,24 +389,38 @@ def bench_relaunch(work: Path, kinds: tuple[str, ...], poll_s: float) -> dict[st
     for t in trials:
         if t.get("total_s") is not None:
             by_kind.setdefault(t["kind"], []).append(t)
-    rows = [{"kind": kind, "launch_failed_by": ts[0]["launch_failed_by"], "total_s": summarize(t["total_s"] for t in ts),
-             "parts_median_s": {p: summarize(t["parts"][p] for t in ts).get("median") for p in ts[0]["parts"]},
-             "data_plane_s": summarize(t["data_plane_s"] for t in ts), "target_s": RELAUNCH_TARGET_S,
-             "target_met": summarize(t["total_s"] for t in ts)["median"] <= RELAUNCH_TARGET_S}
-            for kind, ts in by_kind.items()]
-    return {"wall_s": round(time.time() - t0, 1), "poll_interval_s": poll_s, "change_tick_s": CHANGE_TICK_S,
-            "faults": faults,
-            "outcome": driven["launches"][-1]["outcome"], "trials": trials, "rows": rows,
-            "note": "control-plane time only: from the failed launch giving up (its final event; for a lost node "
-                    "the loss itself) to the relaunch's first step; the ladder's functions run without Airflow's "
-                    "scheduler (no task start-up time); each launch watched by TrainingProgressTrigger, which "
-                    "checks every poll_interval_s and looks for the launch's end (its final event, the local "
-                    "backend's job record) every change_tick_s in between"}
+    rows = [
+        {
+            "kind": kind,
+            "launch_failed_by": ts[0]["launch_failed_by"],
+            "total_s": summarize(t["total_s"] for t in ts),
+            "parts_median_s": {p: summarize(t["parts"][p] for t in ts).get("median") for p in ts[0]["parts"]},
+            "data_plane_s": summarize(t["data_plane_s"] for t in ts),
+            "target_s": RELAUNCH_TARGET_S,
+            "target_met": summarize(t["total_s"] for t in ts)["median"] <= RELAUNCH_TARGET_S,
+        }
+        for kind, ts in by_kind.items()
+    ]
+    return {
+        "wall_s": round(time.time() - t0, 1),
+        "poll_interval_s": poll_s,
+        "change_tick_s": CHANGE_TICK_S,
+        "faults": faults,
+        "outcome": driven["launches"][-1]["outcome"],
+        "trials": trials,
+        "rows": rows,
+        "note": "control-plane time only: from the failed launch giving up (its final event; for a lost node "
+        "the loss itself) to the relaunch's first step; the ladder's functions run without Airflow's "
+        "scheduler (no task start-up time); each launch watched by TrainingProgressTrigger, which "
+        "checks every poll_interval_s and looks for the launch's end (its final event, the local "
+        "backend's job record) every change_tick_s in between",
+    }
 
 
 # --------------------------------------------------------------------------------------------
 # Node loss with a hot spare
 # --------------------------------------------------------------------------------------------
+
 
 def _recovered_and_refilled(cfg: Any) -> Any:
     """Stop condition of a spare trial: a step completed after the node loss, and the pool keeper
@@ -364,17 +432,17 @@ def _recovered_and_refilled(cfg: Any) -> Any:
         faults = [r["ts"] for r in events if r.get("event") == "fault_injected"]
         if not faults:
             return False
-        return (any(r.get("event") == "restart_end" and r["ts"] > faults[-1] for r in events)
-                and any(r.get("event") == "spare_added" and r["ts"] > faults[-1] for r in events))
+        return any(r.get("event") == "restart_end" and r["ts"] > faults[-1] for r in events) and any(
+            r.get("event") == "spare_added" and r["ts"] > faults[-1] for r in events
+        )
 
     return stop
 
 
 def bench_spare(work: Path, trials: int, poll_s: float, relaunch: dict[str, Any] | None) -> dict[str, Any]:
+    from bench.common import free_port
     from bench.drive import drive, spare_trials
     from fsdp_resilience.training.contract import RunConfig
-
-    from bench.common import free_port
 
     nodes, spare_nodes, procs = 2, 1, 2  # procs_per_node as the relaunch part
     root = work / "spare"
@@ -387,39 +455,82 @@ def bench_spare(work: Path, trials: int, poll_s: float, relaunch: dict[str, Any]
     t0 = time.time()
     results, driven_runs = [], []
     for i in range(trials):
-        cfg = RunConfig(**{**RUN_SETTINGS, "run_id": f"spare-{i}", "run_dir": str(root / f"spare-{i}"),
-                           "dataset_dir": str(dataset), "nodes": nodes, "spare_nodes": spare_nodes,
-                           "procs_per_node": procs, "steps": 200, "checkpoint_interval": 5,
-                           "restart_mode": "layered", "max_restarts": 4, "rdzv_port": free_port(), "faults": faults})
+        cfg = RunConfig(
+            **{
+                **RUN_SETTINGS,
+                "run_id": f"spare-{i}",
+                "run_dir": str(root / f"spare-{i}"),
+                "dataset_dir": str(dataset),
+                "nodes": nodes,
+                "spare_nodes": spare_nodes,
+                "procs_per_node": procs,
+                "steps": 200,
+                "checkpoint_interval": 5,
+                "restart_mode": "layered",
+                "max_restarts": 4,
+                "rdzv_port": free_port(),
+                "faults": faults,
+            }
+        )
         # A slot per launcher, one for the refill, one more (a relaunch, were the spare to fail).
-        backend = {"name": "local", "state_dir": str(root / f".local-backend-{i}"), "slots": cfg.launch_nodes + 2,
-                   "training_python": str(TRAINING_PYTHON)}
+        backend = {
+            "name": "local",
+            "state_dir": str(root / f".local-backend-{i}"),
+            "slots": cfg.launch_nodes + 2,
+            "training_python": str(TRAINING_PYTHON),
+        }
         run = Run(config=cfg.to_dict(), backend=backend, max_node_replacements=2)
         driven = drive(run, poll_s=poll_s, timeout_s=600, stop=_recovered_and_refilled(cfg))
         trial = spare_trials(cfg, driven)
         results += [{**t, "trial": i} for t in trial]
-        driven_runs.append({"launches": driven["launches"], "relaunches": len(driven["rungs"]),
-                            "refills": driven["refills"], "stopped_because": driven["stopped_because"]})
-        log(f"spare trial {i}: " + "; ".join(f"node {t['lost_node_rank']} lost -> {t['recovered_by']} in "
-                                             f"{t['recovery_s']} s, pool whole after {t['refill_s']} s" for t in trial))
+        driven_runs.append(
+            {
+                "launches": driven["launches"],
+                "relaunches": len(driven["rungs"]),
+                "refills": driven["refills"],
+                "stopped_because": driven["stopped_because"],
+            }
+        )
+        log(
+            f"spare trial {i}: "
+            + "; ".join(
+                f"node {t['lost_node_rank']} lost -> {t['recovered_by']} in "
+                f"{t['recovery_s']} s, pool whole after {t['refill_s']} s"
+                for t in trial
+            )
+        )
     covered = [t for t in results if t["recovery_s"] is not None and not t["relaunched"]]
     same_kind = next((r for r in (relaunch or {}).get("rows") or [] if r["kind"] == "node_loss"), None)
-    return {"wall_s": round(time.time() - t0, 1), "poll_interval_s": poll_s, "nodes": nodes, "spare_nodes": spare_nodes,
-            "procs_per_node": procs, "faults": faults, "trials": results, "runs": driven_runs,
-            "recovery_s": summarize(t["recovery_s"] for t in covered),
-            "refill_s": summarize(t["refill_s"] for t in covered),
-            "promoted_s": summarize((t["promoted"] or {}).get("after_s") for t in covered),
-            "all_covered_in_job": len(covered) == trials == len(results),
-            "relaunch_s_same_kind": ({"total_s": same_kind["total_s"], "data_plane_s": same_kind["data_plane_s"],
-                                      "note": "the relaunch part's node_loss row, this run: failed launch -> first "
-                                              "step (control plane), after fault -> launch gave up (data plane)"}
-                                     if same_kind else None),
-            "nvrx": nvrx_version(),
-            "note": "fault (the node's launcher and ranks SIGKILLed: fault_injected) -> the first completed step "
-                    "after it (restart_end.latency_s); the spare takes the lost node's place at an in-job restart "
-                    "(no relaunch). refill: fault -> spare_added (the lost slot quarantined and a new spare started "
-                    "by ladder.keep_spare_pool, run next to the watch as the DAG's keep_spare_pool task runs). "
-                    "Each trial is a run of its own, stopped once both happened"}
+    return {
+        "wall_s": round(time.time() - t0, 1),
+        "poll_interval_s": poll_s,
+        "nodes": nodes,
+        "spare_nodes": spare_nodes,
+        "procs_per_node": procs,
+        "faults": faults,
+        "trials": results,
+        "runs": driven_runs,
+        "recovery_s": summarize(t["recovery_s"] for t in covered),
+        "refill_s": summarize(t["refill_s"] for t in covered),
+        "promoted_s": summarize((t["promoted"] or {}).get("after_s") for t in covered),
+        "all_covered_in_job": len(covered) == trials == len(results),
+        "relaunch_s_same_kind": (
+            {
+                "total_s": same_kind["total_s"],
+                "data_plane_s": same_kind["data_plane_s"],
+                "note": "the relaunch part's node_loss row, this run: failed launch -> first "
+                "step (control plane), after fault -> launch gave up (data plane)",
+            }
+            if same_kind
+            else None
+        ),
+        "nvrx": nvrx_version(),
+        "note": "fault (the node's launcher and ranks SIGKILLed: fault_injected) -> the first completed step "
+        "after it (restart_end.latency_s); the spare takes the lost node's place at an in-job restart "
+        "(no relaunch). refill: fault -> spare_added (the lost slot quarantined and a new spare started "
+        "by ladder.keep_spare_pool, run next to the watch as the DAG's keep_spare_pool task runs). "
+        "Each trial is a run of its own, stopped once both happened",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,26 +545,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated parts (default all; quick: parse,watch)")
     parser.add_argument("--parse-trials", type=int, default=None, help="default 7; quick 2")
     parser.add_argument("--commits", type=int, default=None, help="watch trials (default 8; quick 3)")
-    parser.add_argument("--poll-s", type=float, default=None, help="the watch's poll interval (default 5, the sensor's)")
+    parser.add_argument(
+        "--poll-s", type=float, default=None, help="the watch's poll interval (default 5, the sensor's)"
+    )
     parser.add_argument("--slots-steps", type=int, default=12)
     parser.add_argument("--relaunch-faults", default=",".join(RELAUNCH_FAULTS))
-    parser.add_argument("--spare-trials", type=int, default=None, help="spare part trials, a run each (default 2; quick 1)")
+    parser.add_argument(
+        "--spare-trials", type=int, default=None, help="spare part trials, a run each (default 2; quick 1)"
+    )
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--merge", action="store_true",
-                        help="merge the parts measured into the existing results file instead of replacing it")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge the parts measured into the existing results file instead of replacing it",
+    )
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
-    only = [p.strip() for p in (args.only or ("parse,watch" if args.quick else "parse,watch,slots,relaunch,spare")).split(",")]
+    only = [
+        p.strip()
+        for p in (args.only or ("parse,watch" if args.quick else "parse,watch,slots,relaunch,spare")).split(",")
+    ]
     unknown = sorted(set(only) - {"parse", "watch", "slots", "relaunch", "spare"})
     if unknown:
-        parser.error(f"--only: unknown part(s) {', '.join(unknown)}; the parts are parse, watch, slots, relaunch, spare")
+        parser.error(
+            f"--only: unknown part(s) {', '.join(unknown)}; the parts are parse, watch, slots, relaunch, spare"
+        )
     work = args.out / ("quick" if args.quick else "work") / "control"
     shutil.rmtree(work / "airflow-home", ignore_errors=True)
     (work / "airflow-home").mkdir(parents=True, exist_ok=True)
     os.environ.update(airflow_env(work))  # before Airflow is imported
-    out: dict[str, Any] = {"bench": "control_plane", "quick": args.quick, "machine": machine(),
-                           "versions": {p: importlib.metadata.version(p) for p in ("apache-airflow",)},
-                           "command": "python -m bench.control_plane " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out: dict[str, Any] = {
+        "bench": "control_plane",
+        "quick": args.quick,
+        "machine": machine(),
+        "versions": {p: importlib.metadata.version(p) for p in ("apache-airflow",)},
+        "command": "python -m bench.control_plane " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     began: dict[str, float] = {}
     with LoadMonitor() as load:
         if "parse" in only:
@@ -480,15 +607,26 @@ def main(argv: list[str] | None = None) -> int:
             began["spare"] = time.time()
             out["spare"] = bench_spare(work, trials, args.poll_s or 5.0, out.get("relaunch"))
     out["load"] = load.result()
-    out["measured"] = {part: {"at": datetime.fromtimestamp(began[part]).astimezone().isoformat(timespec="seconds"),
-                              "command": out["command"], "load": out["load"]} for part in only}
+    out["measured"] = {
+        part: {
+            "at": datetime.fromtimestamp(began[part]).astimezone().isoformat(timespec="seconds"),
+            "command": out["command"],
+            "load": out["load"],
+        }
+        for part in only
+    }
     path = args.out / ("control_plane.quick.json" if args.quick else "control_plane.json")
     if args.merge and path.exists():
         previous = read_json(path)
         measured = previous.get("measured") or {
-            part: {"at": (previous.get("load") or {}).get("started_at"), "command": previous.get("command"),
-                   "load": previous.get("load")} for part in ("parse", "watch", "slots", "relaunch", "spare")
-            if part in previous}
+            part: {
+                "at": (previous.get("load") or {}).get("started_at"),
+                "command": previous.get("command"),
+                "load": previous.get("load"),
+            }
+            for part in ("parse", "watch", "slots", "relaunch", "spare")
+            if part in previous
+        }
         # The file's own load and command stay those of the run that measured most of it.
         out = {**previous, **{part: out[part] for part in only}, "measured": {**measured, **out["measured"]}}
     path = write_json(path, out)

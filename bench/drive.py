@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 from bench.common import log
 from bench.restarts import injected_faults
-
 from fsdp_resilience.control import ladder  # noqa: E402
 from fsdp_resilience.control.backends import JobHandle, get_backend  # noqa: E402
 from fsdp_resilience.control.task_data import Launch, Outcome, Run  # noqa: E402
@@ -48,8 +47,7 @@ async def _first_event(trigger: Any) -> dict[str, Any]:
     raise RuntimeError(f"{type(trigger).__name__} ended without an event")
 
 
-async def keep_spare_pool(run: Run, launch: Launch, since: float, poll_s: float,
-                          refills: list[dict[str, Any]]) -> None:
+async def keep_spare_pool(run: Run, launch: Launch, since: float, poll_s: float, refills: list[dict[str, Any]]) -> None:
     """The DAG's keep_spare_pool task for one launch, minus Airflow: wait on the spare pool
     trigger, make up for the nodes it names with ``ladder.keep_spare_pool`` (``since``: the run's
     first launch, which bounds the replacements counted), and wait again, until the launch ends.
@@ -57,23 +55,32 @@ async def keep_spare_pool(run: Run, launch: Launch, since: float, poll_s: float,
     ``refills``."""
     handled = ladder.handled_nodes(run, launch)
     while True:
-        trigger = SparePoolTrigger(backend=launch.backend, handle=launch.handle, run_dir=launch.run_dir,
-                                   handled=handled, poll_interval_s=poll_s, checkpoints_s3=launch.checkpoints_s3)
+        trigger = SparePoolTrigger(
+            backend=launch.backend,
+            handle=launch.handle,
+            run_dir=launch.run_dir,
+            handled=handled,
+            poll_interval_s=poll_s,
+            checkpoints_s3=launch.checkpoints_s3,
+        )
         event = await _first_event(trigger)
         if event["status"] == LAUNCH_ENDED:
             return
         seen_at = time.time()
         results = await asyncio.to_thread(ladder.keep_spare_pool, run, launch, event["nodes"], since, log)
         done_at = time.time()
-        refills += [{**r, "launch_id": launch.launch_id, "seen_at": seen_at, "done_at": done_at}
-                    for r in results]
+        refills += [{**r, "launch_id": launch.launch_id, "seen_at": seen_at, "done_at": done_at} for r in results]
         # As the DAG's task: a node not refilled (budget spent, no capacity) is not retried.
         handled = sorted(set(handled) | {r["key"] for r in results})
 
 
-def watch(launch: Launch, poll_s: float, deadline: float,
-          stop: Callable[[], bool] | None = None, pool: dict[str, Any] | None = None
-          ) -> tuple[Outcome | None, float]:
+def watch(
+    launch: Launch,
+    poll_s: float,
+    deadline: float,
+    stop: Callable[[], bool] | None = None,
+    pool: dict[str, Any] | None = None,
+) -> tuple[Outcome | None, float]:
     """Run the sensor's trigger on one launch until it fires (succeeded, failed or stalled):
     (its Outcome, when it fired); or until ``stop()``, asked every ``poll_s``, says the benchmark
     has what it needs: (None, when). With ``pool`` (``{"run", "since", "refills"}``: a run with
@@ -82,8 +89,11 @@ def watch(launch: Launch, poll_s: float, deadline: float,
 
     async def first_event() -> tuple[Outcome | None, float]:
         task = asyncio.ensure_future(_first_event(trigger))
-        keeper = (asyncio.ensure_future(keep_spare_pool(pool["run"], launch, pool["since"], poll_s, pool["refills"]))
-                  if pool is not None else None)
+        keeper = (
+            asyncio.ensure_future(keep_spare_pool(pool["run"], launch, pool["since"], poll_s, pool["refills"]))
+            if pool is not None
+            else None
+        )
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=poll_s)
@@ -95,8 +105,9 @@ def watch(launch: Launch, poll_s: float, deadline: float,
                 if stop is not None and stop():
                     return None, time.time()
                 if time.time() > deadline:
-                    raise TimeoutError(f"launch {launch.launch_id} of {launch.handle['run_id']} "
-                                       "was still running at the deadline")
+                    raise TimeoutError(
+                        f"launch {launch.launch_id} of {launch.handle['run_id']} was still running at the deadline"
+                    )
         finally:
             task.cancel()
             if keeper is not None:
@@ -105,8 +116,9 @@ def watch(launch: Launch, poll_s: float, deadline: float,
     return asyncio.run(first_event())
 
 
-def drive(run: Run, *, poll_s: float = 5.0, timeout_s: float = 1800.0,
-          stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+def drive(
+    run: Run, *, poll_s: float = 5.0, timeout_s: float = 1800.0, stop: Callable[[], bool] | None = None
+) -> dict[str, Any]:
     """Launch, watch, and escalate until the run succeeds or the ladder stops, or until ``stop()``
     (asked at every poll) is true: the running launch is then cancelled, as a user would. ``run``
     is what the DAG's ``validate_config`` returns (``Run``: config, backend, max_node_replacements).
@@ -118,22 +130,44 @@ def drive(run: Run, *, poll_s: float = 5.0, timeout_s: float = 1800.0,
     rungs: list[dict[str, Any]] = []
     refills: list[dict[str, Any]] = []
     launch = ladder.launch(run, launch_no=0)
-    pool = ({"run": run, "since": float(launch.launched_at), "refills": refills}
-            if int(run.config.get("spare_nodes") or 0) else None)
+    pool = (
+        {"run": run, "since": float(launch.launched_at), "refills": refills}
+        if int(run.config.get("spare_nodes") or 0)
+        else None
+    )
     try:
         while True:
             outcome, seen_at = watch(launch, poll_s, deadline, stop, pool)
             if outcome is None:
                 get_backend(**launch.backend).cancel(JobHandle.from_dict(launch.handle))
-                launches.append({"launch_id": launch.launch_id, "outcome": "stopped",
-                                 "failure_class": None, "message": "stopped by the benchmark", "seen_at": seen_at,
-                                 "node_ids": launch.handle["extra"].get("node_ids")})
+                launches.append(
+                    {
+                        "launch_id": launch.launch_id,
+                        "outcome": "stopped",
+                        "failure_class": None,
+                        "message": "stopped by the benchmark",
+                        "seen_at": seen_at,
+                        "node_ids": launch.handle["extra"].get("node_ids"),
+                    }
+                )
                 log(f"launch {launch.launch_id}: stopped by the benchmark")
-                return {"launches": launches, "rungs": rungs, "refills": refills, "stopped_because": "stop condition",
-                        "stopped_at": seen_at}
-            launches.append({"launch_id": outcome.launch_id, "outcome": outcome.outcome,
-                             "failure_class": outcome.failure_class, "message": outcome.message,
-                             "seen_at": seen_at, "node_ids": launch.handle["extra"].get("node_ids")})
+                return {
+                    "launches": launches,
+                    "rungs": rungs,
+                    "refills": refills,
+                    "stopped_because": "stop condition",
+                    "stopped_at": seen_at,
+                }
+            launches.append(
+                {
+                    "launch_id": outcome.launch_id,
+                    "outcome": outcome.outcome,
+                    "failure_class": outcome.failure_class,
+                    "message": outcome.message,
+                    "seen_at": seen_at,
+                    "node_ids": launch.handle["extra"].get("node_ids"),
+                }
+            )
             log(f"launch {outcome.launch_id}: {outcome.outcome} ({outcome.failure_class}) {outcome.message[:120]}")
             rung = len(rungs) + 1
             climb, why = ladder.should_escalate(outcome, rung, run.max_node_replacements)
@@ -148,10 +182,20 @@ def drive(run: Run, *, poll_s: float = 5.0, timeout_s: float = 1800.0,
                 time.sleep(CAPACITY_POLL_S)
             capacity_at = time.time()
             launch = ladder.launch(run, launch_no=ladder.next_launch_no(outcome))
-            rungs.append({"rung": rung, "from_launch": outcome.launch_id, "to_launch": launch.launch_id,
-                          "failure_seen_at": seen_at, "began": began, "replaced_at": replaced_at,
-                          "capacity_at": capacity_at, "submitted_at": time.time(), "replaced": replaced["replaced"],
-                          "failure_class": replaced["failure_class"]})
+            rungs.append(
+                {
+                    "rung": rung,
+                    "from_launch": outcome.launch_id,
+                    "to_launch": launch.launch_id,
+                    "failure_seen_at": seen_at,
+                    "began": began,
+                    "replaced_at": replaced_at,
+                    "capacity_at": capacity_at,
+                    "submitted_at": time.time(),
+                    "replaced": replaced["replaced"],
+                    "failure_class": replaced["failure_class"],
+                }
+            )
     finally:
         get_backend(**launch.backend).cancel(JobHandle.from_dict(launch.handle))  # no-op when done
 
@@ -164,8 +208,14 @@ def relaunch_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, An
     events = sorted(read_events(cfg.layout.events), key=lambda r: r["ts"])
 
     def first(launch_id: str, **match: Any) -> dict[str, Any] | None:
-        return next((r for r in events if str(r.get("launch_id", "")) == launch_id
-                     and all(r.get(k) == v for k, v in match.items())), None)
+        return next(
+            (
+                r
+                for r in events
+                if str(r.get("launch_id", "")) == launch_id and all(r.get(k) == v for k, v in match.items())
+            ),
+            None,
+        )
 
     trials = []
     for rung in driven["rungs"]:
@@ -180,19 +230,28 @@ def relaunch_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, An
         if gave_up is None or end is None:
             trials.append({"rung": rung["rung"], "note": "relaunch did not complete a step", "total_s": None})
             continue
-        marks = [("detect", gave_up, rung["failure_seen_at"]), ("diagnose_replace", rung["failure_seen_at"], rung["replaced_at"]),
-                 ("capacity_submit", rung["replaced_at"], begin["ts"] if begin else None),
-                 ("start_restore", begin["ts"] if begin else None, start["ts"] if start else None),
-                 ("first_step", start["ts"] if start else None, end["ts"])]
-        trials.append({
-            "rung": rung["rung"], "kind": fault.get("kind") if fault else None,
-            "failure_class": rung["failure_class"], "replaced": rung["replaced"],
-            "launch_failed_by": "final event" if final else "node lost (no final event)",
-            "data_plane_s": round(gave_up - fault["ts"], 3) if (fault and final) else None,
-            "total_s": round(end["ts"] - gave_up, 3),
-            "parts": {name: (round(b - a, 3) if (a is not None and b is not None) else None) for name, a, b in marks},
-            "restart_end_latency_s": end.get("latency_s"),
-        })
+        marks = [
+            ("detect", gave_up, rung["failure_seen_at"]),
+            ("diagnose_replace", rung["failure_seen_at"], rung["replaced_at"]),
+            ("capacity_submit", rung["replaced_at"], begin["ts"] if begin else None),
+            ("start_restore", begin["ts"] if begin else None, start["ts"] if start else None),
+            ("first_step", start["ts"] if start else None, end["ts"]),
+        ]
+        trials.append(
+            {
+                "rung": rung["rung"],
+                "kind": fault.get("kind") if fault else None,
+                "failure_class": rung["failure_class"],
+                "replaced": rung["replaced"],
+                "launch_failed_by": "final event" if final else "node lost (no final event)",
+                "data_plane_s": round(gave_up - fault["ts"], 3) if (fault and final) else None,
+                "total_s": round(end["ts"] - gave_up, 3),
+                "parts": {
+                    name: (round(b - a, 3) if (a is not None and b is not None) else None) for name, a, b in marks
+                },
+                "restart_end_latency_s": end.get("latency_s"),
+            }
+        )
     return trials
 
 
@@ -205,8 +264,9 @@ def spare_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, Any]]
     ``promoted``: the ``spare_promoted`` record that followed; ``refill_s``: the fault -> the
     control plane's ``spare_added`` for that node (the pool whole again), with when the pool
     keeper saw the node out of the job (``seen_s``) and finished (``done_s``)."""
-    events = sorted((r for r in read_events(cfg.layout.events) if isinstance(r.get("ts"), (int, float))),
-                    key=lambda r: r["ts"])
+    events = sorted(
+        (r for r in read_events(cfg.layout.events) if isinstance(r.get("ts"), (int, float))), key=lambda r: r["ts"]
+    )
     faults = injected_faults(events)
     trials = []
     for i, fault in enumerate(faults):
@@ -216,28 +276,80 @@ def spare_trials(cfg: RunConfig, driven: dict[str, Any]) -> list[dict[str, Any]]
         horizon = faults[i + 1]["ts"] if i + 1 < len(faults) else float("inf")
         launch_id = str(fault.get("launch_id", ""))
         end = next((r for r in events if r.get("event") == "restart_end" and f < r["ts"] < horizon), None)
-        relaunched = any(r.get("event") == "launch_begin" and str(r.get("launch_id", "")) != launch_id
-                         and f < r["ts"] <= (end["ts"] if end else horizon) for r in events)
-        promoted = next((r for r in events if r.get("event") == "spare_promoted" and r["ts"] > f
-                         and str(r.get("launch_id", "")) == launch_id), None)
-        added = next((r for r in events if r.get("event") == "spare_added" and r["ts"] > f
-                      and r.get("lost_node_rank") == fault.get("node_rank")
-                      and str(r.get("launch_id", "")) == launch_id), None)
-        kept = next((r for r in driven.get("refills") or [] if r.get("node_rank") == fault.get("node_rank")
-                     and str(r.get("launch_id")) == launch_id), None)
-        trials.append({
-            "step": fault.get("step"), "launch_id": launch_id, "lost_node_rank": fault.get("node_rank"),
-            "lost_node_id": fault.get("node_id"), "fault_ts": f,
-            "recovered_by": end.get("layer") if end else None, "relaunched": relaunched,
-            "recovery_s": end.get("latency_s") if end else None,
-            "measured_s": round(end["ts"] - f, 3) if end else None,
-            "promoted": ({"node_rank": promoted.get("node_rank"), "node_id": promoted.get("node_id"),
-                          "replaces": promoted.get("replaces"), "after_s": round(promoted["ts"] - f, 3)}
-                         if promoted else None),
-            "refill_s": round(added["ts"] - f, 3) if added else None,
-            "refill": ({"node_rank": added.get("node_rank"), "node_id": added.get("node_id"),
-                        "quarantined": added.get("quarantined")} if added else None),
-            "pool_keeper": ({"seen_s": round(kept["seen_at"] - f, 3), "done_s": round(kept["done_at"] - f, 3),
-                             "refilled": kept["refilled"], "why": kept["why"]} if kept else None),
-        })
+        relaunched = any(
+            r.get("event") == "launch_begin"
+            and str(r.get("launch_id", "")) != launch_id
+            and f < r["ts"] <= (end["ts"] if end else horizon)
+            for r in events
+        )
+        promoted = next(
+            (
+                r
+                for r in events
+                if r.get("event") == "spare_promoted" and r["ts"] > f and str(r.get("launch_id", "")) == launch_id
+            ),
+            None,
+        )
+        added = next(
+            (
+                r
+                for r in events
+                if r.get("event") == "spare_added"
+                and r["ts"] > f
+                and r.get("lost_node_rank") == fault.get("node_rank")
+                and str(r.get("launch_id", "")) == launch_id
+            ),
+            None,
+        )
+        kept = next(
+            (
+                r
+                for r in driven.get("refills") or []
+                if r.get("node_rank") == fault.get("node_rank") and str(r.get("launch_id")) == launch_id
+            ),
+            None,
+        )
+        trials.append(
+            {
+                "step": fault.get("step"),
+                "launch_id": launch_id,
+                "lost_node_rank": fault.get("node_rank"),
+                "lost_node_id": fault.get("node_id"),
+                "fault_ts": f,
+                "recovered_by": end.get("layer") if end else None,
+                "relaunched": relaunched,
+                "recovery_s": end.get("latency_s") if end else None,
+                "measured_s": round(end["ts"] - f, 3) if end else None,
+                "promoted": (
+                    {
+                        "node_rank": promoted.get("node_rank"),
+                        "node_id": promoted.get("node_id"),
+                        "replaces": promoted.get("replaces"),
+                        "after_s": round(promoted["ts"] - f, 3),
+                    }
+                    if promoted
+                    else None
+                ),
+                "refill_s": round(added["ts"] - f, 3) if added else None,
+                "refill": (
+                    {
+                        "node_rank": added.get("node_rank"),
+                        "node_id": added.get("node_id"),
+                        "quarantined": added.get("quarantined"),
+                    }
+                    if added
+                    else None
+                ),
+                "pool_keeper": (
+                    {
+                        "seen_s": round(kept["seen_at"] - f, 3),
+                        "done_s": round(kept["done_at"] - f, 3),
+                        "refilled": kept["refilled"],
+                        "why": kept["why"],
+                    }
+                    if kept
+                    else None
+                ),
+            }
+        )
     return trials

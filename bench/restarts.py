@@ -18,9 +18,11 @@ from fsdp_resilience.control.report.records import StepExecution, step_execution
 from fsdp_resilience.training.contract import Event
 
 _LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[\w+\] \[ft_launcher[^\]]*\] (.*)$")
-_LOG_MARKS = (("worker_failed", re.compile(r"failed \(exitcode|Worker group (UNHEALTHY|FAILED)")),
-              ("rdzv_join", re.compile(r"attempts to join the next round")),
-              ("rdzv_joined", re.compile(r"has joined round \d+")))
+_LOG_MARKS = (
+    ("worker_failed", re.compile(r"failed \(exitcode|Worker group (UNHEALTHY|FAILED)")),
+    ("rdzv_join", re.compile(r"attempts to join the next round")),
+    ("rdzv_joined", re.compile(r"has joined round \d+")),
+)
 
 
 def launcher_marks(text: str) -> list[tuple[float, str]]:
@@ -96,8 +98,13 @@ def restart_trials(events: list[dict[str, Any]], marks: list[tuple[float, str]] 
         f = fault["ts"]
         horizon = faults[i + 1]["ts"] if i + 1 < len(faults) else math.inf
         end = next((r for r in ends if f < r["ts"] < horizon), None)
-        trial: dict[str, Any] = {"kind": fault.get("kind"), "step": fault.get("step"), "rank": fault.get("rank"),
-                                 "attempt": fault.get("attempt"), "fault_ts": f}
+        trial: dict[str, Any] = {
+            "kind": fault.get("kind"),
+            "step": fault.get("step"),
+            "rank": fault.get("rank"),
+            "attempt": fault.get("attempt"),
+            "fault_ts": f,
+        }
         if end is None:
             trial.update(layer=None, latency_s=None, parts={}, note="no completed step before the next fault")
             trials.append(trial)
@@ -115,9 +122,14 @@ def restart_trials(events: list[dict[str, Any]], marks: list[tuple[float, str]] 
             # even noticed the fault (it was rank 0 that failed): that tear down overlaps detection.
             d = max(detected) if detected else f
             b = max(d, begin["ts"]) if begin else d
-            parts = {"detect": d - f, "tear_down": b - d, "rendezvous_restore": (t - b) if start else None,
-                     "first_step": (e - t) if start else None}
+            parts = {
+                "detect": d - f,
+                "tear_down": b - d,
+                "rendezvous_restore": (t - b) if start else None,
+                "first_step": (e - t) if start else None,
+            }
         elif layer == "injob":
+
             def mark(name: str, after: float, e: float = e) -> float | None:
                 return next((ts for ts, m in marks if m == name and after <= ts <= e), None)
 
@@ -126,17 +138,23 @@ def restart_trials(events: list[dict[str, Any]], marks: list[tuple[float, str]] 
             joined = mark("rdzv_joined", join) if join else None
             start = _first(records, joined or f, e, event="train_begin", rank=0)
             t = start["ts"] if start else None
-            parts = {"detect": (failed - f) if failed else None,
-                     "tear_down": (join - failed) if (join and failed) else None,
-                     "rendezvous": (joined - join) if (joined and join) else None,
-                     "start_restore": (t - (joined or f)) if t else None,
-                     "first_step": (e - t) if t else None}
+            parts = {
+                "detect": (failed - f) if failed else None,
+                "tear_down": (join - failed) if (join and failed) else None,
+                "rendezvous": (joined - join) if (joined and join) else None,
+                "start_restore": (t - (joined or f)) if t else None,
+                "first_step": (e - t) if t else None,
+            }
             if joined is None and t:  # no launcher log: one bucket from the fault to the new workers
                 parts["start_restore"] = None
                 parts["detect_to_new_workers"] = t - f
-        trial.update(layer=layer, latency_s=end.get("latency_s"), measured_s=round(e - f, 4),
-                     resumed_step=end.get("step"),
-                     parts={k: (round(v, 4) if v is not None else None) for k, v in parts.items()})
+        trial.update(
+            layer=layer,
+            latency_s=end.get("latency_s"),
+            measured_s=round(e - f, 4),
+            resumed_step=end.get("step"),
+            parts={k: (round(v, 4) if v is not None else None) for k, v in parts.items()},
+        )
         trials.append(trial)
     return trials
 
@@ -152,7 +170,13 @@ def group_trials(trials: list[dict[str, Any]], mode: str) -> list[dict[str, Any]
     rows = []
     for (kind, layer), ts in groups.items():
         part_names = list(dict.fromkeys(k for t in ts for k in t["parts"]))
-        rows.append({"kind": kind, "restart_mode": mode, "layer": layer,
-                     "latency_s": summarize(t["latency_s"] for t in ts),
-                     "parts_median_s": {p: summarize(t["parts"].get(p) for t in ts).get("median") for p in part_names}})
+        rows.append(
+            {
+                "kind": kind,
+                "restart_mode": mode,
+                "layer": layer,
+                "latency_s": summarize(t["latency_s"] for t in ts),
+                "parts_median_s": {p: summarize(t["parts"].get(p) for t in ts).get("median") for p in part_names},
+            }
+        )
     return rows

@@ -53,7 +53,8 @@ def _now(t: float) -> str:
 def seed_from_summary(out: Path) -> None:
     """Only latest.json (the summary) is committed, not the per-part files it was made from: on a
     fresh clone, write those back from it, so that --only merges into the committed figures."""
-    from bench.summarize.results import PARTS as PART_FILES, SUMMARY
+    from bench.summarize.results import PARTS as PART_FILES
+    from bench.summarize.results import SUMMARY
 
     latest = out / SUMMARY
     if not latest.exists():
@@ -69,31 +70,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run of the same scripts (about a minute)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: "
-                        + ",".join(name for name, *_ in PARTS))
-    parser.add_argument("--only", default="", help="comma-separated parts to run, merged into the results already in "
-                        "--out: " + ",".join(name for name, *_ in PARTS) + " or the control plane's "
-                        + ",".join(CONTROL_PLANE_PARTS))
+    parser.add_argument(
+        "--skip", default="", help="comma-separated parts to leave out: " + ",".join(name for name, *_ in PARTS)
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated parts to run, merged into the results already in "
+        "--out: " + ",".join(name for name, *_ in PARTS) + " or the control plane's " + ",".join(CONTROL_PLANE_PARTS),
+    )
     args = parser.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     known = {name for name, *_ in PARTS} | set(CONTROL_PLANE_PARTS)
     if (skip | only) - known:
-        parser.error(f"unknown part(s) {', '.join(sorted((skip | only) - known))}; the parts are {', '.join(sorted(known))}")
+        parser.error(
+            f"unknown part(s) {', '.join(sorted((skip | only) - known))}; the parts are {', '.join(sorted(known))}"
+        )
     if only and skip:
         parser.error("give --only or --skip, not both")
     control_parts = [p for p in CONTROL_PLANE_PARTS if p in only]
     if control_parts and "control_plane" in only:
-        parser.error("--only control_plane runs all its parts; name either it or some of "
-                     f"{', '.join(CONTROL_PLANE_PARTS)}")
+        parser.error(
+            f"--only control_plane runs all its parts; name either it or some of {', '.join(CONTROL_PLANE_PARTS)}"
+        )
     for python in (TRAINING_PYTHON, AIRFLOW_PYTHON):
         if not Path(python).exists():
             print(f"error: {python} is missing; run `make setup` first", file=sys.stderr)
             return 2
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    command = ("make bench-quick" if args.quick else "make bench") if not argv and not only and not skip else \
-        "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = (
+        ("make bench-quick" if args.quick else "make bench")
+        if not argv and not only and not skip
+        else "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    )
     run_json = args.out / ("run.quick.json" if args.quick else "run.json")
     if only and not args.quick:
         seed_from_summary(args.out)
@@ -114,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if name in skip or (only and name not in only and not (name == "control_plane" and control_parts)):
             continue
-        command_line = [str(python), "-W", "ignore", "-m", module, "--out", out] + extra + (["--quick"] if args.quick else [])
+        command_line = (
+            [str(python), "-W", "ignore", "-m", module, "--out", out] + extra + (["--quick"] if args.quick else [])
+        )
         key = name
         if name == "control_plane" and control_parts:
             command_line += ["--only", ",".join(control_parts), "--merge"]
@@ -122,8 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{key}: {' '.join(command_line[3:])}")
         t0 = time.time()
         rc = subprocess.run(command_line, cwd=REPO).returncode
-        record["parts"][key] = {"exit_code": rc, "wall_s": round(time.time() - t0, 1), "measured_at": _now(t0),
-                                "command": " ".join(command_line[3:])}
+        record["parts"][key] = {
+            "exit_code": rc,
+            "wall_s": round(time.time() - t0, 1),
+            "measured_at": _now(t0),
+            "command": " ".join(command_line[3:]),
+        }
         if update is not None:
             update["parts"].append(key)
         if rc != 0:

@@ -52,7 +52,13 @@ from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgre
 from fsdp_resilience.control.sensors.node_capacity import NodeCapacitySensor
 from fsdp_resilience.control.task_data import Outcome, Run
 from fsdp_resilience.control.trusted_checkpoint import NoTrustedCheckpoint
-from fsdp_resilience.training.contract import MAX_SPARE_NODES, MODEL_PRESETS, RESTART_MODES, ConfigError, read_dataset_index
+from fsdp_resilience.training.contract import (
+    MAX_SPARE_NODES,
+    MODEL_PRESETS,
+    RESTART_MODES,
+    ConfigError,
+    read_dataset_index,
+)
 
 
 def schedule_from_env():
@@ -65,63 +71,158 @@ def schedule_from_env():
 
 
 #: The trigger form's sections, in the order the form shows them.
-TRAIN, RESTARTS, PLACEMENT, DRILLS = ("What to train", "Restarts and escalation", "Where it runs",
-                                      "Drills and other settings")
+TRAIN, RESTARTS, PLACEMENT, DRILLS = (
+    "What to train",
+    "Restarts and escalation",
+    "Where it runs",
+    "Drills and other settings",
+)
 
 PARAMS = {
-    "run_name": Param(None, type=["null", "string"], pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
-                      title="Run name", section=TRAIN,
-                      description="Run id (DNS-1123: lowercase letters, digits, '-'). Empty: derived from the DAG "
-                                  "run, stable across retries. The run dir is <FSDP_RUNS_ROOT>/<run name>."),
-    "dataset": Param("python-stdlib", type="string", pattern=ladder.NAME_PATTERN, title="Dataset", section=TRAIN,
-                     description="Name of a dataset staged by the stage_dataset DAG (a folder under the data root; "
-                                 "a name, not a path)."),
-    "model": Param("tiny", enum=list(MODEL_PRESETS), title="Model preset", section=TRAIN,
-                   description="tiny (CPU) ... 8b (p5)."),
-    "steps": Param(60, type="integer", minimum=1, maximum=10_000_000, title="Steps", section=TRAIN,
-                   description="Training steps."),
-    "checkpoint_interval": Param(10, type="integer", minimum=1, maximum=100_000, title="Checkpoint interval",
-                                 section=TRAIN, description="Steps between asynchronous checkpoints."),
-    "restart_mode": Param("layered", enum=list(RESTART_MODES), title="Restart mode", section=RESTARTS,
-                          description="layered: in-process + in-job restarts (recommended)."),
-    "max_restarts": Param(2, type="integer", minimum=0, maximum=20, title="In-job restarts", section=RESTARTS,
-                          description="In-job restarts before the launch fails with restarts_exhausted."),
-    "max_node_replacements": Param(1, type="integer", minimum=0, maximum=ladder.MAX_RUNGS,
-                                   title="Node replacements", section=RESTARTS,
-                                   description="Node replacements + relaunches the DAG may do (escalation rungs)."),
-    "stall_timeout_s": Param(1800, type="integer", minimum=10, maximum=86_400, title="Stall timeout (s)",
-                             section=RESTARTS, description="No new committed checkpoint this long: no_progress."),
-    "backend": Param(None, type=["null", "string"], enum=[None, *settings.BACKENDS], title="Backend",
-                     section=PLACEMENT,
-                     description="local (processes on the Airflow worker) or eks. Empty: the deployment's "
-                                 "FSDP_DEFAULT_BACKEND (default local)."),
-    "nodes": Param(1, type="integer", minimum=1, maximum=64, title="Nodes", section=PLACEMENT,
-                   description="Nodes (pods / local slots)."),
-    "spare_nodes": Param(0, type="integer", minimum=0, maximum=MAX_SPARE_NODES, title="Spare nodes",
-                         section=PLACEMENT,
-                         description="Hot spares: nodes started with each launch that wait without training (they "
-                                     "cost their machines while idle) and take a lost node's place at the next in-job "
-                                     "restart, in seconds instead of a relaunch. The lost node is then taken out of "
-                                     "service and a new spare added while training goes on (each refill spends one of "
-                                     "Node replacements). Needs restart mode layered or injob. 0: none."),
-    "procs_per_node": Param(2, type="integer", minimum=1, maximum=8, title="Processes per node", section=PLACEMENT,
-                            description="Training processes per node (8 GPUs per p5.48xlarge)."),
-    "image": Param(None, type=["null", "string"], maxLength=512, title="Training image", section=PLACEMENT,
-                   description="EKS only. Empty: the deployment's FSDP_EKS_IMAGE; anything else must be under "
-                               "FSDP_EKS_IMAGE_ALLOWLIST."),
-    "namespace": Param(None, type=["null", "string"], pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
-                       title="Namespace", section=PLACEMENT,
-                       description="EKS only. Empty: the deployment's FSDP_EKS_NAMESPACE; anything else must be in "
-                                   "FSDP_EKS_NAMESPACES."),
-    "fault_drill": Param(None, type=["null", "object"], title="Fault drill", section=DRILLS,
-                         description='Optional fault drill, e.g. {"kind": "exception", "step": 15, "rank": 1}.'),
-    "run_config": Param({}, type="object", title="Other run config fields", section=DRILLS,
-                        # Where a run reads and writes is the control plane's to say: refused by the
-                        # schema (400 through the REST API) and again by name in validate_config.
-                        propertyNames={"not": {"enum": list(ladder.PLACEMENT_FIELDS)}},
-                        description="Other fields of src/fsdp_resilience/training/contract/config.py RunConfig, "
-                                    "e.g. timeouts or lr. Not "
-                                    f"{', '.join(ladder.PLACEMENT_FIELDS)}: the control plane sets those."),
+    "run_name": Param(
+        None,
+        type=["null", "string"],
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        title="Run name",
+        section=TRAIN,
+        description="Run id (DNS-1123: lowercase letters, digits, '-'). Empty: derived from the DAG "
+        "run, stable across retries. The run dir is <FSDP_RUNS_ROOT>/<run name>.",
+    ),
+    "dataset": Param(
+        "python-stdlib",
+        type="string",
+        pattern=ladder.NAME_PATTERN,
+        title="Dataset",
+        section=TRAIN,
+        description="Name of a dataset staged by the stage_dataset DAG (a folder under the data root; "
+        "a name, not a path).",
+    ),
+    "model": Param(
+        "tiny", enum=list(MODEL_PRESETS), title="Model preset", section=TRAIN, description="tiny (CPU) ... 8b (p5)."
+    ),
+    "steps": Param(
+        60, type="integer", minimum=1, maximum=10_000_000, title="Steps", section=TRAIN, description="Training steps."
+    ),
+    "checkpoint_interval": Param(
+        10,
+        type="integer",
+        minimum=1,
+        maximum=100_000,
+        title="Checkpoint interval",
+        section=TRAIN,
+        description="Steps between asynchronous checkpoints.",
+    ),
+    "restart_mode": Param(
+        "layered",
+        enum=list(RESTART_MODES),
+        title="Restart mode",
+        section=RESTARTS,
+        description="layered: in-process + in-job restarts (recommended).",
+    ),
+    "max_restarts": Param(
+        2,
+        type="integer",
+        minimum=0,
+        maximum=20,
+        title="In-job restarts",
+        section=RESTARTS,
+        description="In-job restarts before the launch fails with restarts_exhausted.",
+    ),
+    "max_node_replacements": Param(
+        1,
+        type="integer",
+        minimum=0,
+        maximum=ladder.MAX_RUNGS,
+        title="Node replacements",
+        section=RESTARTS,
+        description="Node replacements + relaunches the DAG may do (escalation rungs).",
+    ),
+    "stall_timeout_s": Param(
+        1800,
+        type="integer",
+        minimum=10,
+        maximum=86_400,
+        title="Stall timeout (s)",
+        section=RESTARTS,
+        description="No new committed checkpoint this long: no_progress.",
+    ),
+    "backend": Param(
+        None,
+        type=["null", "string"],
+        enum=[None, *settings.BACKENDS],
+        title="Backend",
+        section=PLACEMENT,
+        description="local (processes on the Airflow worker) or eks. Empty: the deployment's "
+        "FSDP_DEFAULT_BACKEND (default local).",
+    ),
+    "nodes": Param(
+        1,
+        type="integer",
+        minimum=1,
+        maximum=64,
+        title="Nodes",
+        section=PLACEMENT,
+        description="Nodes (pods / local slots).",
+    ),
+    "spare_nodes": Param(
+        0,
+        type="integer",
+        minimum=0,
+        maximum=MAX_SPARE_NODES,
+        title="Spare nodes",
+        section=PLACEMENT,
+        description="Hot spares: nodes started with each launch that wait without training (they "
+        "cost their machines while idle) and take a lost node's place at the next in-job "
+        "restart, in seconds instead of a relaunch. The lost node is then taken out of "
+        "service and a new spare added while training goes on (each refill spends one of "
+        "Node replacements). Needs restart mode layered or injob. 0: none.",
+    ),
+    "procs_per_node": Param(
+        2,
+        type="integer",
+        minimum=1,
+        maximum=8,
+        title="Processes per node",
+        section=PLACEMENT,
+        description="Training processes per node (8 GPUs per p5.48xlarge).",
+    ),
+    "image": Param(
+        None,
+        type=["null", "string"],
+        maxLength=512,
+        title="Training image",
+        section=PLACEMENT,
+        description="EKS only. Empty: the deployment's FSDP_EKS_IMAGE; anything else must be under "
+        "FSDP_EKS_IMAGE_ALLOWLIST.",
+    ),
+    "namespace": Param(
+        None,
+        type=["null", "string"],
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        title="Namespace",
+        section=PLACEMENT,
+        description="EKS only. Empty: the deployment's FSDP_EKS_NAMESPACE; anything else must be in "
+        "FSDP_EKS_NAMESPACES.",
+    ),
+    "fault_drill": Param(
+        None,
+        type=["null", "object"],
+        title="Fault drill",
+        section=DRILLS,
+        description='Optional fault drill, e.g. {"kind": "exception", "step": 15, "rank": 1}.',
+    ),
+    "run_config": Param(
+        {},
+        type="object",
+        title="Other run config fields",
+        section=DRILLS,
+        # Where a run reads and writes is the control plane's to say: refused by the
+        # schema (400 through the REST API) and again by name in validate_config.
+        propertyNames={"not": {"enum": list(ladder.PLACEMENT_FIELDS)}},
+        description="Other fields of src/fsdp_resilience/training/contract/config.py RunConfig, "
+        "e.g. timeouts or lr. Not "
+        f"{', '.join(ladder.PLACEMENT_FIELDS)}: the control plane sets those.",
+    ),
 }
 
 
@@ -138,8 +239,15 @@ def outcomes_of(task_ids: list[str]) -> list[Outcome | None]:
     return [Outcome.from_dict(o) if o else None for o in (outcomes if isinstance(outcomes, list) else [outcomes])]
 
 
-@dag(dag_id="fsdp_training", schedule=schedule_from_env(), catchup=False, params=PARAMS, max_active_runs=4,
-     tags=["training", "fsdp"], doc_md=__doc__)
+@dag(
+    dag_id="fsdp_training",
+    schedule=schedule_from_env(),
+    catchup=False,
+    params=PARAMS,
+    max_active_runs=4,
+    tags=["training", "fsdp"],
+    doc_md=__doc__,
+)
 def fsdp_training():
     @task
     def validate_config() -> dict:
@@ -175,6 +283,7 @@ def fsdp_training():
 
     for rung in range(1, ladder.MAX_RUNGS + 1):
         with TaskGroup(group_id=f"escalation_{rung}"):
+
             @task(trigger_rule="none_failed")
             def decide(rung: int = rung, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
                 run = run_of_this_dag()
@@ -188,8 +297,10 @@ def fsdp_training():
             @task
             def diagnose_and_replace(outcome: dict, rung: int = rung) -> dict:
                 try:
-                    return {**ladder.diagnose_and_replace(run_of_this_dag(), Outcome.from_dict(outcome), rung),
-                            "outcome": outcome}
+                    return {
+                        **ladder.diagnose_and_replace(run_of_this_dag(), Outcome.from_dict(outcome), rung),
+                        "outcome": outcome,
+                    }
                 except ladder.EscalationError as e:
                     raise AirflowFailException(str(e)) from None
 
@@ -263,15 +374,24 @@ def fsdp_training():
             raise AirflowFailException(str(e)) from None
         for skip in published["skipped"]:
             print(f"not published: {skip['checkpoint_id']}: {skip['reason']}")
-        print(f"publishing {published['checkpoint']} ({published['verified']} verified)"
-              + (f"; {published['note']}" if published.get("note") else ""))
+        print(
+            f"publishing {published['checkpoint']} ({published['verified']} verified)"
+            + (f"; {published['note']}" if published.get("note") else "")
+        )
         outlet_events = context["outlet_events"]
         outlet_events[MODEL_CHECKPOINT].extra = {
-            "run_id": published["run_id"], "path": published["checkpoint"], "step": published["step"],
-            "checkpoint_id": published["checkpoint_id"], "verified": published["verified"],
-            "skipped": [{k: s[k] for k in ("checkpoint_id", "reason")} for s in published["skipped"]]}
-        outlet_events[MODEL_EVALUATION].extra = {"run_id": published["run_id"], **evaluation,
-                                                 "report": report.get("markdown")}
+            "run_id": published["run_id"],
+            "path": published["checkpoint"],
+            "step": published["step"],
+            "checkpoint_id": published["checkpoint_id"],
+            "verified": published["verified"],
+            "skipped": [{k: s[k] for k in ("checkpoint_id", "reason")} for s in published["skipped"]],
+        }
+        outlet_events[MODEL_EVALUATION].extra = {
+            "run_id": published["run_id"],
+            **evaluation,
+            "report": report.get("markdown"),
+        }
         return {**published, "evaluation": evaluation, "report": report}
 
     outcome = resolve_outcome()
@@ -279,8 +399,12 @@ def fsdp_training():
     exported = plan_export(build_report(evaluate(outcome)))
     _plan = "ti.xcom_pull(task_ids='plan_export', key='plan')"
     export_to_s3 = FsxDataRepositoryTaskOperator(
-        task_id="export_to_s3", kind="export", file_system_id=f"{{{{ {_plan}['file_system_id'] }}}}",
-        paths=exported["paths"], aws_conn_id=f"{{{{ {_plan}['aws_conn_id'] }}}}")
+        task_id="export_to_s3",
+        kind="export",
+        file_system_id=f"{{{{ {_plan}['file_system_id'] }}}}",
+        paths=exported["paths"],
+        aws_conn_id=f"{{{{ {_plan}['aws_conn_id'] }}}}",
+    )
     exported >> export_to_s3
     [exported, export_to_s3] >> publish()  # a branch skips export_to_s3 and goes straight to publish
 

@@ -38,16 +38,33 @@ from fsdp_resilience.control import settings
 SCHEDULE = datetime.timedelta(minutes=10) if settings.quarantine_cooldown_s() > 0 else None
 
 PARAMS = {
-    "nodes": Param([], type="array", items={"type": "string", "minLength": 1, "maxLength": 253}, maxItems=64,
-                   uniqueItems=True, title="Nodes to return",
-                   description="Node ids to return to service, as list_quarantined shows them (local: slot-N; "
-                               "EKS: the node name). Empty: only list (and return expired nodes)."),
-    "reason": Param(None, type=["null", "string"], minLength=1, maxLength=1000, title="Reason",
-                    description="Required when nodes are given: what was checked or fixed. Recorded with the "
-                                "node's return, with who triggered this run and when."),
-    "backend": Param(None, type=["null", "string"], enum=[None, *settings.BACKENDS], title="Backend",
-                     description="The backend whose nodes to act on; empty: the deployment's "
-                                 "FSDP_DEFAULT_BACKEND (local unless set)."),
+    "nodes": Param(
+        [],
+        type="array",
+        items={"type": "string", "minLength": 1, "maxLength": 253},
+        maxItems=64,
+        uniqueItems=True,
+        title="Nodes to return",
+        description="Node ids to return to service, as list_quarantined shows them (local: slot-N; "
+        "EKS: the node name). Empty: only list (and return expired nodes).",
+    ),
+    "reason": Param(
+        None,
+        type=["null", "string"],
+        minLength=1,
+        maxLength=1000,
+        title="Reason",
+        description="Required when nodes are given: what was checked or fixed. Recorded with the "
+        "node's return, with who triggered this run and when.",
+    ),
+    "backend": Param(
+        None,
+        type=["null", "string"],
+        enum=[None, *settings.BACKENDS],
+        title="Backend",
+        description="The backend whose nodes to act on; empty: the deployment's "
+        "FSDP_DEFAULT_BACKEND (local unless set).",
+    ),
 }
 
 
@@ -57,8 +74,16 @@ def _backend():
     return build_backend(get_current_context()["params"].get("backend"))
 
 
-@dag(dag_id="node_maintenance", schedule=SCHEDULE, start_date=datetime.datetime(2025, 1, 1), catchup=False,
-     max_active_runs=1, params=PARAMS, tags=["fsdp", "maintenance"], doc_md=__doc__)
+@dag(
+    dag_id="node_maintenance",
+    schedule=SCHEDULE,
+    start_date=datetime.datetime(2025, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    params=PARAMS,
+    tags=["fsdp", "maintenance"],
+    doc_md=__doc__,
+)
 def node_maintenance():
     @task
     def list_quarantined() -> list[dict]:
@@ -79,8 +104,10 @@ def node_maintenance():
             raise AirflowSkipException("no nodes named: nothing to return")
         reason = (params.get("reason") or "").strip()
         if not reason:
-            raise AirflowFailException(f"returning {params['nodes']} needs a reason: trigger again with `reason` "
-                                       "saying what was checked or fixed")
+            raise AirflowFailException(
+                f"returning {params['nodes']} needs a reason: trigger again with `reason` "
+                "saying what was checked or fixed"
+            )
         dag_run = context["dag_run"]
         user = getattr(dag_run, "triggering_user_name", None)
         by = f"Airflow node_maintenance run {dag_run.run_id}" + (f" triggered by {user}" if user else "")
@@ -97,8 +124,11 @@ def node_maintenance():
         if cooldown <= 0:
             raise AirflowSkipException("FSDP_QUARANTINE_COOLDOWN_S is 0: automatic return is off")
         returned = _backend().return_expired(cooldown)
-        print(f"returned after the cool-down of {cooldown:g}s: {returned}" if returned
-              else f"no node has been quarantined longer than {cooldown:g}s")
+        print(
+            f"returned after the cool-down of {cooldown:g}s: {returned}"
+            if returned
+            else f"no node has been quarantined longer than {cooldown:g}s"
+        )
         return returned
 
     list_quarantined() >> return_named_nodes() >> return_expired_nodes()

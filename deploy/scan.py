@@ -86,26 +86,44 @@ def write_targets(root: Path, image: str | None = None) -> None:
 
 def run_checkov(checkov: str, root: Path) -> tuple[list[Finding], dict[str, Any]]:
     """Failed checks and per-framework summaries of one checkov run over ``root``."""
-    cmd = [checkov, "--directory", str(root), "--framework", *FRAMEWORKS, "--output", "json", "--quiet",
-           "--compact", "--skip-download"]
+    cmd = [
+        checkov,
+        "--directory",
+        str(root),
+        "--framework",
+        *FRAMEWORKS,
+        "--output",
+        "json",
+        "--quiet",
+        "--compact",
+        "--skip-download",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     try:
         reports = json.loads(proc.stdout)
-    except json.JSONDecodeError:
-        raise SystemExit(f"checkov printed no JSON (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(
+            f"checkov printed no JSON (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+        ) from e
     findings, summaries = [], {}
     for report in reports if isinstance(reports, list) else [reports]:
         summaries[report.get("check_type", "?")] = report.get("summary", {})
         for failed in (report.get("results") or {}).get("failed_checks") or []:
-            findings.append(Finding(failed["check_id"], failed.get("check_name", ""), failed["resource"],
-                                    failed.get("file_path", "")))
+            findings.append(
+                Finding(
+                    failed["check_id"], failed.get("check_name", ""), failed["resource"], failed.get("file_path", "")
+                )
+            )
     return findings, summaries
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python deploy/scan.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkov", default=str(REPO / ".venv-checkov" / "bin" / "checkov"),
-                        help="the checkov executable (default: .venv-checkov/bin/checkov)")
+    parser.add_argument(
+        "--checkov",
+        default=str(REPO / ".venv-checkov" / "bin" / "checkov"),
+        help="the checkov executable (default: .venv-checkov/bin/checkov)",
+    )
     parser.add_argument("--keep", type=Path, metavar="DIR", help="write the scanned files to DIR and keep them")
     args = parser.parse_args(argv)
     if not Path(args.checkov).is_file() and not shutil.which(args.checkov):
@@ -122,16 +140,22 @@ def main(argv: list[str] | None = None) -> int:
     unexpected = [f for f in findings if not any(e.matches(f) for e in accepted_findings)]
     stale = [e for e in accepted_findings if not any(e.matches(f) for f in findings)]
     for framework, summary in sorted(summaries.items()):
-        print(f"checkov {framework}: {summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed "
-              f"({summary.get('resource_count', 0)} resources)")
+        print(
+            f"checkov {framework}: {summary.get('passed', 0)} passed, {summary.get('failed', 0)} failed "
+            f"({summary.get('resource_count', 0)} resources)"
+        )
     accepted = len(findings) - len(unexpected)
-    print(f"checkov: {accepted} finding(s) accepted by {EXCEPTIONS.relative_to(REPO)}, "
-          f"{len(unexpected)} not, in {time.monotonic() - started:.1f}s")
+    print(
+        f"checkov: {accepted} finding(s) accepted by {EXCEPTIONS.relative_to(REPO)}, "
+        f"{len(unexpected)} not, in {time.monotonic() - started:.1f}s"
+    )
     for finding in unexpected:
         print(f"  FAILED {finding}")
     for exception in stale:
-        print(f"  STALE  {exception.check} {list(exception.resources)}: matches no finding; remove it from "
-              f"{EXCEPTIONS.name}")
+        print(
+            f"  STALE  {exception.check} {list(exception.resources)}: matches no finding; remove it from "
+            f"{EXCEPTIONS.name}"
+        )
     return 1 if unexpected or stale else 0
 
 

@@ -15,6 +15,7 @@ except ModuleNotFoundError as e:
     raise ImportError(
         "the control plane package fsdp_resilience is not installed in this Airflow environment: "
         "install it with `pip install --no-deps <repository root>` (the Airflow image does, "
-        "images/airflow/Dockerfile)") from e
+        "images/airflow/Dockerfile)"
+    ) from e
 
 __all__ = ["FsdpResiliencePlugin"]

@@ -20,8 +20,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 #: Run config fields for tests: short sequences and timeouts, so drills resolve in seconds on a
 #: loaded 2-core machine.
-FAST_RUN = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
-            "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu", "eval_batches": 4}
+FAST_RUN = {
+    "seq_len": 64,
+    "batch_size": 4,
+    "collective_timeout_s": 3.0,
+    "heartbeat_timeout_s": 30.0,
+    "initial_heartbeat_timeout_s": 90.0,
+    "hang_timeout_s": 15.0,
+    "device": "cpu",
+    "eval_batches": 4,
+}
 
 
 def make_dataset(dst: Path, python: str = sys.executable) -> Path:
@@ -36,8 +44,12 @@ def make_dataset(dst: Path, python: str = sys.executable) -> Path:
             out = src / pkg / f.relative_to(stdlib / pkg)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(f.read_bytes())
-    subprocess.run([python, "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
-                   check=True, cwd=REPO, capture_output=True)
+    subprocess.run(
+        [python, "-m", "fsdp_resilience.training.prepare_data", str(src), str(dst), "--val-fraction", "0.1"],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     return dst
 
 
@@ -57,8 +69,9 @@ def _rank_main(scenario: Callable[[int, int, Path], dict[str, Any]], rank: int, 
         raise
 
 
-def run_on_two_ranks(scenario: Callable[[int, int, Path], dict[str, Any]], tmp: Path,
-                     timeout_s: float) -> dict[int, dict[str, Any]]:
+def run_on_two_ranks(
+    scenario: Callable[[int, int, Path], dict[str, Any]], tmp: Path, timeout_s: float
+) -> dict[int, dict[str, Any]]:
     """Run ``scenario(rank, port, tmp)`` in two spawned processes (a module-level function: they
     import it), which join a gloo group at 127.0.0.1:``port``; returns each rank's results by rank.
     Starting ranks and writer processes is what costs time, so a test module runs one scenario

@@ -14,8 +14,9 @@ from bench.gpu_check.configs import DOC, JSON_OUT, WORK
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=package.__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="check the wiring only (the default without a GPU)")
-    parser.add_argument("--only", default=None,
-                        help=f"comma-separated checks (default all): {','.join(c.key for c in CHECKS)}")
+    parser.add_argument(
+        "--only", default=None, help=f"comma-separated checks (default all): {','.join(c.key for c in CHECKS)}"
+    )
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one; dry run: 1)")
     parser.add_argument("--work", type=Path, default=WORK, help=f"run dirs and logs (default {WORK.relative_to(REPO)})")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (GBs)")

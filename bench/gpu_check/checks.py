@@ -61,8 +61,16 @@ class Check:
     run: Callable[[Context, "Check"], CheckResult]
 
 
-def _result(check: Check, ctx: Context, command: list[str], rc: int | None, wall: float,
-            problems: list[str], figures: dict[str, Any], summary: str) -> CheckResult:
+def _result(
+    check: Check,
+    ctx: Context,
+    command: list[str],
+    rc: int | None,
+    wall: float,
+    problems: list[str],
+    figures: dict[str, Any],
+    summary: str,
+) -> CheckResult:
     """The row of a check that ran one command; a timeout or a non-zero exit is always a problem."""
     if rc is None:
         problems.insert(0, f"timed out after {check.timeout_s:.0f} s and was stopped")
@@ -70,9 +78,18 @@ def _result(check: Check, ctx: Context, command: list[str], rc: int | None, wall
         problems.insert(0, f"exited {rc}")
     figures = {"exit_code": rc, "wall_s": round(wall, 1), **figures}
     log_path = ctx.logs(check.key)
-    return CheckResult(check.key, check.title, passed=not problems, seconds=round(wall, 1), summary=summary,
-                       figures=figures, problems=problems, command=shlex.join(command), log=str(log_path),
-                       log_tail=log_tail(log_path) if problems else "")
+    return CheckResult(
+        check.key,
+        check.title,
+        passed=not problems,
+        seconds=round(wall, 1),
+        summary=summary,
+        figures=figures,
+        problems=problems,
+        command=shlex.join(command),
+        log=str(log_path),
+        log_tail=log_tail(log_path) if problems else "",
+    )
 
 
 def _median(values: list[float]) -> float | None:
@@ -86,8 +103,12 @@ def _finite(x: Any) -> bool:
 def nccl_timeouts(cfg: RunConfig) -> dict[str, float]:
     """The restart-layer timeouts a run gets on NCCL (the contract derives the collective one)."""
     t = cfg.timeouts("nccl")
-    return {"hang_timeout_s": t.soft_s, "hard_timeout_s": t.hard_s, "collective_timeout_s": t.collective_s,
-            "heartbeat_timeout_s": t.heartbeat_s}
+    return {
+        "hang_timeout_s": t.soft_s,
+        "hard_timeout_s": t.hard_s,
+        "collective_timeout_s": t.collective_s,
+        "heartbeat_timeout_s": t.heartbeat_s,
+    }
 
 
 def launch_run(ctx: Context, check: Check, name: str) -> tuple[list[str], int | None, float, list[dict]]:
@@ -116,16 +137,27 @@ def check_train(ctx: Context, check: Check) -> CheckResult:
         problems.append(f"final loss is {final_loss!r}, not a finite number")
     if begin and "cuda" not in str(begin.get("device")):
         problems.append(f"trained on {begin.get('device')}, not CUDA")
-    figures = {"model": cfg.model, "world_size": cfg.world_size, "seq_len": cfg.seq_len, "batch_size": cfg.batch_size,
-               "steps": cfg.steps, "device": begin.get("device"),
-               "precision": "bf16 compute, fp32 master weights and reduction (Precision.for_device)",
-               "step_s_median": step_s, "tokens_per_s_median": tokens_s,
-               "tokens_per_s_per_gpu": round(tokens_s / cfg.world_size, 1) if tokens_s else None,
-               "first_loss": round(steps[0]["loss"], 4) if steps else None,
-               "final_loss": round(final_loss, 4) if _finite(final_loss) else final_loss,
-               "checkpoint_blocking_s": stalls, "final": (final_status(cfg.run_dir) or {}).get("failure_class")}
-    summary = (f"{step_s:.3f} s/step, {tokens_s / 1e3:,.1f} k tokens/s, loss {figures['first_loss']:.2f} → "
-               f"{final_loss:.2f}" if step_s and tokens_s else "no step figures")  # a NaN loss shows as nan
+    figures = {
+        "model": cfg.model,
+        "world_size": cfg.world_size,
+        "seq_len": cfg.seq_len,
+        "batch_size": cfg.batch_size,
+        "steps": cfg.steps,
+        "device": begin.get("device"),
+        "precision": "bf16 compute, fp32 master weights and reduction (Precision.for_device)",
+        "step_s_median": step_s,
+        "tokens_per_s_median": tokens_s,
+        "tokens_per_s_per_gpu": round(tokens_s / cfg.world_size, 1) if tokens_s else None,
+        "first_loss": round(steps[0]["loss"], 4) if steps else None,
+        "final_loss": round(final_loss, 4) if _finite(final_loss) else final_loss,
+        "checkpoint_blocking_s": stalls,
+        "final": (final_status(cfg.run_dir) or {}).get("failure_class"),
+    }
+    summary = (
+        f"{step_s:.3f} s/step, {tokens_s / 1e3:,.1f} k tokens/s, loss {figures['first_loss']:.2f} → {final_loss:.2f}"
+        if step_s and tokens_s
+        else "no step figures"
+    )  # a NaN loss shows as nan
     return _result(check, ctx, command, rc, wall, problems, figures, summary)
 
 
@@ -151,13 +183,22 @@ def _check_recovery(ctx: Context, check: Check, layer: str, forbidden: tuple[str
     if escalated:
         problems.append(f"escalated to {escalated}: the {drill.kind} was not recovered {layer} alone")
     latency = end.get("latency_s") if end else None
-    figures = {"drill": asdict(drill), "world_size": cfg.world_size, "restart_layer": layer, **nccl_timeouts(cfg),
-               "latency_s": latency, "resumed_at_step": end.get("step") if end else None,
-               "restart_reasons": [r.get("reason") for r in begins],
-               "restarts_by_layer": dict(layers_seen),
-               "final": (final_status(cfg.run_dir) or {}).get("failure_class")}
-    summary = (f"{drill.kind} at step {drill.step} → {layer} restart, next step after {latency:.1f} s"
-               if latency is not None else f"{drill.kind} at step {drill.step}: not recovered {layer}")
+    figures = {
+        "drill": asdict(drill),
+        "world_size": cfg.world_size,
+        "restart_layer": layer,
+        **nccl_timeouts(cfg),
+        "latency_s": latency,
+        "resumed_at_step": end.get("step") if end else None,
+        "restart_reasons": [r.get("reason") for r in begins],
+        "restarts_by_layer": dict(layers_seen),
+        "final": (final_status(cfg.run_dir) or {}).get("failure_class"),
+    }
+    summary = (
+        f"{drill.kind} at step {drill.step} → {layer} restart, next step after {latency:.1f} s"
+        if latency is not None
+        else f"{drill.kind} at step {drill.step}: not recovered {layer}"
+    )
     return _result(check, ctx, command, rc, wall, problems, figures, summary)
 
 
@@ -179,10 +220,17 @@ def check_evaluate(ctx: Context, check: Check) -> CheckResult:
     command = [sys.executable, "-m", "fsdp_resilience.training.evaluate", "--config", str(cfg.layout.config)]
     latest = CheckpointCatalog(cfg.run_dir).latest()
     if latest is None:
-        return CheckResult(check.key, check.title, passed=False, command=shlex.join(command),
-                           summary="no checkpoint to evaluate",
-                           problems=[f"no committed checkpoint in {cfg.layout.checkpoints}: the train check "
-                                     "makes it; fix that check first (rerun with --only train,evaluate)"])
+        return CheckResult(
+            check.key,
+            check.title,
+            passed=False,
+            command=shlex.join(command),
+            summary="no checkpoint to evaluate",
+            problems=[
+                f"no committed checkpoint in {cfg.layout.checkpoints}: the train check "
+                "makes it; fix that check first (rerun with --only train,evaluate)"
+            ],
+        )
     cfg.layout.eval_result.unlink(missing_ok=True)
     rc, wall = run_bounded(command, ctx.logs(check.key), check.timeout_s)
     try:
@@ -190,10 +238,15 @@ def check_evaluate(ctx: Context, check: Check) -> CheckResult:
     except (OSError, ValueError):
         result = {}
     problems = [] if _finite(result.get("val_loss")) else [f"no finite val_loss in {cfg.layout.eval_result}"]
-    figures = {k: result.get(k) for k in ("checkpoint_id", "step", "val_loss", "perplexity", "batches", "tokens",
-                                          "saved_world_size")}
-    summary = (f"{result['checkpoint_id']}: val loss {result['val_loss']:.3f}, perplexity {result['perplexity']:.2f}"
-               if not problems else "no evaluation result")
+    figures = {
+        k: result.get(k)
+        for k in ("checkpoint_id", "step", "val_loss", "perplexity", "batches", "tokens", "saved_world_size")
+    }
+    summary = (
+        f"{result['checkpoint_id']}: val loss {result['val_loss']:.3f}, perplexity {result['perplexity']:.2f}"
+        if not problems
+        else "no evaluation result"
+    )
     return _result(check, ctx, command, rc, wall, problems, figures, summary)
 
 
@@ -217,15 +270,21 @@ def check_checkpoint(ctx: Context, check: Check) -> CheckResult:
         if result["committed_step"] != CHECKPOINT_SAVES:
             problems.append(f"newest committed checkpoint is step {result['committed_step']}, not {CHECKPOINT_SAVES}")
         if result["writer_has_cuda_context"]:
-            problems.append(f"a checkpoint writer process holds a CUDA context ({result['writer_cuda_evidence']}): "
-                            "every rank's writer costs GPU memory and can block on the device")
+            problems.append(
+                f"a checkpoint writer process holds a CUDA context ({result['writer_cuda_evidence']}): "
+                "every rank's writer costs GPU memory and can block on the device"
+            )
     ratio = result.get("stall_over_memcpy")
     shm = result.get("shm", {})
     if result:  # a figure, not a pass condition: docs/benchmarks.md tracks the same target on CPU
         result["stall_target"] = f"≤ {STALL_TARGET:g}× memcpy: {'met' if ratio <= STALL_TARGET else 'missed'}"
-    summary = (f"stall {result['stall_s'] * 1e3:.0f} ms = {ratio:.2f}× pinned memcpy ({result['state_mb']:.0f} MB/rank; "
-               f"target {result['stall_target']}); /dev/shm +{shm.get('peak_growth_mb', 0):.0f} MB; "
-               f"writer CUDA context: {'yes' if result['writer_has_cuda_context'] else 'none'}" if result else "no result")
+    summary = (
+        f"stall {result['stall_s'] * 1e3:.0f} ms = {ratio:.2f}× pinned memcpy ({result['state_mb']:.0f} MB/rank; "
+        f"target {result['stall_target']}); /dev/shm +{shm.get('peak_growth_mb', 0):.0f} MB; "
+        f"writer CUDA context: {'yes' if result['writer_has_cuda_context'] else 'none'}"
+        if result
+        else "no result"
+    )
     return _result(check, ctx, command, rc, wall, problems, result, summary)
 
 
@@ -235,9 +294,13 @@ def check_memory(ctx: Context, check: Check) -> CheckResult:
     if result and not all(_finite(x) for x in result["losses"]):
         problems.append(f"losses are not finite: {result['losses']}")
     per_gpu = result.get("max_allocated_gib", [])
-    summary = (f"{max(per_gpu):.1f} GiB peak allocated per GPU (max of {len(per_gpu)}), "
-               f"seq {result['seq_len']} × batch {result['batch_size']}; estimated "
-               f"{result['estimate_gib']['total']} GiB at the preset's default world size" if per_gpu else "no result")
+    summary = (
+        f"{max(per_gpu):.1f} GiB peak allocated per GPU (max of {len(per_gpu)}), "
+        f"seq {result['seq_len']} × batch {result['batch_size']}; estimated "
+        f"{result['estimate_gib']['total']} GiB at the preset's default world size"
+        if per_gpu
+        else "no result"
+    )
     return _result(check, ctx, command, rc, wall, problems, result, summary)
 
 
@@ -247,7 +310,9 @@ CHECKS: tuple[Check, ...] = (
     Check("exception", "exception → in-process restart (NCCL)", 600, check_exception),
     Check("hang", "hang → in-process restart (NCCL)", 600, check_hang),
     Check("sigkill", "SIGKILL → in-job restart (ft_launcher)", 600, check_sigkill),
-    Check("evaluate", "evaluation of the trained checkpoint (`fsdp_resilience.training.evaluate`)", 300, check_evaluate),
+    Check(
+        "evaluate", "evaluation of the trained checkpoint (`fsdp_resilience.training.evaluate`)", 300, check_evaluate
+    ),
     Check("memory", "memory of the `1b` preset (FSDP2 + AdamW)", 420, check_memory),
 )
 
@@ -262,8 +327,15 @@ def run_check(ctx: Context, check: Check) -> CheckResult:
     try:
         result = check.run(ctx, check)
     except Exception as e:  # a bug in this script must not hide the other checks' results
-        result = CheckResult(check.key, check.title, passed=False, seconds=round(time.monotonic() - t0, 1),
-                             problems=[f"gpu_check itself failed: {type(e).__name__}: {e}"])
-    log(f"{check.key}: {'passed' if result.passed else 'FAILED'} in {result.seconds:.0f} s: "
-        f"{result.summary}{'; ' + '; '.join(result.problems) if result.problems else ''}")
+        result = CheckResult(
+            check.key,
+            check.title,
+            passed=False,
+            seconds=round(time.monotonic() - t0, 1),
+            problems=[f"gpu_check itself failed: {type(e).__name__}: {e}"],
+        )
+    log(
+        f"{check.key}: {'passed' if result.passed else 'FAILED'} in {result.seconds:.0f} s: "
+        f"{result.summary}{'; ' + '; '.join(result.problems) if result.problems else ''}"
+    )
     return result

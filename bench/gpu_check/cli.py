@@ -24,8 +24,11 @@ from fsdp_resilience.training.contract import ConfigError, RunConfig
 def probe_versions(work: Path) -> dict[str, Any]:
     result = work / "results" / "probe.json"
     result.unlink(missing_ok=True)
-    rc, _ = run_bounded([sys.executable, "-m", "bench.gpu_check", "--worker", "probe", "--result", str(result)],
-                        work / "logs" / "probe.log", timeout_s=180)
+    rc, _ = run_bounded(
+        [sys.executable, "-m", "bench.gpu_check", "--worker", "probe", "--result", str(result)],
+        work / "logs" / "probe.log",
+        timeout_s=180,
+    )
     try:
         return json.loads(result.read_text())
     except (OSError, ValueError):
@@ -52,9 +55,12 @@ def run_on_gpus(args: argparse.Namespace, gpus: int, checks: tuple[Check, ...]) 
     report = new_report(versions, results, started, False, work)
     write_report(report, args.doc, args.json)
     failed = [r.key for r in results if not r.passed]
-    print(f"gpu-check: {report['passed']} of {len(results)} checks passed on {gpus} × {versions.get('gpu')} "
-          f"in {report['wall_s'] / 60:.1f} min" + (f"; failed: {', '.join(failed)}" if failed else "")
-          + f". Wrote {args.doc} and {args.json}.")
+    print(
+        f"gpu-check: {report['passed']} of {len(results)} checks passed on {gpus} × {versions.get('gpu')} "
+        f"in {report['wall_s'] / 60:.1f} min"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+        + f". Wrote {args.doc} and {args.json}."
+    )
     return 1 if failed else 0
 
 
@@ -77,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0 or args.dry_run:
-        reason = (f"--dry-run given ({visible} GPU(s) visible)" if visible else
-                  "found no GPU (torch.cuda.is_available() is False), so ran dry")
+        reason = (
+            f"--dry-run given ({visible} GPU(s) visible)"
+            if visible
+            else "found no GPU (torch.cuda.is_available() is False), so ran dry"
+        )
         return dry_run(args.gpus or visible or 1, reason, checks)
     gpus = args.gpus or visible
     if not 1 <= gpus <= visible:

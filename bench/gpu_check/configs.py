@@ -20,9 +20,17 @@ WORK = REPO / "runs" / "gpu-check"  # /runs/ is git-ignored; `make clean` remove
 #: collective_timeout_s is left unset: the contract derives it for the backend (on NCCL, above
 #: the in-process hard timeout, so the watchdog never kills ranks a hang recovery would save).
 GPU_RUN: dict[str, Any] = {
-    "model": "small", "seq_len": 1024, "batch_size": 8, "device": "cuda", "nodes": 1,
-    "restart_mode": "layered", "hang_timeout_s": 15.0, "heartbeat_timeout_s": 60.0,
-    "initial_heartbeat_timeout_s": 300.0, "keep_checkpoints": 2, "eval_batches": 8,
+    "model": "small",
+    "seq_len": 1024,
+    "batch_size": 8,
+    "device": "cuda",
+    "nodes": 1,
+    "restart_mode": "layered",
+    "hang_timeout_s": 15.0,
+    "heartbeat_timeout_s": 60.0,
+    "initial_heartbeat_timeout_s": 300.0,
+    "keep_checkpoints": 2,
+    "eval_batches": 8,
 }
 #: The ``python -m fsdp_resilience.training.launch`` runs. Drills fire at step 12, after the step-10 checkpoint,
 #: so each recovery also restores a committed checkpoint.
@@ -48,21 +56,40 @@ def build_configs(work: Path, dataset: Path, gpus: int) -> dict[str, RunConfig]:
     """Every run config the checks use. Raises ConfigError (naming the field) if one is invalid."""
     configs = {}
     for name, scenario in LAUNCH_SCENARIOS.items():
-        configs[name] = RunConfig(**{**GPU_RUN, **scenario}, run_id=f"gpu-check-{name}",
-                                  run_dir=str(work / "runs" / name), dataset_dir=str(dataset),
-                                  procs_per_node=gpus, rdzv_port=free_port())
+        configs[name] = RunConfig(
+            **{**GPU_RUN, **scenario},
+            run_id=f"gpu-check-{name}",
+            run_dir=str(work / "runs" / name),
+            dataset_dir=str(dataset),
+            procs_per_node=gpus,
+            rdzv_port=free_port(),
+        )
     # The workers below take their settings from a RunConfig too, so the dry run validates them.
-    configs["checkpoint"] = RunConfig(**GPU_RUN, run_id="gpu-check-checkpoint",
-                                      run_dir=str(work / "runs" / "checkpoint"), dataset_dir=str(dataset),
-                                      procs_per_node=gpus, steps=CHECKPOINT_SAVES, checkpoint_interval=1)
+    configs["checkpoint"] = RunConfig(
+        **GPU_RUN,
+        run_id="gpu-check-checkpoint",
+        run_dir=str(work / "runs" / "checkpoint"),
+        dataset_dir=str(dataset),
+        procs_per_node=gpus,
+        steps=CHECKPOINT_SAVES,
+        checkpoint_interval=1,
+    )
     # The 1b preset's default run (fsdp_resilience.training.model.PRESET_RUNS): its tokens per rank per step, so
     # the figure can be set beside the README's estimate (memory_per_gpu).
     from fsdp_resilience.training.model import PRESET_RUNS  # torch: imported only where a config needs it
 
     preset = PRESET_RUNS["1b"]
-    configs["memory"] = RunConfig(run_id="gpu-check-memory", run_dir=str(work / "runs" / "memory"),
-                                  dataset_dir=str(dataset), model="1b", device="cuda", procs_per_node=gpus,
-                                  steps=MEMORY_STEPS, batch_size=preset.batch_size, seq_len=preset.seq_len)
+    configs["memory"] = RunConfig(
+        run_id="gpu-check-memory",
+        run_dir=str(work / "runs" / "memory"),
+        dataset_dir=str(dataset),
+        model="1b",
+        device="cuda",
+        procs_per_node=gpus,
+        steps=MEMORY_STEPS,
+        batch_size=preset.batch_size,
+        seq_len=preset.seq_len,
+    )
     return configs
 
 
@@ -76,10 +103,25 @@ def write_configs(configs: dict[str, RunConfig], folder: Path) -> dict[str, Path
 
 
 def launch_command(cfg_path: Path, dry_run: bool = False) -> list[str]:
-    return [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)] + (["--dry-run"] if dry_run else [])
+    return [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)] + (
+        ["--dry-run"] if dry_run else []
+    )
 
 
 def worker_command(worker: str, cfg_path: Path, result: Path, gpus: int) -> list[str]:
     """One process per GPU under torchrun, each running ``worker`` (workers.py)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-            "-m", "bench.gpu_check", "--worker", worker, "--config", str(cfg_path), "--result", str(result)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        "-m",
+        "bench.gpu_check",
+        "--worker",
+        worker,
+        "--config",
+        str(cfg_path),
+        "--result",
+        str(result),
+    ]

@@ -34,20 +34,31 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
         try:
             configs = build_configs(work, dataset, gpus)
         except ConfigError as e:
-            print(f"error: a gpu-check run config is invalid: {e}. Fix GPU_RUN / the scenarios in "
-                  "bench/gpu_check/configs.py to match RunConfig.validate (src/fsdp_resilience/training/contract/config.py).", file=sys.stderr)
+            print(
+                f"error: a gpu-check run config is invalid: {e}. Fix GPU_RUN / the scenarios in "
+                "bench/gpu_check/configs.py to match RunConfig.validate "
+                "(src/fsdp_resilience/training/contract/config.py).",
+                file=sys.stderr,
+            )
             return 1
         paths = write_configs(configs, work / "configs")
         t = nccl_timeouts(configs["hang"])
-        done.append(f"{len(configs)} run configs valid for {gpus} GPU(s) (NCCL: hang {t['hang_timeout_s']:g} s, "
-                    f"hard {t['hard_timeout_s']:g} s, collective {t['collective_timeout_s']:g} s, "
-                    f"heartbeat {t['heartbeat_timeout_s']:g} s)")
+        done.append(
+            f"{len(configs)} run configs valid for {gpus} GPU(s) (NCCL: hang {t['hang_timeout_s']:g} s, "
+            f"hard {t['hard_timeout_s']:g} s, collective {t['collective_timeout_s']:g} s, "
+            f"heartbeat {t['heartbeat_timeout_s']:g} s)"
+        )
         for name in LAUNCHED:  # what `fsdp_resilience.training.launch` would start, without starting it
-            proc = subprocess.run(launch_command(paths[name], dry_run=True), cwd=REPO, capture_output=True,
-                                  text=True, timeout=60)
+            proc = subprocess.run(
+                launch_command(paths[name], dry_run=True), cwd=REPO, capture_output=True, text=True, timeout=60
+            )
             if proc.returncode != 0 or "fsdp_resilience.training.train" not in proc.stdout:
-                print(f"error: `fsdp_resilience.training.launch --dry-run` failed for scenario {name} (exit {proc.returncode}):\n"
-                      f"{proc.stdout}{proc.stderr}", file=sys.stderr)
+                print(
+                    f"error: `fsdp_resilience.training.launch --dry-run` failed for scenario {name} (exit "
+                    f"{proc.returncode}):\n"
+                    f"{proc.stdout}{proc.stderr}",
+                    file=sys.stderr,
+                )
                 return 1
             print(f"[dry-run] {name}: {proc.stdout.strip().replace(str(REPO) + '/', '')}")
         done.append(f"launcher commands for {', '.join(LAUNCHED)}")
@@ -56,31 +67,45 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
         for name in WORKERS:  # torchrun and the worker parse their command lines as built
             command = worker_command(name, paths[name], work / f"{name}.json", gpus)
             torchrun.get_args_parser().parse_args(command[3:])
-            parse_args(command[command.index("bench.gpu_check") + 1:])
+            parse_args(command[command.index("bench.gpu_check") + 1 :])
             print(f"[dry-run] {name}: {shlex.join(command).replace(str(REPO) + '/', '')}")
         done.append(f"torchrun workers {', '.join(WORKERS)}")
         training_api()
-        for module in ("fsdp_resilience.training.train.cli", "fsdp_resilience.training.evaluate", "nvidia_resiliency_ext.inprocess"):
+        for module in (
+            "fsdp_resilience.training.train.cli",
+            "fsdp_resilience.training.evaluate",
+            "nvidia_resiliency_ext.inprocess",
+        ):
             importlib.import_module(module)
         evaluate_help = io.StringIO()
         with contextlib.redirect_stdout(evaluate_help), contextlib.suppress(SystemExit):
             importlib.import_module("fsdp_resilience.training.evaluate").main(["--help"])
         if "--config" not in evaluate_help.getvalue() or "--device" not in evaluate_help.getvalue():
-            print("error: `python -m fsdp_resilience.training.evaluate` no longer takes --config and --device; update check_evaluate",
-                  file=sys.stderr)
+            print(
+                "error: `python -m fsdp_resilience.training.evaluate` no longer takes --config and --device; update "
+                "check_evaluate",
+                file=sys.stderr,
+            )
             return 1
         done.append("modules import")
         results = [CheckResult(c.key, c.title, passed=None, summary="dry run: wired, not run") for c in checks]
-        versions = {"torch": importlib.import_module("torch").__version__,
-                    "cuda": importlib.import_module("torch").version.cuda,
-                    "nvidia-resiliency-ext": importlib.metadata.version("nvidia-resiliency-ext"), "gpu_count": 0}
+        versions = {
+            "torch": importlib.import_module("torch").__version__,
+            "cuda": importlib.import_module("torch").version.cuda,
+            "nvidia-resiliency-ext": importlib.metadata.version("nvidia-resiliency-ext"),
+            "gpu_count": 0,
+        }
         report = new_report(versions, results, started, True, work)
         write_report(report, work / "gpu.md", work / "gpu.json")
         text = (work / "gpu.md").read_text()
-        if not all(c.title in text for c in checks) or json.loads((work / "gpu.json").read_text())["total"] != len(checks):
+        if not all(c.title in text for c in checks) or json.loads((work / "gpu.json").read_text())["total"] != len(
+            checks
+        ):
             print("error: the report writer left out checks; see render_markdown", file=sys.stderr)
             return 1
         done.append("report writer (temp dir; docs/gpu.md untouched)")
-    print(f"gpu-check dry run: {reason}; wired {len(checks)} checks ({', '.join(c.key for c in checks)}): "
-          f"{'; '.join(done)}; in {time.time() - started:.1f} s. Run `make gpu-check` on a CUDA machine for figures.")
+    print(
+        f"gpu-check dry run: {reason}; wired {len(checks)} checks ({', '.join(c.key for c in checks)}): "
+        f"{'; '.join(done)}; in {time.time() - started:.1f} s. Run `make gpu-check` on a CUDA machine for figures."
+    )
     return 0

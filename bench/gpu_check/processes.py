@@ -49,14 +49,18 @@ def run_bounded(command: list[str], log_path: Path, timeout_s: float) -> tuple[i
     """Run ``command`` from the repo root, output to ``log_path``; (exit code or None if it ran
     past ``timeout_s`` and was stopped, wall seconds)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p),
+    }
     t0 = time.monotonic()
     with open(log_path, "w") as out:
         out.write(f"$ {shlex.join(command)}\n")
         out.flush()
-        proc = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             rc: int | None = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -20,19 +20,29 @@ def render_markdown(report: dict[str, Any]) -> str:
     checks = report["checks"]
     passed = sum(c["passed"] is True for c in checks)
     when = report["started_at"][:16].replace("T", " ")
-    lines = ["# GPU check", "",
-             f"Written by `make gpu-check` (`python -m bench.gpu_check`) on {when} in "
-             f"{report['wall_s'] / 60:.1f} min: **{passed} of {len(checks)} checks passed**"
-             + (" (dry run: nothing ran on a GPU)" if report["dry_run"] else "") + ". "
-             "Raw figures: `bench/results/gpu.json`; logs and run dirs: `runs/gpu-check/` on that machine.", "",
-             "| | |", "|---|---|",
-             f"| GPUs | {v.get('gpu_count', 0)} × {v.get('gpu') or 'none'} ({v.get('gpu_memory', '?')}) |",
-             f"| driver | {v.get('driver', '?')} |", f"| CUDA (torch build) | {v.get('cuda')} |",
-             f"| NCCL | {v.get('nccl', '?')} |", f"| torch | {v.get('torch')} |",
-             f"| nvidia-resiliency-ext | {v.get('nvidia-resiliency-ext')} |",
-             f"| host | {report['machine'].get('cores')} cores, {report['machine'].get('memory_gb')} GB, "
-             f"python {report['machine'].get('python')} |", "",
-             "| # | check | result | figures | time |", "|---|---|---|---|---|"]
+    lines = [
+        "# GPU check",
+        "",
+        f"Written by `make gpu-check` (`python -m bench.gpu_check`) on {when} in "
+        f"{report['wall_s'] / 60:.1f} min: **{passed} of {len(checks)} checks passed**"
+        + (" (dry run: nothing ran on a GPU)" if report["dry_run"] else "")
+        + ". "
+        "Raw figures: `bench/results/gpu.json`; logs and run dirs: `runs/gpu-check/` on that machine.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| GPUs | {v.get('gpu_count', 0)} × {v.get('gpu') or 'none'} ({v.get('gpu_memory', '?')}) |",
+        f"| driver | {v.get('driver', '?')} |",
+        f"| CUDA (torch build) | {v.get('cuda')} |",
+        f"| NCCL | {v.get('nccl', '?')} |",
+        f"| torch | {v.get('torch')} |",
+        f"| nvidia-resiliency-ext | {v.get('nvidia-resiliency-ext')} |",
+        f"| host | {report['machine'].get('cores')} cores, {report['machine'].get('memory_gb')} GB, "
+        f"python {report['machine'].get('python')} |",
+        "",
+        "| # | check | result | figures | time |",
+        "|---|---|---|---|---|",
+    ]
     for i, c in enumerate(checks, 1):
         result = {True: "passed", False: "**failed**", None: "not run"}[c["passed"]]
         lines.append(f"| {i} | {c['title']} | {result} | {c['summary']} | {c['seconds']:.0f} s |")
@@ -58,10 +68,18 @@ def write_report(report: dict[str, Any], md_path: Path, json_path: Path) -> None
     os.replace(tmp, md_path)
 
 
-def new_report(versions: dict[str, Any], results: list[CheckResult], started: float, dry_run: bool,
-               work: Path) -> dict[str, Any]:
-    return {"command": "python -m bench.gpu_check " + " ".join(sys.argv[1:]), "dry_run": dry_run,
-            "started_at": datetime.fromtimestamp(started).astimezone().isoformat(timespec="seconds"),
-            "wall_s": round(time.time() - started, 1), "machine": machine(), "versions": versions,
-            "work_dir": str(work), "passed": sum(r.passed is True for r in results), "total": len(results),
-            "checks": [asdict(r) for r in results]}
+def new_report(
+    versions: dict[str, Any], results: list[CheckResult], started: float, dry_run: bool, work: Path
+) -> dict[str, Any]:
+    return {
+        "command": "python -m bench.gpu_check " + " ".join(sys.argv[1:]),
+        "dry_run": dry_run,
+        "started_at": datetime.fromtimestamp(started).astimezone().isoformat(timespec="seconds"),
+        "wall_s": round(time.time() - started, 1),
+        "machine": machine(),
+        "versions": versions,
+        "work_dir": str(work),
+        "passed": sum(r.passed is True for r in results),
+        "total": len(results),
+        "checks": [asdict(r) for r in results],
+    }

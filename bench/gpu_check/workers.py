@@ -40,11 +40,22 @@ def training_api() -> SimpleNamespace:
     )
     from fsdp_resilience.training.parallelize import build_optimizer, build_sharded_model, device_mesh
 
-    return SimpleNamespace(torch=torch, dist=dist, AsyncCheckpointer=AsyncCheckpointer, app_state=app_state,
-                           EventLog=EventLog, BYTE_VOCAB=BYTE_VOCAB, PRESETS=PRESETS,
-                           cross_entropy_loss=cross_entropy_loss, param_count=param_count,
-                           build_optimizer=build_optimizer, build_sharded_model=build_sharded_model,
-                           device_mesh=device_mesh, PRESET_RUNS=PRESET_RUNS, memory_per_gpu=memory_per_gpu)
+    return SimpleNamespace(
+        torch=torch,
+        dist=dist,
+        AsyncCheckpointer=AsyncCheckpointer,
+        app_state=app_state,
+        EventLog=EventLog,
+        BYTE_VOCAB=BYTE_VOCAB,
+        PRESETS=PRESETS,
+        cross_entropy_loss=cross_entropy_loss,
+        param_count=param_count,
+        build_optimizer=build_optimizer,
+        build_sharded_model=build_sharded_model,
+        device_mesh=device_mesh,
+        PRESET_RUNS=PRESET_RUNS,
+        memory_per_gpu=memory_per_gpu,
+    )
 
 
 def _worker_setup(api: SimpleNamespace) -> tuple[int, int, Any]:
@@ -93,20 +104,35 @@ def worker_memory(cfg: RunConfig, result_path: Path) -> None:
         losses.append(_train_step(api, model, optimizer, cfg, device, gen))
         step_s.append(round(time.perf_counter() - t0, 4))
     gib = 2**30
-    mine = {"gpu": torch.cuda.get_device_name(device), "losses": losses, "step_s": step_s,
-            "allocated": torch.cuda.max_memory_allocated(device) / gib,
-            "reserved": torch.cuda.max_memory_reserved(device) / gib,
-            "total": torch.cuda.get_device_properties(device).total_memory / gib}
+    mine = {
+        "gpu": torch.cuda.get_device_name(device),
+        "losses": losses,
+        "step_s": step_s,
+        "allocated": torch.cuda.max_memory_allocated(device) / gib,
+        "reserved": torch.cuda.max_memory_reserved(device) / gib,
+        "total": torch.cuda.get_device_properties(device).total_memory / gib,
+    }
     ranks = _gather(api, mine, world)
     if rank == 0:
-        write_json(result_path, {
-            "model": cfg.model, "params": api.param_count(api.PRESETS[cfg.model]), "world_size": world,
-            "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "steps": cfg.steps,
-            "optimizer": f"AdamW (fsdp_resilience.training.parallelize.build_optimizer), lr {cfg.lr}, weight_decay {cfg.weight_decay}",
-            "max_allocated_gib": [round(r["allocated"], 2) for r in ranks],
-            "max_reserved_gib": [round(r["reserved"], 2) for r in ranks],
-            "gpu_total_gib": round(ranks[0]["total"], 1), "losses": losses, "step_s": step_s,
-            "estimate_gib": api.memory_per_gpu(api.PRESETS[cfg.model], api.PRESET_RUNS[cfg.model])})
+        write_json(
+            result_path,
+            {
+                "model": cfg.model,
+                "params": api.param_count(api.PRESETS[cfg.model]),
+                "world_size": world,
+                "seq_len": cfg.seq_len,
+                "batch_size": cfg.batch_size,
+                "steps": cfg.steps,
+                "optimizer": f"AdamW (fsdp_resilience.training.parallelize.build_optimizer), lr {cfg.lr}, "
+                f"weight_decay {cfg.weight_decay}",
+                "max_allocated_gib": [round(r["allocated"], 2) for r in ranks],
+                "max_reserved_gib": [round(r["reserved"], 2) for r in ranks],
+                "gpu_total_gib": round(ranks[0]["total"], 1),
+                "losses": losses,
+                "step_s": step_s,
+                "estimate_gib": api.memory_per_gpu(api.PRESETS[cfg.model], api.PRESET_RUNS[cfg.model]),
+            },
+        )
     api.dist.destroy_process_group()
 
 
@@ -134,9 +160,13 @@ class ShmSampler:
 
     def result(self) -> dict[str, float]:
         mb = 1e6
-        return {"size_mb": round(shutil.disk_usage(self.path).total / mb, 1), "baseline_mb": round(self.baseline / mb, 1),
-                "peak_mb": round(self.peak / mb, 1), "peak_growth_mb": round((self.peak - self.baseline) / mb, 1),
-                "after_mb": round(shutil.disk_usage(self.path).used / mb, 1)}
+        return {
+            "size_mb": round(shutil.disk_usage(self.path).total / mb, 1),
+            "baseline_mb": round(self.baseline / mb, 1),
+            "peak_mb": round(self.peak / mb, 1),
+            "peak_growth_mb": round((self.peak - self.baseline) / mb, 1),
+            "after_mb": round(shutil.disk_usage(self.path).used / mb, 1),
+        }
 
 
 def _local_tensors(api: SimpleNamespace, state: Any) -> list[Any]:
@@ -172,8 +202,13 @@ def _pinned_memcpy_s(api: SimpleNamespace, tensors: list[Any], trials: int) -> l
 def compute_app_pids() -> list[int] | None:
     """PIDs nvidia-smi lists as holding a CUDA context; None when nvidia-smi is missing or fails."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return [int(x) for x in out.split() if x.strip().isdigit()]
@@ -193,8 +228,9 @@ def worker_checkpoint(cfg: RunConfig, result_path: Path) -> None:
     rank, world, device = _worker_setup(api)
     events = api.EventLog(cfg.layout.events, run_id=cfg.run_id, rank=rank) if rank == 0 else None
     # Built before the process group, as train/loop.py does: the writer process boots meanwhile.
-    ckpt = api.AsyncCheckpointer(cfg.run_dir, rank=rank, world_size=world, keep=cfg.keep_checkpoints,
-                                 device=device, events=events)
+    ckpt = api.AsyncCheckpointer(
+        cfg.run_dir, rank=rank, world_size=world, keep=cfg.keep_checkpoints, device=device, events=events
+    )
     api.dist.init_process_group("nccl", timeout=timedelta(seconds=300), device_id=device)
     ckpt.rebind(api.dist.group.WORLD)
     model, optimizer = _model_and_optimizer(api, cfg, device)
@@ -213,17 +249,25 @@ def worker_checkpoint(cfg: RunConfig, result_path: Path) -> None:
             state = api.app_state(model, optimizer, {"step": step})
             ckpt.save(step, state)
             if ckpt.last_save is None or ckpt.last_save.step != step:  # save() skips committed steps
-                raise RuntimeError(f"save of step {step} was skipped: {cfg.run_dir} already holds it; remove that "
-                                   "folder (the checkpoint check starts from an empty one)")
+                raise RuntimeError(
+                    f"save of step {step} was skipped: {cfg.run_dir} already holds it; remove that "
+                    "folder (the checkpoint check starts from an empty one)"
+                )
             saves.append(asdict(ckpt.last_save))
             # Untimed: the write finishes before the next save, as it does over a checkpoint interval.
             ckpt.wait()
     writer_pids = ckpt.writer_pids()
     writers = writer_pids + [c for pid in writer_pids for c in descendants(pid)]
-    mine = {"pid": os.getpid(), "writers": writers, "state_bytes": state_bytes, "memcpy_s": memcpy_s,
-            "blocking_s": [s["blocking_s"] for s in saves], "saves": saves,
-            "libcuda_mapped": {pid: maps_libcuda(pid) for pid in writers},
-            "shm": sampler.result() if isinstance(sampler, ShmSampler) else None}
+    mine = {
+        "pid": os.getpid(),
+        "writers": writers,
+        "state_bytes": state_bytes,
+        "memcpy_s": memcpy_s,
+        "blocking_s": [s["blocking_s"] for s in saves],
+        "saves": saves,
+        "libcuda_mapped": {pid: maps_libcuda(pid) for pid in writers},
+        "shm": sampler.result() if isinstance(sampler, ShmSampler) else None,
+    }
     ranks = _gather(api, mine, world)
     if rank == 0:
         write_json(result_path, _checkpoint_result(cfg, ranks, compute_app_pids()))
@@ -250,21 +294,34 @@ def _checkpoint_result(cfg: RunConfig, ranks: list[dict[str, Any]], apps: list[i
         with_context = [pid for pid, m in mapped.items() if m]
         why = "nvidia-smi failed" if apps is None else "nvidia-smi does not list the trainers (another PID namespace)"
         evidence = f"libcuda mapped in writer pid(s) {with_context}; {why}"
-    breakdown = {k: round(statistics.median(s[k] for s in ranks[0]["saves"][1:] or ranks[0]["saves"]), 4)
-                 for k in ("settle_s", "snapshot_s", "plan_s", "schedule_s")}
+    breakdown = {
+        k: round(statistics.median(s[k] for s in ranks[0]["saves"][1:] or ranks[0]["saves"]), 4)
+        for k in ("settle_s", "snapshot_s", "plan_s", "schedule_s")
+    }
     latest = CheckpointCatalog(cfg.run_dir).latest()
-    return {"model": cfg.model, "world_size": len(ranks), "saves": cfg.steps,
-            "state_mb": round(max(r["state_bytes"] for r in ranks) / 1e6, 1),
-            "state_mb_total": round(sum(r["state_bytes"] for r in ranks) / 1e6, 1),
-            "stall_s": round(stall, 4), "first_save_s": round(max(r["blocking_s"][0] for r in ranks), 4),
-            "memcpy_s": round(memcpy, 4), "stall_over_memcpy": round(stall / memcpy, 2),
-            "stall_breakdown_rank0_s": breakdown,
-            "blocking_s_per_rank": [[round(x, 4) for x in r["blocking_s"]] for r in ranks],
-            "memcpy_s_per_rank": [[round(x, 4) for x in r["memcpy_s"]] for r in ranks],
-            "shm": ranks[0]["shm"] or {}, "writer_pids": writers, "trainer_pids": trainers,
-            "nvidia_smi_compute_pids": apps, "nvidia_smi_sees_trainers": smi_sees_trainers,
-            "writer_libcuda_mapped": mapped, "writer_has_cuda_context": bool(with_context),
-            "writer_cuda_evidence": evidence, "committed_step": latest.step if latest else None}
+    return {
+        "model": cfg.model,
+        "world_size": len(ranks),
+        "saves": cfg.steps,
+        "state_mb": round(max(r["state_bytes"] for r in ranks) / 1e6, 1),
+        "state_mb_total": round(sum(r["state_bytes"] for r in ranks) / 1e6, 1),
+        "stall_s": round(stall, 4),
+        "first_save_s": round(max(r["blocking_s"][0] for r in ranks), 4),
+        "memcpy_s": round(memcpy, 4),
+        "stall_over_memcpy": round(stall / memcpy, 2),
+        "stall_breakdown_rank0_s": breakdown,
+        "blocking_s_per_rank": [[round(x, 4) for x in r["blocking_s"]] for r in ranks],
+        "memcpy_s_per_rank": [[round(x, 4) for x in r["memcpy_s"]] for r in ranks],
+        "shm": ranks[0]["shm"] or {},
+        "writer_pids": writers,
+        "trainer_pids": trainers,
+        "nvidia_smi_compute_pids": apps,
+        "nvidia_smi_sees_trainers": smi_sees_trainers,
+        "writer_libcuda_mapped": mapped,
+        "writer_has_cuda_context": bool(with_context),
+        "writer_cuda_evidence": evidence,
+        "committed_step": latest.step if latest else None,
+    }
 
 
 def worker_probe(result_path: Path) -> None:
@@ -276,13 +333,25 @@ def worker_probe(result_path: Path) -> None:
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     torch.ones(1, device="cuda").add_(1).item()  # CUDA works, not just enumerates
     nccl = torch.cuda.nccl.version()
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=60)
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     first = smi.stdout.splitlines()[0].split(",") if smi.returncode == 0 and smi.stdout.strip() else ["?", "?"]
-    write_json(result_path, {
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
-        "nvidia-resiliency-ext": importlib.metadata.version("nvidia-resiliency-ext"),
-        "gpu": names[0] if names else None, "gpu_count": len(names), "gpus": names,
-        "gpu_memory": first[1].strip(), "driver": first[0].strip(),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability(0)))})
+    write_json(
+        result_path,
+        {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+            "nvidia-resiliency-ext": importlib.metadata.version("nvidia-resiliency-ext"),
+            "gpu": names[0] if names else None,
+            "gpu_count": len(names),
+            "gpus": names,
+            "gpu_memory": first[1].strip(),
+            "driver": first[0].strip(),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        },
+    )

@@ -22,11 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.summarize", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="summarise the *.quick.json files into OUT/quick/")
-    parser.add_argument("--docs", type=Path, default=None,
-                        help="where the Markdown goes (default: docs/benchmarks.md; quick: OUT/quick/benchmarks.md)")
-    parser.add_argument("--from-latest", action="store_true",
-                        help="only re-render docs/benchmarks.md and the README block from OUT/latest.json (the "
-                             "committed summary): no merging of the parts, no plots")
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="where the Markdown goes (default: docs/benchmarks.md; quick: OUT/quick/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--from-latest",
+        action="store_true",
+        help="only re-render docs/benchmarks.md and the README block from OUT/latest.json (the "
+        "committed summary): no merging of the parts, no plots",
+    )
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
     target_dir = args.out / "quick" if args.quick else args.out

@@ -10,25 +10,30 @@ from typing import Any
 METHOD_HOW = {
     "memcpy": "copies each rank's tensors into buffers allocated once (no file: the floor)",
     "nvrx_async": "`AsyncCheckpointer.save`: snapshot into reused shared-memory buffers, DCP plan, hand-off to "
-                  "NVRx's persistent writer process, which writes and fsyncs; committed by the next poll/wait",
+    "NVRx's persistent writer process, which writes and fsyncs; committed by the next poll/wait",
     "nvrx_async_no_checksum": "the project's saves without the writer's CRC32C pass over the files it wrote (a "
-                              "size-only record instead; bench only: such a checkpoint would never verify)",
+    "size-only record instead; bench only: such a checkpoint would never verify)",
     "torch_async_save": "`torch.distributed.checkpoint.async_save` with its default stager (a fresh CPU copy per "
-                        "save), written by a background thread",
+    "save), written by a background thread",
     "torch_async_save_thread": "torch at its best, thread: `dcp.async_save` with one persistent `DefaultStager` "
-                               "(`StagingOptions` as recorded: shared memory; pinned memory and non-blocking copies "
-                               "need an accelerator) reused across saves, a gloo group of its own created once, "
-                               "`AsyncCheckpointerType.THREAD`",
+    "(`StagingOptions` as recorded: shared memory; pinned memory and non-blocking copies "
+    "need an accelerator) reused across saves, a gloo group of its own created once, "
+    "`AsyncCheckpointerType.THREAD`",
     "torch_async_save_process": "the same with `AsyncCheckpointerType.PROCESS` (a persistent writer process)",
     "dcp_save": "`torch.distributed.checkpoint.save`, returns when written (fsync) and the metadata is out",
     "torch_save": "`torch.save` of each rank's local shards to its own file, then fsync",
 }
 #: Short names of the checkpoint methods, for table headers and legends.
-METHOD_NAMES = {"memcpy": "memcpy (floor)", "nvrx_async": "project: NVRx async DCP",
-                "nvrx_async_no_checksum": "project without checksums", "torch_async_save": "torch dcp.async_save",
-                "torch_async_save_thread": "torch async_save, best config, thread",
-                "torch_async_save_process": "torch async_save, best config, process",
-                "dcp_save": "torch dcp.save (sync)", "torch_save": "torch.save"}
+METHOD_NAMES = {
+    "memcpy": "memcpy (floor)",
+    "nvrx_async": "project: NVRx async DCP",
+    "nvrx_async_no_checksum": "project without checksums",
+    "torch_async_save": "torch dcp.async_save",
+    "torch_async_save_thread": "torch async_save, best config, thread",
+    "torch_async_save_process": "torch async_save, best config, process",
+    "dcp_save": "torch dcp.save (sync)",
+    "torch_save": "torch.save",
+}
 
 
 def fmt_s(x: float | None) -> str:
@@ -80,6 +85,6 @@ def fmt_load(part: dict[str, Any]) -> str:
     during = load.get("loadavg_1m_during") or {}
     if not during.get("n"):
         return "load average not recorded"
-    return (f"1-min load average {during['min']}–{during['max']} (median {during['median']}) "
-            f"on {load.get('cores')} cores")
-
+    return (
+        f"1-min load average {during['min']}–{during['max']} (median {during['median']}) on {load.get('cores')} cores"
+    )

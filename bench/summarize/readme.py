@@ -11,9 +11,12 @@ from bench.summarize.targets import targets
 
 README_BEGIN, README_END = "<!-- bench:begin (make bench writes this block) -->", "<!-- bench:end -->"
 #: Restart layers in the order a fault climbs them, and how the README names them.
-_LAYERS = (("inprocess", "in-process"), ("injob", "in-job"),
-           ("relaunch", "relaunch on a replaced node (from the failed launch)"),
-           ("spare", "a hot spare in the lost node's place"))
+_LAYERS = (
+    ("inprocess", "in-process"),
+    ("injob", "in-job"),
+    ("relaunch", "relaunch on a replaced node (from the failed launch)"),
+    ("spare", "a hot spare in the lost node's place"),
+)
 
 
 def _spread(values: list[float]) -> str:
@@ -48,27 +51,38 @@ def readme_block(summary: dict[str, Any]) -> str:
     rows = targets(summary)
     met = sum(1 for *_, ok in rows if ok)
     stack = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
-    lines = [f"Measured by `{run.get('command', 'make bench')}`"
-             + (f" on {run['started_at'][:10]}" if run.get("started_at") else "")
-             + f" on {machine.get('cores', '?')} CPU cores ({stack}): **{met} of {len(rows)} targets met**.", ""]
+    lines = [
+        f"Measured by `{run.get('command', 'make bench')}`"
+        + (f" on {run['started_at'][:10]}" if run.get("started_at") else "")
+        + f" on {machine.get('cores', '?')} CPU cores ({stack}): **{met} of {len(rows)} targets met**.",
+        "",
+    ]
     sizes = (tp.get("stall") or {}).get("sizes") or []
     if sizes and "nvrx_async_over_torch_async_save_best" in sizes[-1]["ratios"]:
         r = sizes[-1]["ratios"]
-        lines.append(f"- Checkpoint stall, {sizes[-1]['state_mb']:.0f} MB of state: "
-                     f"{r['nvrx_async_over_torch_async_save_best']}× torch `async_save` at its best, "
-                     f"{r['nvrx_async_over_memcpy']}× a bare memcpy.")
+        lines.append(
+            f"- Checkpoint stall, {sizes[-1]['state_mb']:.0f} MB of state: "
+            f"{r['nvrx_async_over_torch_async_save_best']}× torch `async_save` at its best, "
+            f"{r['nvrx_async_over_memcpy']}× a bare memcpy."
+        )
     if recovery := _recovery(summary):
         lines.append(f"- Recovery, fault → next completed step (medians): {recovery}.")
     if chaos:
-        lines.append(f"- Goodput under chaos (one fault per ~{chaos['mtbf_s']:.0f} s, Llama 3 mix, "
-                     f"{chaos['faults_injected']} faults): ETTR {chaos['ettr']:.3f}, "
-                     f"{fmt_s(chaos['lost_per_fault_s'])} lost per fault.")
+        lines.append(
+            f"- Goodput under chaos (one fault per ~{chaos['mtbf_s']:.0f} s, Llama 3 mix, "
+            f"{chaos['faults_injected']} faults): ETTR {chaos['ettr']:.3f}, "
+            f"{fmt_s(chaos['lost_per_fault_s'])} lost per fault."
+        )
     slots = cp.get("slots")
     if slots:
-        lines.append(f"- Airflow worker slots held while training runs: {slots['slots_held_while_deferred']} "
-                     "(the sensor defers to the triggerer).")
-    lines += ["", "Every target (the missed ones too), table, plot and method: "
-                  "[docs/benchmarks.md](docs/benchmarks.md)."]
+        lines.append(
+            f"- Airflow worker slots held while training runs: {slots['slots_held_while_deferred']} "
+            "(the sensor defers to the triggerer)."
+        )
+    lines += [
+        "",
+        "Every target (the missed ones too), table, plot and method: [docs/benchmarks.md](docs/benchmarks.md).",
+    ]
     return "\n".join([README_BEGIN, *lines, README_END])
 
 

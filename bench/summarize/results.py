@@ -8,8 +8,12 @@ from typing import Any
 from bench.common import read_json
 
 SUMMARY = "latest.json"
-PARTS = {"training_plane": "training_plane.json", "chaos": "chaos.json", "chaos_spares": "chaos_spares.json",
-         "control_plane": "control_plane.json"}
+PARTS = {
+    "training_plane": "training_plane.json",
+    "chaos": "chaos.json",
+    "chaos_spares": "chaos_spares.json",
+    "control_plane": "control_plane.json",
+}
 
 
 def build_summary(out: Path, quick: bool = False) -> dict[str, Any]:

@@ -14,65 +14,146 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
     if stall:
         for size in stall["sizes"]:
             r = size["ratios"]
-            rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ memcpy floor", "≤ 1.5×",
-                         f"{r['nvrx_async_over_memcpy']}×", r["nvrx_async_over_memcpy"] <= 1.5))
+            rows.append(
+                (
+                    f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ memcpy floor",
+                    "≤ 1.5×",
+                    f"{r['nvrx_async_over_memcpy']}×",
+                    r["nvrx_async_over_memcpy"] <= 1.5,
+                )
+            )
             if "nvrx_async_over_torch_async_save_best" in r:
                 best = METHOD_NAMES.get(size["torch_async_save_best"], size["torch_async_save_best"])
-                rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ torch async_save at its best "
-                             f"({best})", "≤ 1×", f"{r['nvrx_async_over_torch_async_save_best']}×",
-                             r["nvrx_async_over_torch_async_save_best"] <= 1.0))
-                rows.append((f"writer interference, {size['state_mb']:.0f} MB: step time with a save in flight ÷ "
-                             f"without (torch at its best: {r['torch_async_save_best_interference']})", "≤ 1.3",
-                             f"{r['nvrx_async_interference']}", r["nvrx_async_interference"] <= 1.3))
-            rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ synchronous dcp.save", "≤ 0.1×",
-                         f"{r['nvrx_async_over_dcp_save']}×", r["nvrx_async_over_dcp_save"] <= 0.1))
+                rows.append(
+                    (
+                        f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ torch async_save at its best ({best})",
+                        "≤ 1×",
+                        f"{r['nvrx_async_over_torch_async_save_best']}×",
+                        r["nvrx_async_over_torch_async_save_best"] <= 1.0,
+                    )
+                )
+                rows.append(
+                    (
+                        f"writer interference, {size['state_mb']:.0f} MB: step time with a save in flight ÷ "
+                        f"without (torch at its best: {r['torch_async_save_best_interference']})",
+                        "≤ 1.3",
+                        f"{r['nvrx_async_interference']}",
+                        r["nvrx_async_interference"] <= 1.3,
+                    )
+                )
+            rows.append(
+                (
+                    f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ synchronous dcp.save",
+                    "≤ 0.1×",
+                    f"{r['nvrx_async_over_dcp_save']}×",
+                    r["nvrx_async_over_dcp_save"] <= 0.1,
+                )
+            )
             if "checksum_stall_overhead" in r:
                 cost = size["methods"]["nvrx_async"].get("checksum_s_per_save") or {}
-                rows.append((f"checkpoint stall, {size['state_mb']:.0f} MB: what CRC32C checksums add (with ÷ without, "
-                             f"side by side; in the writer {fmt_stat(cost)} a save, save→commit "
-                             f"{r['checksum_commit_overhead']:+.1%})", "≤ +10%",
-                             f"{r['checksum_stall_overhead']:+.1%}", r["checksum_stall_overhead"] <= 0.10))
+                rows.append(
+                    (
+                        f"checkpoint stall, {size['state_mb']:.0f} MB: what CRC32C checksums add (with ÷ without, "
+                        f"side by side; in the writer {fmt_stat(cost)} a save, save→commit "
+                        f"{r['checksum_commit_overhead']:+.1%})",
+                        "≤ +10%",
+                        f"{r['checksum_stall_overhead']:+.1%}",
+                        r["checksum_stall_overhead"] <= 0.10,
+                    )
+                )
     recovery = (summary.get("training_plane") or {}).get("recovery")
     if recovery:
         for row in recovery["rows"]:
             if "target_s" in row:
-                rows.append((f"recovery, {row['kind']} ({row['restart_mode']}) → {row['layer']}", f"≤ {row['target_s']:g} s",
-                             fmt_stat(row["latency_s"]), row["target_met"]))
+                rows.append(
+                    (
+                        f"recovery, {row['kind']} ({row['restart_mode']}) → {row['layer']}",
+                        f"≤ {row['target_s']:g} s",
+                        fmt_stat(row["latency_s"]),
+                        row["target_met"],
+                    )
+                )
         for kind, row in (recovery.get("vs_torchrun") or {}).items():
             if "ratio" in row:
-                rows.append((f"recovery, {kind}: the project's in-job restart ÷ plain `torchrun --max-restarts` "
-                             f"(same trainer without NVRx, same run; {fmt_s(row['injob_median_s'])} vs "
-                             f"{fmt_s(row['torchrun_median_s'])})", "≤ 1×", f"{row['ratio']}×", row["at_least_as_fast"]))
+                rows.append(
+                    (
+                        f"recovery, {kind}: the project's in-job restart ÷ plain `torchrun --max-restarts` "
+                        f"(same trainer without NVRx, same run; {fmt_s(row['injob_median_s'])} vs "
+                        f"{fmt_s(row['torchrun_median_s'])})",
+                        "≤ 1×",
+                        f"{row['ratio']}×",
+                        row["at_least_as_fast"],
+                    )
+                )
     relaunch = (summary.get("control_plane") or {}).get("relaunch")
     if relaunch:
         for row in relaunch["rows"]:
-            rows.append((f"recovery, {row['kind']} → relaunch on a replaced node (failed launch → first step)",
-                         f"≤ {row.get('target_s', 60):g} s",
-                         fmt_stat(row["total_s"]), row["target_met"]))
+            rows.append(
+                (
+                    f"recovery, {row['kind']} → relaunch on a replaced node (failed launch → first step)",
+                    f"≤ {row.get('target_s', 60):g} s",
+                    fmt_stat(row["total_s"]),
+                    row["target_met"],
+                )
+            )
     spare = (summary.get("control_plane") or {}).get("spare")
     if spare:
-        rows.append((f"recovery, node_loss with a hot spare → in-job restart onto the spare (fault → first step; "
-                     f"the pool whole again after {fmt_stat(spare['refill_s'])})", "no relaunch", fmt_stat(spare["recovery_s"]),
-                     spare["all_covered_in_job"]))
+        rows.append(
+            (
+                f"recovery, node_loss with a hot spare → in-job restart onto the spare (fault → first step; "
+                f"the pool whole again after {fmt_stat(spare['refill_s'])})",
+                "no relaunch",
+                fmt_stat(spare["recovery_s"]),
+                spare["all_covered_in_job"],
+            )
+        )
     chaos = summary.get("chaos")
     if chaos:
         target = chaos["young_daly"][1]
-        rows.append((f"goodput: measured ETTR of the chaos run, one fault per ~{chaos['mtbf_s']:.0f} s (Llama 3 mix; "
-                     "interference counted as badput)", "≥ 0.85", f"{chaos['ettr']:.3f}", chaos["ettr"] >= 0.85))
-        rows.append(("goodput: ETTR at one fault per 10 min, Young/Daly interval (model fed with measured costs)",
-                     "≥ 0.97", f"{target['ettr']['young_daly']:.3f}", target["ettr"]["young_daly"] >= 0.97))
-        rows.append((f"goodput: time lost per fault (measured, {chaos['faults_injected']} faults)", "≤ 10 s",
-                     fmt_s(chaos["lost_per_fault_s"]), chaos["lost_per_fault_s"] is not None and chaos["lost_per_fault_s"] <= 10))
+        rows.append(
+            (
+                f"goodput: measured ETTR of the chaos run, one fault per ~{chaos['mtbf_s']:.0f} s (Llama 3 mix; "
+                "interference counted as badput)",
+                "≥ 0.85",
+                f"{chaos['ettr']:.3f}",
+                chaos["ettr"] >= 0.85,
+            )
+        )
+        rows.append(
+            (
+                "goodput: ETTR at one fault per 10 min, Young/Daly interval (model fed with measured costs)",
+                "≥ 0.97",
+                f"{target['ettr']['young_daly']:.3f}",
+                target["ettr"]["young_daly"] >= 0.97,
+            )
+        )
+        rows.append(
+            (
+                f"goodput: time lost per fault (measured, {chaos['faults_injected']} faults)",
+                "≤ 10 s",
+                fmt_s(chaos["lost_per_fault_s"]),
+                chaos["lost_per_fault_s"] is not None and chaos["lost_per_fault_s"] <= 10,
+            )
+        )
     slots = (summary.get("control_plane") or {}).get("slots")
     if slots:
         sensor = sum(v for k, v in slots["worker_slot_s_by_task"].items() if "watch" in k)
-        rows.append(("worker slots held while training runs (dag.test: the sensor deferred)", "0",
-                     f"{slots['slots_held_while_deferred']} while deferred ({slots['deferred_trigger_s_during_training']:.0f} s "
-                     f"in the trigger); the sensor ran {fmt_s(sensor)} to defer; {slots['worker_slot_s_during_training']:.2f} "
-                     f"slot-s of task code in the {slots['training_window_s']:.0f} s window",
-                     slots["slots_held_while_deferred"] == 0 and slots["deferrals"] > 0))
+        rows.append(
+            (
+                "worker slots held while training runs (dag.test: the sensor deferred)",
+                "0",
+                f"{slots['slots_held_while_deferred']} while deferred "
+                f"({slots['deferred_trigger_s_during_training']:.0f} s "
+                f"in the trigger); the sensor ran {fmt_s(sensor)} to defer; "
+                f"{slots['worker_slot_s_during_training']:.2f} "
+                f"slot-s of task code in the {slots['training_window_s']:.0f} s window",
+                slots["slots_held_while_deferred"] == 0 and slots["deferrals"] > 0,
+            )
+        )
     evaluation = (summary.get("training_plane") or {}).get("eval_load")
     if evaluation:
         r = evaluation["ratios"]["load_over_raw_read_model_bytes"]
-        rows.append((f"evaluation load ÷ raw read of the same bytes ({evaluation['model']})", "≤ 1.5×", f"{r}×", r <= 1.5))
+        rows.append(
+            (f"evaluation load ÷ raw read of the same bytes ({evaluation['model']})", "≤ 1.5×", f"{r}×", r <= 1.5)
+        )
     return rows

@@ -17,13 +17,23 @@ from bench.training_plane.stall import bench_stall
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.training_plane", description=package.__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: one small size, two trials, tiny model; recovery only if asked for")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: one small size, two trials, tiny model; recovery only if asked for",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
-    parser.add_argument("--only", default=None,
-                        help="comma-separated parts: stall,eval_load,recovery (default all; quick: stall,eval_load)")
-    parser.add_argument("--sizes-mb", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                        help="checkpoint state sizes, total over ranks (default 50,200,1000; quick 16)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated parts: stall,eval_load,recovery (default all; quick: stall,eval_load)",
+    )
+    parser.add_argument(
+        "--sizes-mb",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="checkpoint state sizes, total over ranks (default 50,200,1000; quick 16)",
+    )
     parser.add_argument("--trials", type=int, default=None, help="timed trials per method (default 5; quick 2)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks for the stall bench (default 2)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -34,15 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
-    args.only = [p.strip() for p in (args.only or ("stall,eval_load" if args.quick else "stall,eval_load,recovery"))
-                 .split(",") if p.strip()]
+    args.only = [
+        p.strip()
+        for p in (args.only or ("stall,eval_load" if args.quick else "stall,eval_load,recovery")).split(",")
+        if p.strip()
+    ]
     args.sizes_mb = args.sizes_mb or ([16] if args.quick else [50, 200, 1000])
     args.trials = args.trials or (2 if args.quick else 5)
     args.eval_model = args.eval_model or ("tiny" if args.quick else "small")
 
-    out: dict[str, Any] = {"bench": "training_plane", "quick": args.quick, "machine": machine(),
-                           "versions": {p: importlib.metadata.version(p) for p in ("torch", "nvidia-resiliency-ext")},
-                           "command": "python -m bench.training_plane " + " ".join(argv if argv is not None else sys.argv[1:])}
+    out: dict[str, Any] = {
+        "bench": "training_plane",
+        "quick": args.quick,
+        "machine": machine(),
+        "versions": {p: importlib.metadata.version(p) for p in ("torch", "nvidia-resiliency-ext")},
+        "command": "python -m bench.training_plane " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     work = args.out / ("quick" if args.quick else "work")
     work.mkdir(parents=True, exist_ok=True)
     with LoadMonitor() as load:

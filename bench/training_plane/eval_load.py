@@ -28,7 +28,7 @@ def _read_ranges(ranges: list[tuple[Path, int, int]], buffer: Any) -> int:
                 fd = handles[path] = os.open(path, os.O_RDONLY)
             done = 0
             while done < length:
-                n = os.preadv(fd, [view[at + done: at + length]], offset + done)
+                n = os.preadv(fd, [view[at + done : at + length]], offset + done)
                 if n <= 0:
                     raise OSError(f"short read of {path} at {offset + done}")
                 done += n
@@ -54,14 +54,25 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_dir = work / "eval-run"
     info = CheckpointCatalog(run_dir).latest()
     if info is None:
-        raise RuntimeError(f"no committed checkpoint in {run_dir}: the stall bench writes it (run with --only stall,eval_load)")
-    cfg = RunConfig(run_id="bench-eval", run_dir=str(run_dir), dataset_dir=str(work / "unused"),
-                    model=args.eval_model, seq_len=RUN_SETTINGS["seq_len"], device="cpu")
+        raise RuntimeError(
+            f"no committed checkpoint in {run_dir}: the stall bench writes it (run with --only stall,eval_load)"
+        )
+    cfg = RunConfig(
+        run_id="bench-eval",
+        run_dir=str(run_dir),
+        dataset_dir=str(work / "unused"),
+        model=args.eval_model,
+        seq_len=RUN_SETTINGS["seq_len"],
+        device="cpu",
+    )
     files = sorted(p for p in info.path.iterdir() if p.is_file())
     metadata = FileSystemReader(str(info.path)).read_metadata()
     # The byte ranges evaluation actually needs: the model's tensors (the optimizer's are skipped).
-    ranges = sorted((info.path / s.relative_path, s.offset, s.length)
-                    for index, s in metadata.storage_data.items() if index.fqn.startswith("model."))
+    ranges = sorted(
+        (info.path / s.relative_path, s.offset, s.length)
+        for index, s in metadata.storage_data.items()
+        if index.fqn.startswith("model.")
+    )
     whole_files = [(p, 0, p.stat().st_size) for p in files]
     events = EventLog(cfg.layout.events, run_id=cfg.run_id, role="bench")
     buffer = bytearray(sum(r[2] for r in whole_files))
@@ -70,9 +81,14 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # How load_model verifies what it loads here (the model digests, or every file's checksums
     # when its direct read does not apply): said in the results, so a fallback is never hidden.
     verified_by = load_into(info, empty_model(cfg, device).state_dict())
-    timings: dict[str, list[float]] = {"load_model": [], "raw_read_model_bytes": [],
-                                       "raw_read_model_bytes_fresh_memory": [], "raw_read_files": [],
-                                       "build_model_only": [], "verify_checksums": []}
+    timings: dict[str, list[float]] = {
+        "load_model": [],
+        "raw_read_model_bytes": [],
+        "raw_read_model_bytes_fresh_memory": [],
+        "raw_read_files": [],
+        "build_model_only": [],
+        "verify_checksums": [],
+    }
     tasks = {
         "raw_read_files": lambda: _read_ranges(whole_files, buffer),
         # The floor the target is set against: a read into memory that is already mapped.
@@ -80,7 +96,8 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         # The same read into memory allocated for it, as a new model's is: what mapping in fresh
         # pages adds (a page fault per 4 KiB; costly on a VM).
         "raw_read_model_bytes_fresh_memory": lambda: _read_ranges(
-            ranges, torch.empty(model_bytes, dtype=torch.uint8).numpy()),
+            ranges, torch.empty(model_bytes, dtype=torch.uint8).numpy()
+        ),
         # The whole evaluation load: build on the meta device, verify, read into the parameters.
         "load_model": lambda: load_model(cfg, info.checkpoint_id, device, events),
         # What load_model builds before it reads (meta device, to_empty, derived buffers).
@@ -91,7 +108,7 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
     order = list(tasks)
     for trial in range(1 + args.trials):  # trial 0 warms the page cache and the allocator
-        for name in order[trial % len(order):] + order[: trial % len(order)]:
+        for name in order[trial % len(order) :] + order[: trial % len(order)]:
             t0 = time.perf_counter()
             tasks[name]()
             elapsed = time.perf_counter() - t0
@@ -105,23 +122,34 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ratio_fresh = round(load / out["raw_read_model_bytes_fresh_memory"]["median"], 2)
     ratio_files = round(load / out["raw_read_files"]["median"], 2)
     return {
-        "model": args.eval_model, "checkpoint": info.checkpoint_id, "saved_world_size": info.world_size,
-        "files": len(files), "file_mb": round(sum(r[2] for r in whole_files) / 1e6, 1),
-        "model_mb": round(model_bytes / 1e6, 1), "trials": args.trials,
+        "model": args.eval_model,
+        "checkpoint": info.checkpoint_id,
+        "saved_world_size": info.world_size,
+        "files": len(files),
+        "file_mb": round(sum(r[2] for r in whole_files) / 1e6, 1),
+        "model_mb": round(model_bytes / 1e6, 1),
+        "trials": args.trials,
         "build": "meta device, parameters left for the load to fill",
         "verified_by": verified_by,
-        "verification": ("before the read: commit marker, every file's size, CRC32C of .metadata; after: "
-                         "CRC32C of the model bytes read against the commit's model digests"
-                         if verified_by == "model digests" else "size and CRC32C of every file, then DCP load"),
+        "verification": (
+            "before the read: commit marker, every file's size, CRC32C of .metadata; after: "
+            "CRC32C of the model bytes read against the commit's model digests"
+            if verified_by == "model digests"
+            else "size and CRC32C of every file, then DCP load"
+        ),
         "page_cache": "warm (the checkpoint was just written; trial 0 is discarded)",
         "raw_read": "os.preadv into one preallocated buffer that holds all the bytes read "
-                    "(fresh_memory: into a buffer allocated for each read)",
+        "(fresh_memory: into a buffer allocated for each read)",
         "seconds": out,
-        "ratios": {"load_over_raw_read_model_bytes": ratio_bytes, "load_over_raw_read_files": ratio_files,
-                   "load_over_raw_read_model_bytes_fresh_memory": ratio_fresh,
-                   "verify_over_load": round(out["verify_checksums"]["median"] / load, 3),
-                   "verify_gib_per_s": round(sum(r[2] for r in whole_files) / 2**30
-                                             / out["verify_checksums"]["median"], 2)},
-        "targets": {"load <= 1.5x raw read (model bytes)": ratio_bytes <= 1.5,
-                    "load <= 1.5x raw read (whole files)": ratio_files <= 1.5},
+        "ratios": {
+            "load_over_raw_read_model_bytes": ratio_bytes,
+            "load_over_raw_read_files": ratio_files,
+            "load_over_raw_read_model_bytes_fresh_memory": ratio_fresh,
+            "verify_over_load": round(out["verify_checksums"]["median"] / load, 3),
+            "verify_gib_per_s": round(sum(r[2] for r in whole_files) / 2**30 / out["verify_checksums"]["median"], 2),
+        },
+        "targets": {
+            "load <= 1.5x raw read (model bytes)": ratio_bytes <= 1.5,
+            "load <= 1.5x raw read (whole files)": ratio_files <= 1.5,
+        },
     }

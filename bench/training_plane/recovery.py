@@ -31,8 +31,21 @@ from bench.restarts import group_trials, launcher_marks, restart_trials, step_ca
 #: restart layer). A frozen rank waits out the heartbeat timeout (~50 s a trial here): one trial,
 #: to fit `make bench` in 30 minutes.
 RECOVERY_RUNS = {
-    "layered": ["exception", "hang", "checkpoint_crash", "sigkill", "exception", "oom", "hang", "sigstop",
-                "checkpoint_crash", "sigkill", "exception", "oom", "sigkill"],
+    "layered": [
+        "exception",
+        "hang",
+        "checkpoint_crash",
+        "sigkill",
+        "exception",
+        "oom",
+        "hang",
+        "sigstop",
+        "checkpoint_crash",
+        "sigkill",
+        "exception",
+        "oom",
+        "sigkill",
+    ],
     "injob": ["exception", "exception"],
     "torchrun": ["sigkill", "oom", "sigkill", "oom"],
 }
@@ -42,9 +55,11 @@ TORCHRUN_MODE = "torchrun"
 QUICK_RECOVERY_RUNS = {"layered": ["exception"]}
 
 
-def run_launch(run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float,
-               torchrun_restarts: int | None = None) -> tuple[int, Path, float]:
-    """``python -m fsdp_resilience.training.launch`` on this machine, as a pod runs it; returns (exit code, log, wall s).
+def run_launch(
+    run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float, torchrun_restarts: int | None = None
+) -> tuple[int, Path, float]:
+    """``python -m fsdp_resilience.training.launch`` on this machine, as a pod runs it; returns
+    (exit code, log, wall s).
 
     ``torchrun_restarts``: the baseline instead: the same trainer (``restart_mode="none"``: no
     in-process Wrapper, no ft_launcher) under plain ``torchrun --standalone --max-restarts N``,
@@ -62,14 +77,29 @@ def run_launch(run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float,
             raise ValueError(f"the torchrun baseline runs restart_mode='none', not {cfg.restart_mode!r}")
         cfg.layout.create()
         cfg.layout.config.write_text(cfg.to_json() + "\n")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={cfg.procs_per_node}", f"--max-restarts={torchrun_restarts}",
-                   "--monitor-interval=0.5", "-m", "fsdp_resilience.training.train", "--config", str(cfg.layout.config)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={cfg.procs_per_node}",
+            f"--max-restarts={torchrun_restarts}",
+            "--monitor-interval=0.5",
+            "-m",
+            "fsdp_resilience.training.train",
+            "--config",
+            str(cfg.layout.config),
+        ]
     t0 = time.time()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO,
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -86,8 +116,15 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     interval, gap, first = 3, 8, 8
     out_runs, rows = [], []
     for mode, kinds in runs.items():
-        drills = spread_schedule(kinds, first_step=first, last_step=first + gap * len(kinds), min_gap=gap,
-                                 interval=interval, world_size=2, seed=args.seed)
+        drills = spread_schedule(
+            kinds,
+            first_step=first,
+            last_step=first + gap * len(kinds),
+            min_gap=gap,
+            interval=interval,
+            world_size=2,
+            seed=args.seed,
+        )
         # torchrun counts restart rounds as ft_launcher does (TORCHELASTIC_RESTART_COUNT).
         drills = assign_attempts(drills, "injob" if mode == TORCHRUN_MODE else mode)
         steps = max(d["step"] for d in drills) + 2 * interval
@@ -95,13 +132,25 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         run_dir = work / "runs" / run_id
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.parent.mkdir(parents=True, exist_ok=True)
-        fields = {**RUN_SETTINGS, "run_id": run_id, "run_dir": str(run_dir), "dataset_dir": str(dataset),
-                  "nodes": 1, "procs_per_node": 2, "steps": steps, "checkpoint_interval": interval,
-                  "restart_mode": "none" if mode == TORCHRUN_MODE else mode, "max_restarts": 50,
-                  "max_inprocess_restarts": 50, "rdzv_port": free_port(), "faults": drills}
+        fields = {
+            **RUN_SETTINGS,
+            "run_id": run_id,
+            "run_dir": str(run_dir),
+            "dataset_dir": str(dataset),
+            "nodes": 1,
+            "procs_per_node": 2,
+            "steps": steps,
+            "checkpoint_interval": interval,
+            "restart_mode": "none" if mode == TORCHRUN_MODE else mode,
+            "max_restarts": 50,
+            "max_inprocess_restarts": 50,
+            "rdzv_port": free_port(),
+            "faults": drills,
+        }
         log(f"recovery: {mode} run, {steps} steps, faults {[d['kind'] for d in drills]}")
-        rc, log_path, wall = run_launch(run_dir, fields, timeout_s=args.run_timeout_s,
-                                        torchrun_restarts=50 if mode == TORCHRUN_MODE else None)
+        rc, log_path, wall = run_launch(
+            run_dir, fields, timeout_s=args.run_timeout_s, torchrun_restarts=50 if mode == TORCHRUN_MODE else None
+        )
         events = read_events(run_dir / "events.jsonl")
         trials = restart_trials(events, launcher_marks(log_path.read_text(errors="replace")))
         if mode == TORCHRUN_MODE:  # the trainer calls a launcher's restart "injob"; name the launcher
@@ -110,30 +159,56 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         steps_logged = [r for r in events if r.get("event") == "step"]
         blocking = [r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin"]
         rows += group_trials(trials, mode)
-        out_runs.append({"restart_mode": mode, "exit_code": rc, "wall_s": round(wall, 1), "steps": steps,
-                         "checkpoint_interval": interval, "scheduled": drills, "trials": trials,
-                         "step_s": summarize(r.get("step_s") for r in steps_logged),
-                         "step_cadence_s": step_cadence(events),
-                         "checkpoint_blocking_s": summarize(blocking), "run_dir": str(run_dir)})
-        log(f"recovery: {mode} exit {rc} in {wall:.0f}s; " + ", ".join(
-            f"{t['kind']}->{t['layer']} {t['latency_s']}s" for t in trials))
+        out_runs.append(
+            {
+                "restart_mode": mode,
+                "exit_code": rc,
+                "wall_s": round(wall, 1),
+                "steps": steps,
+                "checkpoint_interval": interval,
+                "scheduled": drills,
+                "trials": trials,
+                "step_s": summarize(r.get("step_s") for r in steps_logged),
+                "step_cadence_s": step_cadence(events),
+                "checkpoint_blocking_s": summarize(blocking),
+                "run_dir": str(run_dir),
+            }
+        )
+        log(
+            f"recovery: {mode} exit {rc} in {wall:.0f}s; "
+            + ", ".join(f"{t['kind']}->{t['layer']} {t['latency_s']}s" for t in trials)
+        )
     # Issue 14's targets. In-process: an exception <= 1.5 s (the failing rank breaks its transport,
     # so nobody waits for a timeout); a hang <= its detection (the peers' collective timeout) +
     # 1.5 s; the rest as before. In-job: a crashed rank (SIGKILL, OOM) <= 5 s; a frozen one is seen
     # only when its (derived) heartbeat timeout expires: <= 15 s; an exception with the in-process
     # layer off, as before.
-    targets = {"inprocess": 3.0, "inprocess_exception": 1.5,
-               "inprocess_hang": RUN_SETTINGS["collective_timeout_s"] + 1.5,
-               "injob": 15.0, "injob_sigkill": 5.0, "injob_oom": 5.0, "injob_sigstop": 15.0}
+    targets = {
+        "inprocess": 3.0,
+        "inprocess_exception": 1.5,
+        "inprocess_hang": RUN_SETTINGS["collective_timeout_s"] + 1.5,
+        "injob": 15.0,
+        "injob_sigkill": 5.0,
+        "injob_oom": 5.0,
+        "injob_sigstop": 15.0,
+    }
     for row in rows:
         limit = targets.get(f"{row['layer']}_{row['kind']}", targets.get(row["layer"]))
         if limit is not None:
             row["target_s"] = limit
             row["target_met"] = row["latency_s"]["median"] <= limit
-    return {"settings": {k: RUN_SETTINGS[k] for k in ("model", "seq_len", "batch_size", "collective_timeout_s",
-                                                      "heartbeat_timeout_s", "hang_timeout_s")},
-            "world_size": 2, "latency": "restart_end.latency_s: fault -> next completed step",
-            "targets_s": targets, "rows": rows, "runs": out_runs, "vs_torchrun": versus_torchrun(out_runs)}
+    return {
+        "settings": {
+            k: RUN_SETTINGS[k]
+            for k in ("model", "seq_len", "batch_size", "collective_timeout_s", "heartbeat_timeout_s", "hang_timeout_s")
+        },
+        "world_size": 2,
+        "latency": "restart_end.latency_s: fault -> next completed step",
+        "targets_s": targets,
+        "rows": rows,
+        "runs": out_runs,
+        "vs_torchrun": versus_torchrun(out_runs),
+    }
 
 
 def versus_torchrun(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,8 +222,12 @@ def versus_torchrun(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = {}
     for kind in sorted({k for k, layer in latencies if layer == TORCHRUN_MODE}):
         project, baseline = summarize(latencies.get((kind, "injob"), ())), summarize(latencies[(kind, TORCHRUN_MODE)])
-        row: dict[str, Any] = {"injob_median_s": project.get("median"), "injob_n": project["n"],
-                               "torchrun_median_s": baseline.get("median"), "torchrun_n": baseline["n"]}
+        row: dict[str, Any] = {
+            "injob_median_s": project.get("median"),
+            "injob_n": project["n"],
+            "torchrun_median_s": baseline.get("median"),
+            "torchrun_n": baseline["n"],
+        }
         if project["n"] and baseline["n"]:
             row["ratio"] = round(project["median"] / baseline["median"], 3)
             row["at_least_as_fast"] = project["median"] <= baseline["median"]

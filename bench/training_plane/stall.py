@@ -30,11 +30,19 @@ def bench_stall(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     scratch = Path(tempfile.mkdtemp(prefix="stall-", dir=args.scratch))
-    spec = {"device": device, "scratch": str(scratch), "sizes_mb": args.sizes_mb, "trials": args.trials,
-            "warmup": 1, "methods": list(METHODS), "result": str(work / "stall-result.json"),
-            "eval": "eval_load" in args.only,
-            "nvrx_run_dir": str(work / "eval-run") if "eval_load" in args.only else str(scratch / "nvrx"),
-            "eval_model": args.eval_model, "eval_seq_len": RUN_SETTINGS["seq_len"]}
+    spec = {
+        "device": device,
+        "scratch": str(scratch),
+        "sizes_mb": args.sizes_mb,
+        "trials": args.trials,
+        "warmup": 1,
+        "methods": list(METHODS),
+        "result": str(work / "stall-result.json"),
+        "eval": "eval_load" in args.only,
+        "nvrx_run_dir": str(work / "eval-run") if "eval_load" in args.only else str(scratch / "nvrx"),
+        "eval_model": args.eval_model,
+        "eval_seq_len": RUN_SETTINGS["seq_len"],
+    }
     shutil.rmtree(work / "eval-run", ignore_errors=True)
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -71,23 +79,32 @@ def bench_stall(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             # What checksums add to the stall and to save-to-commit, side by side with the same
             # saves without the CRC32C pass.
             "checksum_stall_overhead": round(project / m["nvrx_async_no_checksum"]["blocking_s"]["median"] - 1, 3),
-            "checksum_commit_overhead": round(m["nvrx_async"]["complete_s"]["median"]
-                                              / m["nvrx_async_no_checksum"]["complete_s"]["median"] - 1, 3),
+            "checksum_commit_overhead": round(
+                m["nvrx_async"]["complete_s"]["median"] / m["nvrx_async_no_checksum"]["complete_s"]["median"] - 1, 3
+            ),
         }
         size["targets"] = {
             "nvrx_async <= 1.5x memcpy": size["ratios"]["nvrx_async_over_memcpy"] <= 1.5,
-            "nvrx_async <= torch async_save at its best": size["ratios"]["nvrx_async_over_torch_async_save_best"] <= 1.0,
+            "nvrx_async <= torch async_save at its best": size["ratios"]["nvrx_async_over_torch_async_save_best"]
+            <= 1.0,
             "writer interference <= 1.3": (m["nvrx_async"].get("interference") or float("inf")) <= 1.3,
             "nvrx_async <= 1/10 dcp_save": size["ratios"]["nvrx_async_over_dcp_save"] <= 0.1,
             "checksums add <= 10% to the stall": size["ratios"]["checksum_stall_overhead"] <= 0.10,
         }
-    return {"world_size": args.nproc, "device": device, "backend": "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
-            "scratch_dir": args.scratch or tempfile.gettempdir(), "trials": args.trials, "warmup_trials": 1,
-            "state": f"FSDP2 Linear({WIDTH},{WIDTH}) stack, fp32 params + AdamW exp_avg/exp_avg_sq, split over ranks",
-            "blocking": "seconds until the training loop may modify the state again (state-dict collection, "
-                        "snapshot/staging and hand-off; the memcpy floor copies an already collected state), "
-                        "slowest rank, per save; complete = until durable (fsync) / committed",
-            "interference": f"stand-in steps ({STEP_MATMULS} matmuls of {STEP_DIM}x{STEP_DIM} on each rank): median "
-                            "step time with a save in flight (from its return until the rank's write is done, at "
-                            f"most {INTERFERENCE_MAX_S:g}s) over the median without (pooled over the methods)",
-            "sizes": sizes, "eval_checkpoint": raw.get("eval_checkpoint")}
+    return {
+        "world_size": args.nproc,
+        "device": device,
+        "backend": "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
+        "scratch_dir": args.scratch or tempfile.gettempdir(),
+        "trials": args.trials,
+        "warmup_trials": 1,
+        "state": f"FSDP2 Linear({WIDTH},{WIDTH}) stack, fp32 params + AdamW exp_avg/exp_avg_sq, split over ranks",
+        "blocking": "seconds until the training loop may modify the state again (state-dict collection, "
+        "snapshot/staging and hand-off; the memcpy floor copies an already collected state), "
+        "slowest rank, per save; complete = until durable (fsync) / committed",
+        "interference": f"stand-in steps ({STEP_MATMULS} matmuls of {STEP_DIM}x{STEP_DIM} on each rank): median "
+        "step time with a save in flight (from its return until the rank's write is done, at "
+        f"most {INTERFERENCE_MAX_S:g}s) over the median without (pooled over the methods)",
+        "sizes": sizes,
+        "eval_checkpoint": raw.get("eval_checkpoint"),
+    }

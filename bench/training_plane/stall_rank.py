@@ -17,14 +17,21 @@ from typing import Any
 
 from bench.common import log, summarize
 
-METHODS = ("memcpy", "nvrx_async", "nvrx_async_no_checksum", "torch_async_save_thread", "torch_async_save_process",
-           "dcp_save", "torch_save")
+METHODS = (
+    "memcpy",
+    "nvrx_async",
+    "nvrx_async_no_checksum",
+    "torch_async_save_thread",
+    "torch_async_save_process",
+    "dcp_save",
+    "torch_save",
+)
 METHOD_LABELS = {
     "memcpy": "memcpy of the collected state into reused buffers (floor; state-dict collection not included)",
     "nvrx_async": "project: NVRx async DCP (AsyncCheckpointer), CRC32C of every file in the writer",
     "nvrx_async_no_checksum": "the same without the CRC32C pass (sizes only): what checksums cost",
     "torch_async_save_thread": "torch dcp.async_save, AsyncCheckpointerType.THREAD, a persistent DefaultStager "
-                               "(shared, cached staging; pinned on CUDA) and a process group of its own, both reused",
+    "(shared, cached staging; pinned on CUDA) and a process group of its own, both reused",
     "torch_async_save_process": "the same with AsyncCheckpointerType.PROCESS (a persistent checkpoint process)",
     "dcp_save": "torch dcp.save (synchronous)",
     "torch_save": "torch.save of each rank's shard (+ fsync)",
@@ -38,8 +45,9 @@ INTERFERENCE_MAX_S = 5.0  # steps per save stop after this long (a nice'd writer
 WIDTH = 1024  # Linear(1024, 1024): 1.05 M params, 12.6 MB with AdamW's two moments
 
 
-def write_sizes_only(write_fn: Any, checkpoint_dir: str, sums_rank: int, rank: int, buckets: Any,
-                     results_queue: Any) -> None:
+def write_sizes_only(
+    write_fn: Any, checkpoint_dir: str, sums_rank: int, rank: int, buckets: Any, results_queue: Any
+) -> None:
     """The writer's job without the checksum pass, for ``nvrx_async_no_checksum`` only: NVRx's
     write, then a ``.sums`` record with sizes and a dummy CRC (the commit checks sizes; nothing
     ever loads these folders). Run in the writer process, as ``write_then_checksum`` is."""
@@ -53,8 +61,10 @@ def write_sizes_only(write_fn: Any, checkpoint_dir: str, sums_rank: int, rank: i
         result = local.get_nowait()
         if not isinstance(result, BaseException):
             names = sorted({wr.storage_data.relative_path for results in result.values() for wr in results})
-            sums = {n: {"size": os.path.getsize(os.path.join(checkpoint_dir, n)), CHECKSUM_ALGORITHM: "00000000"}
-                    for n in names}
+            sums = {
+                n: {"size": os.path.getsize(os.path.join(checkpoint_dir, n)), CHECKSUM_ALGORITHM: "00000000"}
+                for n in names
+            }
             os.makedirs(os.path.join(checkpoint_dir, SUMS_DIR), exist_ok=True)
             atomic_write_text(Path(checkpoint_dir) / SUMS_DIR / f"rank_{sums_rank:05d}.json", json.dumps(sums))
     except Exception as e:  # noqa: BLE001 - reported like the real job does
@@ -102,16 +112,20 @@ def _run_stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> d
 
     from fsdp_resilience.training.checkpointing import AsyncCheckpointer
 
-    device = torch.device(spec["device"], rank % max(1, torch.cuda.device_count())) \
-        if spec["device"] == "cuda" else torch.device("cpu")
+    device = (
+        torch.device(spec["device"], rank % max(1, torch.cuda.device_count()))
+        if spec["device"] == "cuda"
+        else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # Built before the process group, as train/loop.py does: the writer process boots meanwhile. Its
     # run dir ends up holding the checkpoint the evaluation bench loads (one writer boot, not two).
     ckpt = AsyncCheckpointer(spec["nvrx_run_dir"], rank=rank, world_size=world, keep=10_000, device=device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"  # async_save needs a CPU backend
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     ckpt.rebind()
     mesh = init_device_mesh(device.type, (world,))
     # torch's async_save at its best (its docs): a process group of its own, made once and reused.
@@ -122,8 +136,10 @@ def _run_stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> d
         gc.collect()
         if rank == 0:
             sizes_out.append(size)
-            log(f"stall {target_mb} MB: " + ", ".join(
-                f"{m} {v['blocking_s'].get('median')}s" for m, v in size["methods"].items()))
+            log(
+                f"stall {target_mb} MB: "
+                + ", ".join(f"{m} {v['blocking_s'].get('median')}s" for m, v in size["methods"].items())
+            )
     eval_checkpoint = _save_eval_checkpoint(ckpt, step + 1, rank, world, mesh, device, spec) if spec["eval"] else None
     ckpt.close()
     dist.destroy_process_group()
@@ -138,8 +154,12 @@ def _torch_stager(device: Any) -> tuple[Any, dict[str, bool]]:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = device.type == "cuda"
-    options = {"use_pinned_memory": cuda, "use_shared_memory": True, "use_async_staging": cuda,
-               "use_non_blocking_copy": cuda}
+    options = {
+        "use_pinned_memory": cuda,
+        "use_shared_memory": True,
+        "use_async_staging": cuda,
+        "use_non_blocking_copy": cuda,
+    }
     return DefaultStager(StagingOptions(**options)), options
 
 
@@ -155,8 +175,17 @@ def _step_s(a: Any, b: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, rank: int, world: int,
-                spec: dict[str, Any], torch_group: Any) -> tuple[dict[str, Any] | None, int]:
+def _stall_size(
+    target_mb: int,
+    step: int,
+    ckpt: Any,
+    mesh: Any,
+    device: Any,
+    rank: int,
+    world: int,
+    spec: dict[str, Any],
+    torch_group: Any,
+) -> tuple[dict[str, Any] | None, int]:
     """All methods on a state of ``target_mb`` (total over ranks); (rank 0's results, last step)."""
     import torch
     import torch.distributed as dist
@@ -185,8 +214,10 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
     state_dict_s = time.perf_counter() - t0
     local = _local_tensors(state)
     stagers = {m: _torch_stager(device) for m in TORCH_ASYNC}
-    checkpointer_types = {"torch_async_save_thread": AsyncCheckpointerType.THREAD,
-                          "torch_async_save_process": AsyncCheckpointerType.PROCESS}
+    checkpointer_types = {
+        "torch_async_save_thread": AsyncCheckpointerType.THREAD,
+        "torch_async_save_process": AsyncCheckpointerType.PROCESS,
+    }
     local_bytes = sum(t.numel() * t.element_size() for t in local.values())
     floor_buffers: dict[str, Any] = {}
 
@@ -199,8 +230,9 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
         for name, tensor in local.items():
             buffer = floor_buffers.get(name)
             if buffer is None:
-                buffer = floor_buffers[name] = torch.empty(tensor.shape, dtype=tensor.dtype,
-                                                           pin_memory=device.type == "cuda")
+                buffer = floor_buffers[name] = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, pin_memory=device.type == "cuda"
+                )
             buffer.copy_(tensor, non_blocking=device.type == "cuda")
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -223,8 +255,13 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
             return ckpt.pending_written, ckpt.wait, extra
         if method in TORCH_ASYNC:
             stager, _ = stagers[method]
-            response = dcp.async_save(saved, checkpoint_id=str(folder), process_group=torch_group,
-                                      async_stager=stager, async_checkpointer_type=checkpointer_types[method])
+            response = dcp.async_save(
+                saved,
+                checkpoint_id=str(folder),
+                process_group=torch_group,
+                async_stager=stager,
+                async_checkpointer_type=checkpointer_types[method],
+            )
             if isinstance(response, AsyncSaveResponse):  # async staging (CUDA)
                 response.staging_completion.result()  # the state may change only after staging
                 response = response.upload_completion
@@ -250,15 +287,16 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
         complete = time.perf_counter() - t0
         if method.startswith("nvrx_async"):
             s = ckpt.last_save
-            extra.update({"settle_s": s.settle_s, "snapshot_s": s.snapshot_s, "plan_s": s.plan_s,
-                          "schedule_s": s.schedule_s})
+            extra.update(
+                {"settle_s": s.settle_s, "snapshot_s": s.snapshot_s, "plan_s": s.plan_s, "schedule_s": s.schedule_s}
+            )
             if method == "nvrx_async":
                 marker = json.loads((ckpt.layout.checkpoint_dir(step) / "COMMITTED.json").read_text())
                 extra["checksum_s"] = max(marker.get("checksum_s") or [0.0])
         return blocking, complete, extra
 
     step_a = torch.randn(STEP_DIM, STEP_DIM, device=device)
-    step_b = torch.randn(STEP_DIM, STEP_DIM, device=device) / STEP_DIM ** 0.5
+    step_b = torch.randn(STEP_DIM, STEP_DIM, device=device) / STEP_DIM**0.5
 
     def interference(method: str, folder: Path) -> tuple[list[float], list[float], float]:
         """Step times without a save in flight, then with one (from the save's return until this
@@ -308,9 +346,10 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
                 os.sync()  # no write-back of this save lands in the next one's timing
             dist.barrier()
     checkpoint_module.write_then_checksum = real_job  # later saves (the evaluation checkpoint) verify
-    steps: dict[str, dict[str, list[float]]] = {m: {"idle": [], "busy": [], "in_flight": []}
-                                                for m in INTERFERENCE_METHODS if m in spec["methods"]}
-    for trial in range(min(spec["trials"], INTERFERENCE_TRIALS)):
+    steps: dict[str, dict[str, list[float]]] = {
+        m: {"idle": [], "busy": [], "in_flight": []} for m in INTERFERENCE_METHODS if m in spec["methods"]
+    }
+    for _trial in range(min(spec["trials"], INTERFERENCE_TRIALS)):
         for method in steps:  # round-robin, as above
             step += 1
             dist.barrier()
@@ -336,11 +375,17 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
     idle_all = summarize(v for m in steps.values() for v in m["idle"])
     methods_out = {}
     for method, records in rows.items():
-        entry = {"label": METHOD_LABELS[method], "blocking_s": summarize(r[0] for r in records),
-                 "complete_s": summarize(r[1] for r in records), "warmup_blocking_s": [round(w, 4) for w in warm[method]]}
+        entry = {
+            "label": METHOD_LABELS[method],
+            "blocking_s": summarize(r[0] for r in records),
+            "complete_s": summarize(r[1] for r in records),
+            "warmup_blocking_s": [round(w, 4) for w in warm[method]],
+        }
         if method.startswith("nvrx_async"):
-            entry["breakdown_median_s"] = {k: summarize(r[2][k] for r in records)["median"]
-                                           for k in ("settle_s", "snapshot_s", "plan_s", "schedule_s")}
+            entry["breakdown_median_s"] = {
+                k: summarize(r[2][k] for r in records)["median"]
+                for k in ("settle_s", "snapshot_s", "plan_s", "schedule_s")
+            }
         if method == "nvrx_async":
             entry["checksum_s_per_save"] = summarize(r[2]["checksum_s"] for r in records)
         if method != "memcpy":
@@ -356,13 +401,20 @@ def _stall_size(target_mb: int, step: int, ckpt: Any, mesh: Any, device: Any, ra
             entry["writes_past_stepping_window"] = sum(v is None for v in steps[method]["in_flight"])
             entry["interference"] = round(busy["median"] / idle_all["median"], 3)
         methods_out[method] = entry
-    return {"target_mb": target_mb, "state_mb": round(total_bytes / 1e6, 1), "per_rank_mb": round(local_bytes / 1e6, 1),
-            "layers": layers, "state_dict_s": round(state_dict_s, 4), "step_s_idle": idle_all,
-            "methods": methods_out}, step
+    return {
+        "target_mb": target_mb,
+        "state_mb": round(total_bytes / 1e6, 1),
+        "per_rank_mb": round(local_bytes / 1e6, 1),
+        "layers": layers,
+        "state_dict_s": round(state_dict_s, 4),
+        "step_s_idle": idle_all,
+        "methods": methods_out,
+    }, step
 
 
-def _save_eval_checkpoint(ckpt: Any, step: int, rank: int, world: int, mesh: Any, device: Any,
-                          spec: dict[str, Any]) -> dict[str, Any]:
+def _save_eval_checkpoint(
+    ckpt: Any, step: int, rank: int, world: int, mesh: Any, device: Any, spec: dict[str, Any]
+) -> dict[str, Any]:
     """A training checkpoint of the ``spec["eval_model"]`` GPT (FSDP2 over the ranks, AdamW state
     after one step), committed by the project's checkpointer: what evaluation loads."""
     import torch

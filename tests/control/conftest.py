@@ -14,17 +14,19 @@ from pathlib import Path
 from control.support import MEASURED, REPO, TRAINING_PYTHON
 
 _home = Path(tempfile.mkdtemp(prefix="airflow-home-"))
-os.environ.update({
-    "AIRFLOW_HOME": str(_home),
-    "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-    "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-    "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{_home / 'airflow.db'}",
-    "FSDP_RUNS_ROOT": str(_home / "runs"),
-    "FSDP_DATA_ROOT": str(_home / "data"),
-    "TRAINING_PYTHON": TRAINING_PYTHON,
-})
+os.environ.update(
+    {
+        "AIRFLOW_HOME": str(_home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__UNIT_TEST_MODE": "True",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{_home / 'airflow.db'}",
+        "FSDP_RUNS_ROOT": str(_home / "runs"),
+        "FSDP_DATA_ROOT": str(_home / "data"),
+        "TRAINING_PYTHON": TRAINING_PYTHON,
+    }
+)
 
 # The EKS path's fixtures: a fake apiserver (``cluster``) and moto's AWS server (``aws``).
 from control.fakes.eks_cluster import aws, cluster  # noqa: E402, F401

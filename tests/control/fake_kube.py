@@ -121,9 +121,11 @@ UNREACHABLE_TAINT = "node.kubernetes.io/unreachable"
 #: Exit code of a container stopped by SIGTERM (Python's default handler): what a deleted or
 #: evicted pod's container reports in this fake.
 SIGTERM_EXIT_CODE = 143
-JOB_DELETE_WARNING = ('299 - "child pods are preserved by default when jobs are deleted; set '
-                      'propagationPolicy=Background to remove them or set propagationPolicy=Orphan '
-                      'to suppress this warning"')
+JOB_DELETE_WARNING = (
+    '299 - "child pods are preserved by default when jobs are deleted; set '
+    "propagationPolicy=Background to remove them or set propagationPolicy=Orphan "
+    'to suppress this warning"'
+)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class Request:
     """One API request, named as RBAC names it ("" for the core group, "" for no subresource), and
     who made it (a kube_authz.UserInfo; not compared, so tests can list requests without it).
     ``name`` is the URL's, or on a create the new object's metadata.name ("" for generateName)."""
+
     verb: str
     api_group: str
     resource: str
@@ -147,8 +150,8 @@ class Resource:
     plural: str
     kind: str
     namespaced: bool
-    schema_file: str | None = None     # strict validation of create/update/patch results
-    definition: str | None = None      # OpenAPI definition: strategic-merge-patch directives
+    schema_file: str | None = None  # strict validation of create/update/patch results
+    definition: str | None = None  # OpenAPI definition: strategic-merge-patch directives
     field_labels: tuple[str, ...] = ("metadata.name", "metadata.namespace")
 
     @property
@@ -166,52 +169,202 @@ class Resource:
 
 
 _BASE_FIELDS = ("metadata.name", "metadata.namespace")
-RESOURCES = {(r.group, r.plural): r for r in [
-    Resource("", "v1", "pods", "Pod", True, "pod-v1.json", "io.k8s.api.core.v1.Pod", _BASE_FIELDS + (
-        "spec.nodeName", "spec.restartPolicy", "spec.schedulerName", "spec.serviceAccountName",
-        "spec.hostNetwork", "status.phase", "status.podIP", "status.nominatedNodeName")),
-    Resource("", "v1", "services", "Service", True, "service-v1.json", "io.k8s.api.core.v1.Service"),
-    Resource("", "v1", "events", "Event", True, "event-v1.json", "io.k8s.api.core.v1.Event", _BASE_FIELDS + (
-        "involvedObject.kind", "involvedObject.namespace", "involvedObject.name", "involvedObject.uid",
-        "involvedObject.apiVersion", "involvedObject.resourceVersion", "involvedObject.fieldPath",
-        "reason", "reportingComponent", "source", "type")),
-    Resource("", "v1", "nodes", "Node", False, "node-v1.json", "io.k8s.api.core.v1.Node",
-             ("metadata.name", "spec.unschedulable")),
-    Resource("", "v1", "namespaces", "Namespace", False, "namespace-v1.json", "io.k8s.api.core.v1.Namespace",
-             field_labels=("metadata.name", "status.phase")),
-    Resource("batch", "v1", "jobs", "Job", True, "job-batch-v1.json", "io.k8s.api.batch.v1.Job",
-             _BASE_FIELDS + ("status.successful",)),
-    Resource("karpenter.sh", "v1", "nodeclaims", "NodeClaim", False),
-    # What a deploy kit holds (FakeKube.load) and what pods refer to.
-    Resource("", "v1", "serviceaccounts", "ServiceAccount", True, "serviceaccount-v1.json",
-             "io.k8s.api.core.v1.ServiceAccount"),
-    Resource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, "persistentvolumeclaim-v1.json",
-             "io.k8s.api.core.v1.PersistentVolumeClaim"),
-    Resource("", "v1", "persistentvolumes", "PersistentVolume", False, "persistentvolume-v1.json",
-             "io.k8s.api.core.v1.PersistentVolume"),
-    Resource("", "v1", "configmaps", "ConfigMap", True, "configmap-v1.json", "io.k8s.api.core.v1.ConfigMap"),
-    Resource("scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", False,
-             "priorityclass-scheduling-v1.json", "io.k8s.api.scheduling.v1.PriorityClass"),
-    Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True,
-             "networkpolicy-networking-v1.json", "io.k8s.api.networking.v1.NetworkPolicy"),
-    Resource("rbac.authorization.k8s.io", "v1", "roles", "Role", True, "role-rbac-v1.json",
-             "io.k8s.api.rbac.v1.Role"),
-    Resource("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False, "clusterrole-rbac-v1.json",
-             "io.k8s.api.rbac.v1.ClusterRole"),
-    Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True, "rolebinding-rbac-v1.json",
-             "io.k8s.api.rbac.v1.RoleBinding"),
-    Resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False,
-             "clusterrolebinding-rbac-v1.json", "io.k8s.api.rbac.v1.ClusterRoleBinding"),
-    Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", "ValidatingAdmissionPolicy",
-             False, "validatingadmissionpolicy-admissionregistration-v1.json",
-             "io.k8s.api.admissionregistration.v1.ValidatingAdmissionPolicy"),
-    Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings",
-             "ValidatingAdmissionPolicyBinding", False,
-             "validatingadmissionpolicybinding-admissionregistration-v1.json",
-             "io.k8s.api.admissionregistration.v1.ValidatingAdmissionPolicyBinding"),
-]}
-(POD, SERVICE, EVENT, NODE, NAMESPACE, JOB, NODECLAIM, SERVICEACCOUNT, PVC, PV, CONFIGMAP, PRIORITYCLASS,
- NETWORKPOLICY, ROLE, CLUSTERROLE, ROLEBINDING, CLUSTERROLEBINDING, VAP, VAP_BINDING) = RESOURCES.values()
+RESOURCES = {
+    (r.group, r.plural): r
+    for r in [
+        Resource(
+            "",
+            "v1",
+            "pods",
+            "Pod",
+            True,
+            "pod-v1.json",
+            "io.k8s.api.core.v1.Pod",
+            _BASE_FIELDS
+            + (
+                "spec.nodeName",
+                "spec.restartPolicy",
+                "spec.schedulerName",
+                "spec.serviceAccountName",
+                "spec.hostNetwork",
+                "status.phase",
+                "status.podIP",
+                "status.nominatedNodeName",
+            ),
+        ),
+        Resource("", "v1", "services", "Service", True, "service-v1.json", "io.k8s.api.core.v1.Service"),
+        Resource(
+            "",
+            "v1",
+            "events",
+            "Event",
+            True,
+            "event-v1.json",
+            "io.k8s.api.core.v1.Event",
+            _BASE_FIELDS
+            + (
+                "involvedObject.kind",
+                "involvedObject.namespace",
+                "involvedObject.name",
+                "involvedObject.uid",
+                "involvedObject.apiVersion",
+                "involvedObject.resourceVersion",
+                "involvedObject.fieldPath",
+                "reason",
+                "reportingComponent",
+                "source",
+                "type",
+            ),
+        ),
+        Resource(
+            "",
+            "v1",
+            "nodes",
+            "Node",
+            False,
+            "node-v1.json",
+            "io.k8s.api.core.v1.Node",
+            ("metadata.name", "spec.unschedulable"),
+        ),
+        Resource(
+            "",
+            "v1",
+            "namespaces",
+            "Namespace",
+            False,
+            "namespace-v1.json",
+            "io.k8s.api.core.v1.Namespace",
+            field_labels=("metadata.name", "status.phase"),
+        ),
+        Resource(
+            "batch",
+            "v1",
+            "jobs",
+            "Job",
+            True,
+            "job-batch-v1.json",
+            "io.k8s.api.batch.v1.Job",
+            _BASE_FIELDS + ("status.successful",),
+        ),
+        Resource("karpenter.sh", "v1", "nodeclaims", "NodeClaim", False),
+        # What a deploy kit holds (FakeKube.load) and what pods refer to.
+        Resource(
+            "",
+            "v1",
+            "serviceaccounts",
+            "ServiceAccount",
+            True,
+            "serviceaccount-v1.json",
+            "io.k8s.api.core.v1.ServiceAccount",
+        ),
+        Resource(
+            "",
+            "v1",
+            "persistentvolumeclaims",
+            "PersistentVolumeClaim",
+            True,
+            "persistentvolumeclaim-v1.json",
+            "io.k8s.api.core.v1.PersistentVolumeClaim",
+        ),
+        Resource(
+            "",
+            "v1",
+            "persistentvolumes",
+            "PersistentVolume",
+            False,
+            "persistentvolume-v1.json",
+            "io.k8s.api.core.v1.PersistentVolume",
+        ),
+        Resource("", "v1", "configmaps", "ConfigMap", True, "configmap-v1.json", "io.k8s.api.core.v1.ConfigMap"),
+        Resource(
+            "scheduling.k8s.io",
+            "v1",
+            "priorityclasses",
+            "PriorityClass",
+            False,
+            "priorityclass-scheduling-v1.json",
+            "io.k8s.api.scheduling.v1.PriorityClass",
+        ),
+        Resource(
+            "networking.k8s.io",
+            "v1",
+            "networkpolicies",
+            "NetworkPolicy",
+            True,
+            "networkpolicy-networking-v1.json",
+            "io.k8s.api.networking.v1.NetworkPolicy",
+        ),
+        Resource(
+            "rbac.authorization.k8s.io", "v1", "roles", "Role", True, "role-rbac-v1.json", "io.k8s.api.rbac.v1.Role"
+        ),
+        Resource(
+            "rbac.authorization.k8s.io",
+            "v1",
+            "clusterroles",
+            "ClusterRole",
+            False,
+            "clusterrole-rbac-v1.json",
+            "io.k8s.api.rbac.v1.ClusterRole",
+        ),
+        Resource(
+            "rbac.authorization.k8s.io",
+            "v1",
+            "rolebindings",
+            "RoleBinding",
+            True,
+            "rolebinding-rbac-v1.json",
+            "io.k8s.api.rbac.v1.RoleBinding",
+        ),
+        Resource(
+            "rbac.authorization.k8s.io",
+            "v1",
+            "clusterrolebindings",
+            "ClusterRoleBinding",
+            False,
+            "clusterrolebinding-rbac-v1.json",
+            "io.k8s.api.rbac.v1.ClusterRoleBinding",
+        ),
+        Resource(
+            "admissionregistration.k8s.io",
+            "v1",
+            "validatingadmissionpolicies",
+            "ValidatingAdmissionPolicy",
+            False,
+            "validatingadmissionpolicy-admissionregistration-v1.json",
+            "io.k8s.api.admissionregistration.v1.ValidatingAdmissionPolicy",
+        ),
+        Resource(
+            "admissionregistration.k8s.io",
+            "v1",
+            "validatingadmissionpolicybindings",
+            "ValidatingAdmissionPolicyBinding",
+            False,
+            "validatingadmissionpolicybinding-admissionregistration-v1.json",
+            "io.k8s.api.admissionregistration.v1.ValidatingAdmissionPolicyBinding",
+        ),
+    ]
+}
+(
+    POD,
+    SERVICE,
+    EVENT,
+    NODE,
+    NAMESPACE,
+    JOB,
+    NODECLAIM,
+    SERVICEACCOUNT,
+    PVC,
+    PV,
+    CONFIGMAP,
+    PRIORITYCLASS,
+    NETWORKPOLICY,
+    ROLE,
+    CLUSTERROLE,
+    ROLEBINDING,
+    CLUSTERROLEBINDING,
+    VAP,
+    VAP_BINDING,
+) = RESOURCES.values()
 KINDS = {(r.api_version, r.kind): r for r in RESOURCES.values()}
 RBAC_RESOURCES = (ROLE, CLUSTERROLE, ROLEBINDING, CLUSTERROLEBINDING)
 ADMISSION_RESOURCES = (VAP, VAP_BINDING)
@@ -228,22 +381,41 @@ class ApiError(Exception):
         self.code, self.reason, self.message, self.details = code, reason, message, details
 
     def status(self) -> dict:
-        out = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-               "message": self.message, "reason": self.reason, "code": self.code}
+        out = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
         if self.details:
             out["details"] = self.details
         return out
 
     @classmethod
     def not_found(cls, res: Resource, name: str) -> ApiError:
-        return cls(404, "NotFound", f'{res.qualified} "{name}" not found',
-                   {"name": name, "group": res.group, "kind": res.plural})
+        return cls(
+            404,
+            "NotFound",
+            f'{res.qualified} "{name}" not found',
+            {"name": name, "group": res.group, "kind": res.plural},
+        )
 
     @classmethod
     def invalid(cls, res: Resource, name: str, problems: list[str]) -> ApiError:
-        return cls(422, "Invalid", f'{res.qualified_kind} "{name}" is invalid: ' + "; ".join(problems),
-                   {"name": name, "group": res.group, "kind": res.kind,
-                    "causes": [{"reason": "FieldValueInvalid", "message": p} for p in problems]})
+        return cls(
+            422,
+            "Invalid",
+            f'{res.qualified_kind} "{name}" is invalid: ' + "; ".join(problems),
+            {
+                "name": name,
+                "group": res.group,
+                "kind": res.kind,
+                "causes": [{"reason": "FieldValueInvalid", "message": p} for p in problems],
+            },
+        )
 
     @classmethod
     def bad_request(cls, message: str) -> ApiError:
@@ -260,8 +432,9 @@ def normalize_times(value, key: str = ""):
         return {k: normalize_times(v, k) for k, v in value.items()}
     if isinstance(value, list):
         return [normalize_times(v, key) for v in value]
-    if isinstance(value, str) and (key.endswith(("Time", "Timestamp")) or key in ("timeAdded", "startedAt",
-                                                                                 "finishedAt")):
+    if isinstance(value, str) and (
+        key.endswith(("Time", "Timestamp")) or key in ("timeAdded", "startedAt", "finishedAt")
+    ):
         m = _TIMESTAMP.fullmatch(value)
         if m:
             stamp = datetime.fromisoformat(m.group(1) + (m.group(3).replace("Z", "+00:00")))
@@ -289,6 +462,7 @@ def now() -> str:
 # Strict schema validation (kubernetes_validate's bundled 1.33 schemas), cached: building the
 # validator parses a 1.4 MB definitions file (~20 ms); a cached validator checks a Job in <1 ms.
 
+
 @functools.cache
 def _definitions() -> dict:
     from kubernetes_validate import utils
@@ -300,7 +474,8 @@ def _definitions() -> dict:
 def _validator(schema_file: str):
     import jsonschema
     from kubernetes_validate import utils
-    from referencing import Registry, Resource as SchemaResource
+    from referencing import Registry
+    from referencing import Resource as SchemaResource
 
     schema = utils.schema_contents(f"{SCHEMA_DIR}/{schema_file}", KUBERNETES_VERSION)
     registry = SchemaResource.from_contents(_definitions()) @ (SchemaResource.from_contents(schema) @ Registry())
@@ -321,8 +496,9 @@ def schema_problems(obj: dict, schema_file: str) -> list[str]:
         where = _path(error.absolute_path)
         if error.validator == "additionalProperties" and isinstance(error.instance, dict):
             known = error.schema.get("properties", {})
-            problems += [f'unknown field "{_path([*error.absolute_path, k])}"'
-                         for k in error.instance if k not in known]
+            problems += [
+                f'unknown field "{_path([*error.absolute_path, k])}"' for k in error.instance if k not in known
+            ]
         else:
             problems.append(f"{where or '<root>'}: {error.message}")
     return problems
@@ -332,6 +508,7 @@ def schema_problems(obj: dict, schema_file: str) -> list[str]:
 # Patches: strategic merge (directives read from the OpenAPI schema, so lists such as pod
 # conditions merge by key while atomic lists such as node taints are replaced, as on a real
 # apiserver), JSON merge patch (RFC 7386) and JSON patch (RFC 6902).
+
 
 def _resolve(schema) -> dict:
     while isinstance(schema, dict) and "$ref" in schema:
@@ -353,8 +530,11 @@ def strategic_merge(target, patch, schema: dict):
         sub = _resolve(sub)
         if value is None:
             out.pop(key, None)
-        elif isinstance(value, list) and isinstance(out.get(key), list) and \
-                "merge" in sub.get("x-kubernetes-patch-strategy", ""):
+        elif (
+            isinstance(value, list)
+            and isinstance(out.get(key), list)
+            and "merge" in sub.get("x-kubernetes-patch-strategy", "")
+        ):
             out[key] = _merge_list(out[key], value, sub)
         elif isinstance(value, dict):
             out[key] = strategic_merge(out.get(key) if isinstance(out.get(key), dict) else {}, value, sub)
@@ -449,8 +629,10 @@ def json_patch(doc, operations: list):
 # ---------------------------------------------------------------------------------------------
 # Selectors and quantities.
 
-_REQUIREMENT = re.compile(r"^\s*(!?)\s*([A-Za-z0-9._/-]+)\s*"
-                          r"(?:(==|=|!=)\s*([A-Za-z0-9._-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+_REQUIREMENT = re.compile(
+    r"^\s*(!?)\s*([A-Za-z0-9._/-]+)\s*"
+    r"(?:(==|=|!=)\s*([A-Za-z0-9._-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$"
+)
 
 
 def parse_label_selector(text: str):
@@ -481,11 +663,18 @@ def match_expressions(expressions: list[dict], labels: dict) -> bool:
     for req in expressions or []:
         key, op, values = req["key"], req["operator"], req.get("values") or []
         have = labels.get(key)
-        ok = {"In": have in values, "NotIn": have not in values, "Exists": key in labels,
-              "DoesNotExist": key not in labels}.get(op)
+        ok = {
+            "In": have in values,
+            "NotIn": have not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }.get(op)
         if ok is None:  # Gt / Lt compare integers
-            ok = have is not None and have.lstrip("-").isdigit() and (
-                int(have) > int(values[0]) if op == "Gt" else int(have) < int(values[0]))
+            ok = (
+                have is not None
+                and have.lstrip("-").isdigit()
+                and (int(have) > int(values[0]) if op == "Gt" else int(have) < int(values[0]))
+            )
         if not ok:
             return False
     return True
@@ -495,8 +684,9 @@ def match_label_selector(selector: dict | None, labels: dict) -> bool:
     if selector is None:
         return False
     labels = labels or {}
-    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()) and \
-        match_expressions(selector.get("matchExpressions"), labels)
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()) and match_expressions(
+        selector.get("matchExpressions"), labels
+    )
 
 
 def parse_field_selector(text: str, res: Resource):
@@ -507,7 +697,7 @@ def parse_field_selector(text: str, res: Resource):
             raise ApiError.bad_request(f"invalid field selector: {part!r}")
         path, op, value = m.groups()
         if path not in res.field_labels:
-            raise ApiError.bad_request(f'field label not supported: {path}')
+            raise ApiError.bad_request(f"field label not supported: {path}")
         checks.append((path, op == "!=", value))
     return lambda obj: all((_field_value(obj, p) == v) != neg for p, neg, v in checks)
 
@@ -521,8 +711,22 @@ def _field_value(obj: dict, path: str) -> str:
     return "" if value is None else str(value)
 
 
-_SUFFIXES = {"": 1, "m": Fraction(1, 1000), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-             "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIXES = {
+    "": 1,
+    "m": Fraction(1, 1000),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
 
 
 def parse_quantity(quantity) -> Fraction:
@@ -534,10 +738,14 @@ def parse_quantity(quantity) -> Fraction:
 
 def pod_requests(pod: dict) -> dict[str, Fraction]:
     """Effective requests (limits stand in for missing requests), init containers by max; plus 1 pod."""
+
     def container(c):
         resources = c.get("resources") or {}
-        return {k: parse_quantity(v) for k, v in {**(resources.get("limits") or {}),
-                                                   **(resources.get("requests") or {})}.items()}
+        return {
+            k: parse_quantity(v)
+            for k, v in {**(resources.get("limits") or {}), **(resources.get("requests") or {})}.items()
+        }
+
     total: dict[str, Fraction] = {"pods": Fraction(1)}
     for c in pod["spec"].get("containers", []):
         for k, v in container(c).items():
@@ -560,9 +768,11 @@ _LABEL_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 def dns_label_problems(value: str, where: str) -> list[str]:
     """RFC 1123 label: what namespaces, pod hostnames and subdomains must be."""
     if len(value) > 63 or not re.fullmatch(_DNS_LABEL, value):
-        return [f'{where}: Invalid value: "{value}": a lowercase RFC 1123 label must consist of lower case '
-                "alphanumeric characters or '-', and must start and end with an alphanumeric character "
-                "(at most 63 characters)"]
+        return [
+            f'{where}: Invalid value: "{value}": a lowercase RFC 1123 label must consist of lower case '
+            "alphanumeric characters or '-', and must start and end with an alphanumeric character "
+            "(at most 63 characters)"
+        ]
     return []
 
 
@@ -572,15 +782,19 @@ def name_problems(res: Resource, name: str) -> list[str]:
     characters (the name becomes a label value on the Job's pods), the rest RFC 1123 subdomains."""
     if res is SERVICE:
         if len(name) > 63 or not _DNS_1035.match(name):
-            return [f'metadata.name: Invalid value: "{name}": a DNS-1035 label must consist of lower case '
-                    "alphanumeric characters or '-', start with an alphabetic character, and end with an "
-                    "alphanumeric character (at most 63 characters)"]
+            return [
+                f'metadata.name: Invalid value: "{name}": a DNS-1035 label must consist of lower case '
+                "alphanumeric characters or '-', start with an alphabetic character, and end with an "
+                "alphanumeric character (at most 63 characters)"
+            ]
         return []
     if res is NAMESPACE:
         return dns_label_problems(name, "metadata.name")
     if len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
-        return [f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist of lower '
-                "case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"]
+        return [
+            f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist of lower '
+            "case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character"
+        ]
     if res is JOB and len(name) > 63:  # the name becomes a label value on the job's pods
         return [f'metadata.name: Invalid value: "{name}": must be no more than 63 characters']
     return []
@@ -591,16 +805,21 @@ def label_problems(labels: dict | None, where: str = "metadata.labels") -> list[
     for key, value in (labels or {}).items():
         prefix, _, name = key.rpartition("/")
         if len(name) > 63 or not _LABEL_PART.match(name) or (prefix and not _DNS_SUBDOMAIN.match(prefix)):
-            problems.append(f'{where}: Invalid value: "{key}": name part must consist of alphanumeric '
-                            "characters, '-', '_' or '.' (at most 63 characters)")
+            problems.append(
+                f'{where}: Invalid value: "{key}": name part must consist of alphanumeric '
+                "characters, '-', '_' or '.' (at most 63 characters)"
+            )
         if not isinstance(value, str) or len(value) > 63 or (value and not _LABEL_PART.match(value)):
-            problems.append(f'{where}: Invalid value: "{value}": a valid label must be an empty string or '
-                            "consist of alphanumeric characters, '-', '_' or '.' (at most 63 characters)")
+            problems.append(
+                f'{where}: Invalid value: "{value}": a valid label must be an empty string or '
+                "consist of alphanumeric characters, '-', '_' or '.' (at most 63 characters)"
+            )
     return problems
 
 
 # ---------------------------------------------------------------------------------------------
 # Semantic validation: what the apiserver's validation code rejects beyond the OpenAPI schema.
+
 
 def _is_native_resource(name: str) -> bool:
     return "/" not in name or "kubernetes.io/" in name
@@ -626,14 +845,18 @@ def resource_problems(resources: dict | None, where: str) -> list[str]:
             continue
         if limit is None:
             if not _overcommit_allowed(name):
-                problems.append(f"{where}.limits: Required value: Limit must be set for non overcommitable "
-                                f"resources ({name})")
+                problems.append(
+                    f"{where}.limits: Required value: Limit must be set for non overcommitable resources ({name})"
+                )
         elif amount != limit and not _overcommit_allowed(name):
-            problems.append(f'{where}.requests: Invalid value: "{quantity}": must be equal to {name} limit of '
-                            f'{limits[name]}')
+            problems.append(
+                f'{where}.requests: Invalid value: "{quantity}": must be equal to {name} limit of {limits[name]}'
+            )
         elif amount > limit:
-            problems.append(f'{where}.requests: Invalid value: "{quantity}": must be less than or equal to '
-                            f'{name} limit of {limits[name]}')
+            problems.append(
+                f'{where}.requests: Invalid value: "{quantity}": must be less than or equal to '
+                f"{name} limit of {limits[name]}"
+            )
     named = set(requests) | set(limits)
     if any(n.startswith("hugepages-") for n in named) and not named & {"cpu", "memory"}:
         problems.append(f"{where}: Forbidden: HugePages require cpu or memory")
@@ -642,16 +865,21 @@ def resource_problems(resources: dict | None, where: str) -> list[str]:
 
 def _containers(spec: dict) -> list[tuple[str, dict]]:
     """(field, container) for init, regular and ephemeral containers, in the pod spec's order."""
-    return [(f"{kind}[{i}]", c) for kind in ("initContainers", "containers", "ephemeralContainers")
-            for i, c in enumerate(spec.get(kind) or [])]
+    return [
+        (f"{kind}[{i}]", c)
+        for kind in ("initContainers", "containers", "ephemeralContainers")
+        for i, c in enumerate(spec.get(kind) or [])
+    ]
 
 
 def port_problems(value, where: str, allow_zero: bool = False) -> list[str]:
     """A port number (1-65535; 0 too where it means unset), or a named port (IANA_SVC_NAME)."""
     if isinstance(value, str):
         if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", value) or "--" in value or value.isdigit():
-            return [f'{where}: Invalid value: "{value}": must be a valid port name (IANA_SVC_NAME: at most 15 '
-                    "characters, lower case alphanumeric or '-', at least one letter)"]
+            return [
+                f'{where}: Invalid value: "{value}": must be a valid port name (IANA_SVC_NAME: at most 15 '
+                "characters, lower case alphanumeric or '-', at least one letter)"
+            ]
         return []
     if isinstance(value, int) and not (1 <= value <= 65535 or (allow_zero and value == 0)):
         return [f"{where}: Invalid value: {value}: must be between 1 and 65535, inclusive"]
@@ -680,10 +908,12 @@ def network_policy_problems(spec: dict) -> list[str]:
             for i, port in enumerate(rule.get("ports") or []):
                 at = f"spec.{direction}[{r}].ports[{i}]"
                 problems += port_problems(port.get("port"), f"{at}.port")
-                if port.get("endPort") is not None and (not isinstance(port.get("port"), int)
-                                                        or port["endPort"] < port["port"]):
-                    problems.append(f"{at}.endPort: Invalid value: {port['endPort']}: must be greater than or "
-                                    "equal to `port`")
+                if port.get("endPort") is not None and (
+                    not isinstance(port.get("port"), int) or port["endPort"] < port["port"]
+                ):
+                    problems.append(
+                        f"{at}.endPort: Invalid value: {port['endPort']}: must be greater than or equal to `port`"
+                    )
             for i, peer in enumerate(rule.get(peers) or []):
                 if not peer:
                     problems.append(f"spec.{direction}[{r}].{peers}[{i}]: Required value: must specify a peer")
@@ -724,21 +954,26 @@ def pod_failure_policy_problems(spec: dict) -> list[str]:
         if codes is not None:
             container = codes.get("containerName")
             if container is not None and container not in names:
-                problems.append(f'{at}.onExitCodes.containerName: Invalid value: "{container}": must be one of the '
-                                "container or initContainer names in the pod template")
+                problems.append(
+                    f'{at}.onExitCodes.containerName: Invalid value: "{container}": must be one of the '
+                    "container or initContainer names in the pod template"
+                )
             values = codes.get("values") or []
             for i, value in enumerate(values):
                 if value == 0 and codes.get("operator") == "In":
-                    problems.append(f"{at}.onExitCodes.values[{i}]: Invalid value: 0: must not be 0 for the In "
-                                    "operator")
+                    problems.append(
+                        f"{at}.onExitCodes.values[{i}]: Invalid value: 0: must not be 0 for the In operator"
+                    )
                 if value in values[:i]:
                     problems.append(f"{at}.onExitCodes.values[{i}]: Duplicate value: {value}")
                 elif i and values[i - 1] > value:
                     problems.append(f"{at}.onExitCodes.values[{i}]: Invalid value: {value}: must be ordered")
         for i, pattern in enumerate(conditions or []):
             if pattern.get("status") not in ("True", "False", "Unknown"):
-                problems.append(f'{at}.onPodConditions[{i}].status: Unsupported value: "{pattern.get("status")}": '
-                                'supported values: "True", "False", "Unknown"')
+                problems.append(
+                    f'{at}.onPodConditions[{i}].status: Unsupported value: "{pattern.get("status")}": '
+                    'supported values: "True", "False", "Unknown"'
+                )
     return problems
 
 
@@ -759,6 +994,7 @@ def job_update_problems(old: dict, new: dict) -> list[str]:
         if before.get(key) != after.get(key):
             problems.append(f"spec.{key}: Invalid value: {_short(after.get(key))}: field is immutable")
     if before.get("template") != after.get("template"):
+
         def without_directives(template):
             template = copy.deepcopy(template or {})
             meta, spec = template.get("metadata") or {}, template.get("spec") or {}
@@ -767,21 +1003,26 @@ def job_update_problems(old: dict, new: dict) -> list[str]:
             for key in _SCHEDULING_DIRECTIVES:
                 spec.pop(key, None)
             return template
+
         never_started = before.get("suspend") and not (old.get("status") or {}).get("startTime")
-        if not (never_started and without_directives(before.get("template")) ==
-                without_directives(after.get("template"))):
+        if not (
+            never_started and without_directives(before.get("template")) == without_directives(after.get("template"))
+        ):
             problems.append(f"spec.template: Invalid value: {_short(after.get('template'))}: field is immutable")
     return problems
 
 
-POD_UPDATE_FORBIDDEN = ("spec: Forbidden: pod updates may not change fields other than `spec.containers[*].image`,"
-                        "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only "
-                        "additions to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set "
-                        "to 1 if it was previously negative)")
+POD_UPDATE_FORBIDDEN = (
+    "spec: Forbidden: pod updates may not change fields other than `spec.containers[*].image`,"
+    "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only "
+    "additions to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set "
+    "to 1 if it was previously negative)"
+)
 
 
 def pod_update_problems(old: dict, new: dict) -> list[str]:
     """A pod's spec is immutable but for images, activeDeadlineSeconds and added tolerations."""
+
     def mutable_removed(spec: dict) -> dict:
         spec = copy.deepcopy(spec or {})
         for kind in ("containers", "initContainers"):
@@ -790,6 +1031,7 @@ def pod_update_problems(old: dict, new: dict) -> list[str]:
         for key in ("activeDeadlineSeconds", "tolerations", "terminationGracePeriodSeconds"):
             spec.pop(key, None)
         return spec
+
     before, after = old.get("spec") or {}, new.get("spec") or {}
     kept = all(t in (after.get("tolerations") or []) for t in before.get("tolerations") or [])
     return [] if kept and mutable_removed(before) == mutable_removed(after) else [POD_UPDATE_FORBIDDEN]
@@ -800,10 +1042,31 @@ def pod_update_problems(old: dict, new: dict) -> list[str]:
 # that apply to the fields a pod of this project could set, with the plugin's messages.
 
 PSA_LEVELS = ("privileged", "baseline", "restricted")
-BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
-                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
-RESTRICTED_VOLUME_TYPES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                           "projected", "secret"}
+BASELINE_CAPABILITIES = {
+    "AUDIT_WRITE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "MKNOD",
+    "NET_BIND_SERVICE",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_CHROOT",
+}
+RESTRICTED_VOLUME_TYPES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 
 
 def _who(containers: list[dict]) -> str:
@@ -839,36 +1102,48 @@ def pod_security_violations(spec: dict, level: str) -> list[str]:
     extra = [c for c in containers if set(caps(c, "add")) - BASELINE_CAPABILITIES]
     if extra:
         added = sorted({a for c in extra for a in caps(c, "add")} - BASELINE_CAPABILITIES)
-        out.append(f"non-default capabilities ({_who(extra)} must not include {_quoted(added)} in "
-                   "securityContext.capabilities.add)")
+        out.append(
+            f"non-default capabilities ({_who(extra)} must not include {_quoted(added)} in "
+            "securityContext.capabilities.add)"
+        )
     host_paths = [v["name"] for v in spec.get("volumes") or [] if "hostPath" in v]
     if host_paths:
         out.append(f"hostPath {'volume' if len(host_paths) == 1 else 'volumes'} ({_quoted(host_paths)})")
     with_ports = [c for c in containers if any(p.get("hostPort") for p in c.get("ports") or [])]
     if with_ports:
         ports = [str(p["hostPort"]) for c in with_ports for p in c.get("ports") or [] if p.get("hostPort")]
-        out.append(f"hostPort ({_who(with_ports)} {'uses' if len(with_ports) == 1 else 'use'} "
-                   f"{'hostPort' if len(ports) == 1 else 'hostPorts'} {', '.join(ports)})")
+        out.append(
+            f"hostPort ({_who(with_ports)} {'uses' if len(with_ports) == 1 else 'use'} "
+            f"{'hostPort' if len(ports) == 1 else 'hostPorts'} {', '.join(ports)})"
+        )
     unconfined = ["pod"] * ((pod_sc.get("seccompProfile") or {}).get("type") == "Unconfined") + [
-        _who([c]) for c in containers if (sc(c).get("seccompProfile") or {}).get("type") == "Unconfined"]
+        _who([c]) for c in containers if (sc(c).get("seccompProfile") or {}).get("type") == "Unconfined"
+    ]
     if unconfined:
-        out.append(f"seccompProfile ({' and '.join(unconfined)} must not set securityContext.seccompProfile.type "
-                   'to "Unconfined")')
+        out.append(
+            f"seccompProfile ({' and '.join(unconfined)} must not set securityContext.seccompProfile.type "
+            'to "Unconfined")'
+        )
     if level == "baseline":
         return out
 
-    restricted_volumes = [(v["name"], t) for v in spec.get("volumes") or []
-                          for t in v if t != "name" and t not in RESTRICTED_VOLUME_TYPES]
+    restricted_volumes = [
+        (v["name"], t) for v in spec.get("volumes") or [] for t in v if t != "name" and t not in RESTRICTED_VOLUME_TYPES
+    ]
     if restricted_volumes:
         names = _quoted(n for n, _ in restricted_volumes)
         types = _quoted(sorted({t for _, t in restricted_volumes}))
         one = len(restricted_volumes) == 1
-        out.append(f"restricted volume types ({'volume' if one else 'volumes'} {names} "
-                   f"{'uses restricted volume type' if one else 'use restricted volume types'} {types})")
+        out.append(
+            f"restricted volume types ({'volume' if one else 'volumes'} {names} "
+            f"{'uses restricted volume type' if one else 'use restricted volume types'} {types})"
+        )
     escalating = [c for c in containers if sc(c).get("allowPrivilegeEscalation") is not False]
     if escalating:
-        out.append(f"allowPrivilegeEscalation != false ({_who(escalating)} must set "
-                   "securityContext.allowPrivilegeEscalation=false)")
+        out.append(
+            f"allowPrivilegeEscalation != false ({_who(escalating)} must set "
+            "securityContext.allowPrivilegeEscalation=false)"
+        )
     no_drop = [c for c in containers if "ALL" not in caps(c, "drop")]
     adds = [c for c in containers if set(caps(c, "add")) - {"NET_BIND_SERVICE"}]
     if no_drop or adds:
@@ -891,11 +1166,17 @@ def pod_security_violations(spec: dict, level: str) -> list[str]:
         out.append(f"runAsUser=0 ({' and '.join(root)} must not set runAsUser=0)")
     allowed = ("RuntimeDefault", "Localhost")
     pod_ok = (pod_sc.get("seccompProfile") or {}).get("type") in allowed
-    bad = [c for c in containers if (sc(c).get("seccompProfile") or {}).get("type") not in allowed
-           and not (pod_ok and not sc(c).get("seccompProfile"))]
+    bad = [
+        c
+        for c in containers
+        if (sc(c).get("seccompProfile") or {}).get("type") not in allowed
+        and not (pod_ok and not sc(c).get("seccompProfile"))
+    ]
     if bad and not unconfined:
-        out.append(f"seccompProfile (pod or {_who(bad)} must set securityContext.seccompProfile.type to "
-                   '"RuntimeDefault" or "Localhost")')
+        out.append(
+            f"seccompProfile (pod or {_who(bad)} must set securityContext.seccompProfile.type to "
+            '"RuntimeDefault" or "Localhost")'
+        )
     return out
 
 
@@ -903,8 +1184,13 @@ def pod_security_levels(namespace_obj: dict | None) -> tuple[tuple[str, str], tu
     """((level, version) to enforce, (level, version) to warn at) from a namespace's
     pod-security.kubernetes.io labels: privileged and latest when unset."""
     labels = ((namespace_obj or {}).get("metadata") or {}).get("labels") or {}
-    return tuple((labels.get(f"pod-security.kubernetes.io/{mode}", "privileged"),
-                  labels.get(f"pod-security.kubernetes.io/{mode}-version", "latest")) for mode in ("enforce", "warn"))
+    return tuple(
+        (
+            labels.get(f"pod-security.kubernetes.io/{mode}", "privileged"),
+            labels.get(f"pod-security.kubernetes.io/{mode}-version", "latest"),
+        )
+        for mode in ("enforce", "warn")
+    )
 
 
 def _condition(type_: str, status: str, reason: str = "", message: str = "", probe: bool = False) -> dict:
@@ -958,6 +1244,7 @@ def compress_indexes(indexes) -> str:
 @dataclass
 class _JobState:
     """What the real controller keeps in status + pod finalizers: which pods were counted."""
+
     succeeded_indexes: set = field(default_factory=set)
     succeeded: int = 0
     failed: int = 0
@@ -966,6 +1253,7 @@ class _JobState:
 
 # ---------------------------------------------------------------------------------------------
 # The server.
+
 
 class FakeKube:
     """An in-memory apiserver + job controller + scheduler behind http://127.0.0.1:<port>."""
@@ -993,14 +1281,14 @@ class FakeKube:
         self.check_references = False
         #: Objects load() was given that this fake does not serve (kept for a test to look at).
         self.unserved: list[dict] = []
-        self._tokens: dict[str, object] = {}         # bearer token -> kube_authz.UserInfo
-        self._user = None                             # who makes the request being served
-        self._warnings: list[str] = []                # Warning headers of the request being served
-        self._authorizer = None                       # kube_authz.RbacAuthorizer once RBAC is loaded
-        self._admission = None                        # kube_authz.AdmissionPolicies once VAPs are loaded
+        self._tokens: dict[str, object] = {}  # bearer token -> kube_authz.UserInfo
+        self._user = None  # who makes the request being served
+        self._warnings: list[str] = []  # Warning headers of the request being served
+        self._authorizer = None  # kube_authz.RbacAuthorizer once RBAC is loaded
+        self._admission = None  # kube_authz.AdmissionPolicies once VAPs are loaded
         self._after_read: dict[str, list[dict]] = {}  # node name -> taints a "second controller" adds
-        self._create_failures: dict[str, str] = {}    # job uid -> last FailedCreate message
-        self._lost_nodes: set[str] = set()            # nodes whose kubelet is gone (lose_node)
+        self._create_failures: dict[str, str] = {}  # job uid -> last FailedCreate message
+        self._lost_nodes: set[str] = set()  # nodes whose kubelet is gone (lose_node)
         self._server: ThreadingHTTPServer | None = None
         if start:
             self.start()
@@ -1011,8 +1299,9 @@ class FakeKube:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._server.daemon_threads = True
         self._server.kube = self
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                         name="fake-kube-apiserver", daemon=True).start()
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-kube-apiserver", daemon=True
+        ).start()
         return self
 
     def tick(self, seconds: float = 1.0) -> None:
@@ -1056,18 +1345,28 @@ class FakeKube:
         kube_authz.ADMIN, in system:masters); returns its path."""
         path = Path(path)
         token = self.token_for(user or _authz().ADMIN)
-        path.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {"token": token}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
-        }, indent=2))
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "fake", "user": {"token": token}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}
+                    ],
+                },
+                indent=2,
+            )
+        )
         return path
 
     def airflow_connection(self, kubeconfig_path, namespace: str = "default") -> str:
         """A value for AIRFLOW_CONN_<ID> that points the cncf.kubernetes hooks at this server."""
-        return json.dumps({"conn_type": "kubernetes",
-                           "extra": {"kube_config_path": str(kubeconfig_path), "namespace": namespace}})
+        return json.dumps(
+            {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig_path), "namespace": namespace}}
+        )
 
     # -- test helpers: seeding and flipping state -------------------------------------------
 
@@ -1088,8 +1387,11 @@ class FakeKube:
                 self._validate(res, obj)
                 self._store[res].pop((namespace if res.namespaced else "", obj["metadata"]["name"]), None)
                 if res is PVC:
-                    obj["status"] = {"phase": "Bound", "accessModes": obj["spec"].get("accessModes", []),
-                                     "capacity": (obj["spec"].get("resources") or {}).get("requests", {})}
+                    obj["status"] = {
+                        "phase": "Bound",
+                        "accessModes": obj["spec"].get("accessModes", []),
+                        "capacity": (obj["spec"].get("resources") or {}).get("requests", {}),
+                    }
                 self._insert(res, obj, namespace)
             self.check_references = True
             self._refresh_policies()
@@ -1099,8 +1401,11 @@ class FakeKube:
         """Store a Namespace (e.g. with pod-security.kubernetes.io/* labels); replaces one stored."""
         with self._lock:
             self._store[NAMESPACE].pop(("", name), None)
-            namespace = {"metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name, **(labels or {})}},
-                         "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
+            namespace = {
+                "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name, **(labels or {})}},
+                "spec": {"finalizers": ["kubernetes"]},
+                "status": {"phase": "Active"},
+            }
             self._insert(NAMESPACE, namespace, "")
             return copy.deepcopy(namespace)
 
@@ -1111,8 +1416,9 @@ class FakeKube:
             node = self._get(NODE, "", name)
             taints = node["spec"].setdefault("taints", [])
             if not any((t["key"], t["effect"]) == (taint["key"], taint["effect"]) for t in taints):
-                taints.append({**copy.deepcopy(taint), **({"timeAdded": now()} if taint["effect"] == "NoExecute"
-                                                          else {})})
+                taints.append(
+                    {**copy.deepcopy(taint), **({"timeAdded": now()} if taint["effect"] == "NoExecute" else {})}
+                )
             self._touch(node)
             return copy.deepcopy(node)
 
@@ -1124,37 +1430,79 @@ class FakeKube:
         with self._lock:
             self._after_read.setdefault(name, []).append(copy.deepcopy(taint))
 
-    def add_node(self, name: str, *, ready: bool = True, labels: dict | None = None, taints: list | None = None,
-                 allocatable: dict | None = None, provider_id: str | None = None,
-                 conditions: list | None = None, unschedulable: bool = False) -> dict:
+    def add_node(
+        self,
+        name: str,
+        *,
+        ready: bool = True,
+        labels: dict | None = None,
+        taints: list | None = None,
+        allocatable: dict | None = None,
+        provider_id: str | None = None,
+        conditions: list | None = None,
+        unschedulable: bool = False,
+    ) -> dict:
         """Seed a Ready (or NotReady) node; allocatable adds to cpu 96 / memory 1Ti / pods 110."""
         with self._lock:
-            resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "ephemeral-storage": "500Gi",
-                         **{k: str(v) for k, v in (allocatable or {}).items()}}
+            resources = {
+                "cpu": "96",
+                "memory": "1Ti",
+                "pods": "110",
+                "ephemeral-storage": "500Gi",
+                **{k: str(v) for k, v in (allocatable or {}).items()},
+            }
             instance = "i-" + uuid.uuid5(uuid.NAMESPACE_DNS, name).hex[:17]
             node = {
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                                                      "kubernetes.io/arch": "amd64", **(labels or {})}},
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {
+                        "kubernetes.io/hostname": name,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                        **(labels or {}),
+                    },
+                },
                 "spec": {"providerID": provider_id or f"aws:///us-west-2a/{instance}"},
                 "status": {
-                    "capacity": dict(resources), "allocatable": dict(resources),
-                    "conditions": [_condition(t, "False", f"Kubelet Has No {t}") for t in
-                                   ("MemoryPressure", "DiskPressure", "PIDPressure")] + [
-                        _condition("Ready", "True" if ready else "False",
-                                   "KubeletReady" if ready else "KubeletNotReady",
-                                   "kubelet is posting ready status" if ready else "container runtime is down")],
-                    "addresses": [{"type": "InternalIP", "address": f"10.1.{len(self._store[NODE]) % 250}.10"},
-                                  {"type": "Hostname", "address": name}],
-                    "nodeInfo": {"architecture": "amd64", "bootID": str(uuid.uuid4()), "containerRuntimeVersion":
-                                 "containerd://1.7.27", "kernelVersion": "6.1.0", "kubeProxyVersion": "",
-                                 "kubeletVersion": f"v{KUBERNETES_VERSION}.0-eks", "machineID": instance,
-                                 "operatingSystem": "linux", "osImage": "Amazon Linux 2023", "systemUUID": instance},
+                    "capacity": dict(resources),
+                    "allocatable": dict(resources),
+                    "conditions": [
+                        _condition(t, "False", f"Kubelet Has No {t}")
+                        for t in ("MemoryPressure", "DiskPressure", "PIDPressure")
+                    ]
+                    + [
+                        _condition(
+                            "Ready",
+                            "True" if ready else "False",
+                            "KubeletReady" if ready else "KubeletNotReady",
+                            "kubelet is posting ready status" if ready else "container runtime is down",
+                        )
+                    ],
+                    "addresses": [
+                        {"type": "InternalIP", "address": f"10.1.{len(self._store[NODE]) % 250}.10"},
+                        {"type": "Hostname", "address": name},
+                    ],
+                    "nodeInfo": {
+                        "architecture": "amd64",
+                        "bootID": str(uuid.uuid4()),
+                        "containerRuntimeVersion": "containerd://1.7.27",
+                        "kernelVersion": "6.1.0",
+                        "kubeProxyVersion": "",
+                        "kubeletVersion": f"v{KUBERNETES_VERSION}.0-eks",
+                        "machineID": instance,
+                        "operatingSystem": "linux",
+                        "osImage": "Amazon Linux 2023",
+                        "systemUUID": instance,
+                    },
                 },
             }
             for c in conditions or []:
-                _set_condition(node["status"]["conditions"], _condition(
-                    c["type"], c["status"], c.get("reason", ""), c.get("message", "")))
+                _set_condition(
+                    node["status"]["conditions"],
+                    _condition(c["type"], c["status"], c.get("reason", ""), c.get("message", "")),
+                )
             for key, value in (("taints", taints), ("unschedulable", unschedulable or None)):
                 if value:
                     node["spec"][key] = copy.deepcopy(value)
@@ -1192,19 +1540,38 @@ class FakeKube:
             taints = node["spec"].setdefault("taints", [])
             for effect in ("NoSchedule", "NoExecute"):
                 if not any(t.get("key") == UNREACHABLE_TAINT and t.get("effect") == effect for t in taints):
-                    taints.append({"key": UNREACHABLE_TAINT, "effect": effect,
-                                   **({"timeAdded": now()} if effect == "NoExecute" else {})})
+                    taints.append(
+                        {
+                            "key": UNREACHABLE_TAINT,
+                            "effect": effect,
+                            **({"timeAdded": now()} if effect == "NoExecute" else {}),
+                        }
+                    )
             self._touch(node)
-            for pod in [p for p in self._store[POD].values() if p["spec"].get("nodeName") == name
-                        and p["status"]["phase"] in ACTIVE_PHASES and not p["metadata"].get("deletionTimestamp")]:
+            for pod in [
+                p
+                for p in self._store[POD].values()
+                if p["spec"].get("nodeName") == name
+                and p["status"]["phase"] in ACTIVE_PHASES
+                and not p["metadata"].get("deletionTimestamp")
+            ]:
                 conditions = pod["status"].setdefault("conditions", [])
                 for type_ in ("Ready", "ContainersReady"):
                     _set_condition(conditions, _condition(type_, "False", "NodeLost", message))
                 if evict_pods:
-                    _set_condition(conditions, _condition("DisruptionTarget", "True", "DeletionByTaintManager",
-                                                          "Taint manager: deleting due to NoExecute taint"))
-                    pod["metadata"].update(deletionTimestamp=now(), deletionGracePeriodSeconds=int(
-                        pod["spec"].get("terminationGracePeriodSeconds", 30)))
+                    _set_condition(
+                        conditions,
+                        _condition(
+                            "DisruptionTarget",
+                            "True",
+                            "DeletionByTaintManager",
+                            "Taint manager: deleting due to NoExecute taint",
+                        ),
+                    )
+                    pod["metadata"].update(
+                        deletionTimestamp=now(),
+                        deletionGracePeriodSeconds=int(pod["spec"].get("terminationGracePeriodSeconds", 30)),
+                    )
                 self._touch(pod)
                 job = self._owner_job(pod)
                 if job is not None and not self._finished(job):
@@ -1214,20 +1581,35 @@ class FakeKube:
         with self._lock:
             node = self._store[NODE].get(("", node_name))
             claim = {
-                "apiVersion": "karpenter.sh/v1", "kind": "NodeClaim",
-                "metadata": {"name": name, "labels": {"karpenter.sh/nodepool": nodepool},
-                             "finalizers": ["karpenter.sh/termination"]},
-                "spec": {"nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"},
-                         "requirements": []},
-                "status": {"nodeName": node_name, "providerID": node["spec"]["providerID"] if node else "",
-                           "conditions": [_condition(t, "True")
-                                          for t in ("Launched", "Registered", "Initialized", "Ready")]},
+                "apiVersion": "karpenter.sh/v1",
+                "kind": "NodeClaim",
+                "metadata": {
+                    "name": name,
+                    "labels": {"karpenter.sh/nodepool": nodepool},
+                    "finalizers": ["karpenter.sh/termination"],
+                },
+                "spec": {
+                    "nodeClassRef": {"group": "karpenter.k8s.aws", "kind": "EC2NodeClass", "name": "default"},
+                    "requirements": [],
+                },
+                "status": {
+                    "nodeName": node_name,
+                    "providerID": node["spec"]["providerID"] if node else "",
+                    "conditions": [_condition(t, "True") for t in ("Launched", "Registered", "Initialized", "Ready")],
+                },
             }
             self._insert(NODECLAIM, claim, "")
             return copy.deepcopy(claim)
 
-    def terminate_pod(self, namespace: str, name: str, exit_code: int, reason: str | None = None,
-                      message: str = "", container: str | None = None) -> None:
+    def terminate_pod(
+        self,
+        namespace: str,
+        name: str,
+        exit_code: int,
+        reason: str | None = None,
+        message: str = "",
+        container: str | None = None,
+    ) -> None:
         """The pod's container (default: the first) exits: phase Succeeded on 0, else Failed."""
         with self._lock:
             pod = self._get(POD, namespace, name)
@@ -1246,8 +1628,12 @@ class FakeKube:
 
     def pods(self, namespace: str, job_name: str | None = None) -> list[dict]:
         with self._lock:
-            return [copy.deepcopy(p) for (ns, _), p in sorted(self._store[POD].items()) if ns == namespace and
-                    (job_name is None or p["metadata"].get("labels", {}).get(LABEL_JOB_NAME) == job_name)]
+            return [
+                copy.deepcopy(p)
+                for (ns, _), p in sorted(self._store[POD].items())
+                if ns == namespace
+                and (job_name is None or p["metadata"].get("labels", {}).get(LABEL_JOB_NAME) == job_name)
+            ]
 
     def pod(self, namespace: str, name: str) -> dict:
         with self._lock:
@@ -1272,13 +1658,18 @@ class FakeKube:
     def events(self, namespace: str, involved_name: str | None = None) -> list[dict]:
         with self._lock:
             events = sorted(self._store[EVENT].values(), key=lambda e: int(e["metadata"]["resourceVersion"]))
-            return [copy.deepcopy(e) for e in events if e["metadata"]["namespace"] == namespace
-                    and involved_name in (None, e["involvedObject"].get("name"))]
+            return [
+                copy.deepcopy(e)
+                for e in events
+                if e["metadata"]["namespace"] == namespace and involved_name in (None, e["involvedObject"].get("name"))
+            ]
 
     def rbac_usage(self) -> set[tuple[str, str, str]]:
         """(api_group, resource[/subresource], verb) for every request so far: what a Role must grant."""
-        return {(r.api_group, f"{r.resource}/{r.subresource}" if r.subresource else r.resource, r.verb)
-                for r in self.requests}
+        return {
+            (r.api_group, f"{r.resource}/{r.subresource}" if r.subresource else r.resource, r.verb)
+            for r in self.requests
+        }
 
     def clear_requests(self) -> None:
         self.requests.clear()
@@ -1301,27 +1692,46 @@ class FakeKube:
 
     def _namespace(self, name: str) -> dict:
         stored = self._store[NAMESPACE].get(("", name))
-        return stored or {"apiVersion": "v1", "kind": "Namespace",
-                          "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name}},
-                          "spec": {"finalizers": ["kubernetes"]}, "status": {"phase": "Active"}}
+        return stored or {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name}},
+            "spec": {"finalizers": ["kubernetes"]},
+            "status": {"phase": "Active"},
+        }
 
-    def _admit(self, operation: str, res: Resource, sub: str, namespace: str, name: str,
-               obj: dict | None, old: dict | None) -> None:
+    def _admit(
+        self, operation: str, res: Resource, sub: str, namespace: str, name: str, obj: dict | None, old: dict | None
+    ) -> None:
         """ValidatingAdmissionPolicies for a client's (or the job controller's) write; the fake's
         own writes (events, status) are not admitted."""
         if self._admission is None or self._user is None:
             return
-        denied = self._admission.admit(self._user, operation, res.group, res.version, res.plural, sub,
-                                       namespace if res.namespaced else "", name, copy.deepcopy(obj),
-                                       copy.deepcopy(old), copy.deepcopy(self._namespace(namespace))
-                                       if res.namespaced else None)
+        denied = self._admission.admit(
+            self._user,
+            operation,
+            res.group,
+            res.version,
+            res.plural,
+            sub,
+            namespace if res.namespaced else "",
+            name,
+            copy.deepcopy(obj),
+            copy.deepcopy(old),
+            copy.deepcopy(self._namespace(namespace)) if res.namespaced else None,
+        )
         for policy, binding, message in getattr(self._admission, "warnings", None) or []:
-            self._warnings.append(f"Validation failed for ValidatingAdmissionPolicy '{policy}' with binding "
-                                  f"'{binding}': {message}")
+            self._warnings.append(
+                f"Validation failed for ValidatingAdmissionPolicy '{policy}' with binding '{binding}': {message}"
+            )
         if denied:
             code, message = denied
-            raise ApiError(code, {401: "Unauthorized", 403: "Forbidden", 422: "Invalid"}.get(code, "BadRequest"),
-                           message, {"name": name, "group": res.group, "kind": res.plural})
+            raise ApiError(
+                code,
+                {401: "Unauthorized", 403: "Forbidden", 422: "Invalid"}.get(code, "BadRequest"),
+                message,
+                {"name": name, "group": res.group, "kind": res.plural},
+            )
 
     def _pod_admission(self, pod: dict, namespace: str) -> None:
         """Mutating admission (ServiceAccount, Priority) and PodSecurity for a new pod."""
@@ -1329,13 +1739,13 @@ class FakeKube:
         name = meta.get("name") or meta.get("generateName", "")
 
         def forbidden(why: str) -> ApiError:
-            return ApiError(403, "Forbidden", f'pods "{name}" is forbidden: {why}',
-                            {"name": name, "kind": "pods"})
+            return ApiError(403, "Forbidden", f'pods "{name}" is forbidden: {why}', {"name": name, "kind": "pods"})
+
         account = spec.get("serviceAccountName", "default")
-        if self.check_references and account != "default" and \
-                (namespace, account) not in self._store[SERVICEACCOUNT]:
-            raise forbidden(f'error looking up service account {namespace}/{account}: serviceaccount "{account}" '
-                            "not found")
+        if self.check_references and account != "default" and (namespace, account) not in self._store[SERVICEACCOUNT]:
+            raise forbidden(
+                f'error looking up service account {namespace}/{account}: serviceaccount "{account}" not found'
+            )
         if spec.get("priorityClassName"):
             priority_class = self._store[PRIORITYCLASS].get(("", spec["priorityClassName"]))
             value = (priority_class or {}).get("value", SYSTEM_PRIORITY_CLASSES.get(spec["priorityClassName"]))
@@ -1383,8 +1793,9 @@ class FakeKube:
         name = meta["name"]
         if res.namespaced:
             if meta.get("namespace") not in (None, "", namespace):
-                raise ApiError.bad_request("the namespace of the provided object does not match the namespace "
-                                           "sent on the request")
+                raise ApiError.bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
             meta["namespace"] = namespace
         else:
             meta.pop("namespace", None)
@@ -1397,8 +1808,12 @@ class FakeKube:
             raise ApiError.invalid(res, name, problems)
         key = (namespace if res.namespaced else "", name)
         if key in self._store[res]:
-            raise ApiError(409, "AlreadyExists", f'{res.qualified} "{name}" already exists',
-                           {"name": name, "group": res.group, "kind": res.plural})
+            raise ApiError(
+                409,
+                "AlreadyExists",
+                f'{res.qualified} "{name}" already exists',
+                {"name": name, "group": res.group, "kind": res.plural},
+            )
         meta.update(uid=str(uuid.uuid4()), resourceVersion=self._next_rv(), creationTimestamp=now(), generation=1)
         self._created[meta["uid"]] = self._last_rv
         obj["apiVersion"], obj["kind"] = res.api_version, res.kind
@@ -1424,24 +1839,44 @@ class FakeKube:
         meta = involved["metadata"]
         ns = meta.get("namespace") or "default"
         stamp = now()
-        self._insert(EVENT, {
-            # Named like the real recorder (<object>.<hex UnixNano>): lists sort oldest first.
-            "metadata": {"name": f"{meta['name']}.{self._event_clock():x}"},
-            "involvedObject": {"kind": involved["kind"], "namespace": meta.get("namespace", ""), "name": meta["name"],
-                               "uid": meta["uid"], "apiVersion": involved["apiVersion"],
-                               "resourceVersion": meta["resourceVersion"]},
-            "reason": reason, "message": message, "type": type_, "source": {"component": component},
-            "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1, "reportingComponent": component,
-            "reportingInstance": "",
-        }, ns)
+        self._insert(
+            EVENT,
+            {
+                # Named like the real recorder (<object>.<hex UnixNano>): lists sort oldest first.
+                "metadata": {"name": f"{meta['name']}.{self._event_clock():x}"},
+                "involvedObject": {
+                    "kind": involved["kind"],
+                    "namespace": meta.get("namespace", ""),
+                    "name": meta["name"],
+                    "uid": meta["uid"],
+                    "apiVersion": involved["apiVersion"],
+                    "resourceVersion": meta["resourceVersion"],
+                },
+                "reason": reason,
+                "message": message,
+                "type": type_,
+                "source": {"component": component},
+                "firstTimestamp": stamp,
+                "lastTimestamp": stamp,
+                "count": 1,
+                "reportingComponent": component,
+                "reportingInstance": "",
+            },
+            ns,
+        )
 
     # -- pods -------------------------------------------------------------------------------
 
     def _create_pod(self, pod: dict, namespace: str, dry_run: bool = False) -> dict:
         spec = pod["spec"]
-        for key, default in (("restartPolicy", "Always"), ("schedulerName", "default-scheduler"),
-                             ("dnsPolicy", "ClusterFirst"), ("terminationGracePeriodSeconds", 30),
-                             ("serviceAccountName", "default"), ("priority", 0)):
+        for key, default in (
+            ("restartPolicy", "Always"),
+            ("schedulerName", "default-scheduler"),
+            ("dnsPolicy", "ClusterFirst"),
+            ("terminationGracePeriodSeconds", 30),
+            ("serviceAccountName", "default"),
+            ("priority", 0),
+        ):
             spec.setdefault(key, default)
         # DefaultTolerationSeconds admission: ride out short not-ready/unreachable spells.
         tolerations = spec.setdefault("tolerations", [])
@@ -1451,8 +1886,9 @@ class FakeKube:
         pod["status"] = {"phase": "Pending", "qosClass": "BestEffort"}
         problems = pod_spec_problems(spec)
         if problems:
-            raise ApiError.invalid(POD, pod["metadata"].get("name") or pod["metadata"].get("generateName", ""),
-                                   problems)
+            raise ApiError.invalid(
+                POD, pod["metadata"].get("name") or pod["metadata"].get("generateName", ""), problems
+            )
         self._pod_admission(pod, namespace)
         self._admit("CREATE", POD, "", namespace, pod["metadata"].get("name", ""), pod, None)
         self._insert(POD, pod, namespace, dry_run)
@@ -1463,15 +1899,18 @@ class FakeKube:
     def _nodes_fit(self, pod: dict) -> tuple[dict | None, str]:
         """The node the pod goes to (least loaded, then name), or None and the scheduler's message."""
         nodes = [n for _, n in sorted(self._store[NODE].items())]
-        preemption = (f"preemption: 0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful "
-                      "for scheduling.")
+        preemption = (
+            f"preemption: 0/{len(nodes)} nodes are available: {len(nodes)} Preemption is not helpful for scheduling."
+        )
         for volume in pod["spec"].get("volumes") or [] if self.check_references else []:
             claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
             if claim and (pod["metadata"]["namespace"], claim) not in self._store[PVC]:
-                return None, (f'0/{len(nodes)} nodes are available: persistentvolumeclaim "{claim}" not found. '
-                              f"{preemption}")
-        bound = [p for p in self._store[POD].values()
-                 if p["spec"].get("nodeName") and p["status"]["phase"] in ACTIVE_PHASES]
+                return None, (
+                    f'0/{len(nodes)} nodes are available: persistentvolumeclaim "{claim}" not found. {preemption}'
+                )
+        bound = [
+            p for p in self._store[POD].values() if p["spec"].get("nodeName") and p["status"]["phase"] in ACTIVE_PHASES
+        ]
         reasons: dict[str, int] = {}
         fits = []
         for node in nodes:
@@ -1492,7 +1931,8 @@ class FakeKube:
         spec, labels, name = pod["spec"], node["metadata"].get("labels") or {}, node["metadata"]["name"]
         tolerations = spec.get("tolerations")
         if node["spec"].get("unschedulable") and not tolerates(
-                tolerations, {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}):
+            tolerations, {"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"}
+        ):
             return "node(s) were unschedulable"
         taints = list(node["spec"].get("taints") or [])
         if not _has_condition(node, "Ready"):
@@ -1501,10 +1941,11 @@ class FakeKube:
             if taint["effect"] in ("NoSchedule", "NoExecute") and not tolerates(tolerations, taint):
                 return f"node(s) had untolerated taint {{{taint['key']}: {taint.get('value', '')}}}"
         affinity = spec.get("affinity") or {}
-        required = ((affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+        required = (affinity.get("nodeAffinity") or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}
         terms = required.get("nodeSelectorTerms")
         if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()) or (
-                terms and not any(match_expressions(t.get("matchExpressions"), labels) for t in terms)):
+            terms and not any(match_expressions(t.get("matchExpressions"), labels) for t in terms)
+        ):
             return "node(s) didn't match Pod's node affinity/selector"
         used: dict[str, Fraction] = {}
         for other in bound:
@@ -1524,23 +1965,27 @@ class FakeKube:
 
     def _anti_affinity_ok(self, pod: dict, node: dict, bound: list[dict]) -> bool:
         def terms(p):
-            anti = ((p["spec"].get("affinity") or {}).get("podAntiAffinity") or {})
+            anti = (p["spec"].get("affinity") or {}).get("podAntiAffinity") or {}
             return anti.get("requiredDuringSchedulingIgnoredDuringExecution") or []
 
         def conflicts(owner, term, other, owner_node, other_node):
             key = term["topologyKey"]
             namespaces = term.get("namespaces") or [owner["metadata"]["namespace"]]
             value = (owner_node["metadata"].get("labels") or {}).get(key)
-            return (value is not None and (other_node["metadata"].get("labels") or {}).get(key) == value
-                    and other["metadata"]["namespace"] in namespaces
-                    and match_label_selector(term.get("labelSelector"), other["metadata"].get("labels")))
+            return (
+                value is not None
+                and (other_node["metadata"].get("labels") or {}).get(key) == value
+                and other["metadata"]["namespace"] in namespaces
+                and match_label_selector(term.get("labelSelector"), other["metadata"].get("labels"))
+            )
 
         for other in bound:
             other_node = self._store[NODE].get(("", other["spec"]["nodeName"]))
             if other_node is None or other is pod:
                 continue
-            if any(conflicts(pod, t, other, node, other_node) for t in terms(pod)) or \
-                    any(conflicts(other, t, pod, other_node, node) for t in terms(other)):
+            if any(conflicts(pod, t, other, node, other_node) for t in terms(pod)) or any(
+                conflicts(other, t, pod, other_node, node) for t in terms(other)
+            ):
                 return False
         return True
 
@@ -1561,31 +2006,61 @@ class FakeKube:
         pod["spec"]["nodeName"] = node_name
         host_ip = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
         pod["status"].update(
-            phase="Running", hostIP=host_ip, hostIPs=[{"ip": host_ip}], podIP=f"10.0.{ip // 250}.{ip % 250}",
-            podIPs=[{"ip": f"10.0.{ip // 250}.{ip % 250}"}], startTime=stamp,
-            containerStatuses=[{
-                "name": c["name"], "image": c.get("image", ""), "imageID": f"{c.get('image', '')}@sha256:{'0' * 64}",
-                "containerID": f"containerd://{uuid.uuid4().hex}", "ready": True, "started": True, "restartCount": 0,
-                "state": {"running": {"startedAt": stamp}}} for c in pod["spec"]["containers"]])
+            phase="Running",
+            hostIP=host_ip,
+            hostIPs=[{"ip": host_ip}],
+            podIP=f"10.0.{ip // 250}.{ip % 250}",
+            podIPs=[{"ip": f"10.0.{ip // 250}.{ip % 250}"}],
+            startTime=stamp,
+            containerStatuses=[
+                {
+                    "name": c["name"],
+                    "image": c.get("image", ""),
+                    "imageID": f"{c.get('image', '')}@sha256:{'0' * 64}",
+                    "containerID": f"containerd://{uuid.uuid4().hex}",
+                    "ready": True,
+                    "started": True,
+                    "restartCount": 0,
+                    "state": {"running": {"startedAt": stamp}},
+                }
+                for c in pod["spec"]["containers"]
+            ],
+        )
         for type_ in ("PodScheduled", "Initialized", "PodReadyToStartContainers", "ContainersReady", "Ready"):
             _set_condition(conditions, _condition(type_, "True"))
         self._touch(pod)
-        self._emit(pod, "Scheduled", f"Successfully assigned {pod['metadata']['namespace']}/{name} to {node_name}",
-                   "default-scheduler")
+        self._emit(
+            pod,
+            "Scheduled",
+            f"Successfully assigned {pod['metadata']['namespace']}/{name} to {node_name}",
+            "default-scheduler",
+        )
 
     def _retry_pending(self) -> None:
         """The scheduler's retry: after nodes change or pods leave, pending pods try again (oldest first)."""
-        pending = sorted((p for p in self._store[POD].values()
-                          if p["status"]["phase"] == "Pending" and not p["spec"].get("nodeName")),
-                         key=lambda p: self._created[p["metadata"]["uid"]])
+        pending = sorted(
+            (
+                p
+                for p in self._store[POD].values()
+                if p["status"]["phase"] == "Pending" and not p["spec"].get("nodeName")
+            ),
+            key=lambda p: self._created[p["metadata"]["uid"]],
+        )
         for pod in pending:
             self._schedule(pod)
             if pod["status"]["phase"] == "Running" and (job := self._owner_job(pod)):
                 self._refresh_job_status(job)
 
-    def _mark_terminal(self, pod: dict, exit_code: int, reason: str | None = None, message: str = "",
-                       container: str | None = None, disruption: tuple[str, str] | None = None,
-                       killed: bool = False) -> None:
+    def _mark_terminal(
+        self,
+        pod: dict,
+        exit_code: int,
+        reason: str | None = None,
+        message: str = "",
+        container: str | None = None,
+        disruption: tuple[str, str] | None = None,
+        killed: bool = False,
+    ) -> None:
         """Containers exit (the named or first one with exit_code); the pod reaches Succeeded/Failed.
         killed: stopped from outside (deletion); containers that never started report no exit code."""
         stamp = now()
@@ -1594,13 +2069,19 @@ class FakeKube:
         target = container or pod["spec"]["containers"][0]["name"]
         new = []
         for c in pod["spec"]["containers"]:
-            status = statuses.get(c["name"]) or {"name": c["name"], "image": c.get("image", ""), "imageID": "",
-                                                 "restartCount": 0}
+            status = statuses.get(c["name"]) or {
+                "name": c["name"],
+                "image": c.get("image", ""),
+                "imageID": "",
+                "restartCount": 0,
+            }
             code = exit_code if c["name"] == target else (0 if exit_code == 0 else SIGTERM_EXIT_CODE)
-            terminated = {"exitCode": code, "reason": (reason if c["name"] == target and reason else
-                                                      ("Completed" if code == 0 else "Error")),
-                          "startedAt": (status.get("state", {}).get("running") or {}).get("startedAt", stamp),
-                          "finishedAt": stamp}
+            terminated = {
+                "exitCode": code,
+                "reason": (reason if c["name"] == target and reason else ("Completed" if code == 0 else "Error")),
+                "startedAt": (status.get("state", {}).get("running") or {}).get("startedAt", stamp),
+                "finishedAt": stamp,
+            }
             if message and c["name"] == target:
                 terminated["message"] = message
             if ran or not killed:
@@ -1613,8 +2094,9 @@ class FakeKube:
             _set_condition(conditions, _condition("DisruptionTarget", "True", *disruption))
         for type_ in ("Ready", "ContainersReady"):
             if any(c["type"] == type_ for c in conditions):
-                _set_condition(conditions, _condition(
-                    type_, "False", "PodCompleted" if exit_code == 0 else "PodFailed"))
+                _set_condition(
+                    conditions, _condition(type_, "False", "PodCompleted" if exit_code == 0 else "PodFailed")
+                )
         self._touch(pod)
 
     def _delete_pod(self, pod: dict, disruption: tuple[str, str] | None = None, force: bool = False) -> dict:
@@ -1623,11 +2105,13 @@ class FakeKube:
         PodGC), it only gets its deletionTimestamp (and DisruptionTarget) and stays Terminating."""
         if pod["spec"].get("nodeName") in self._lost_nodes and not force and pod["status"]["phase"] in ACTIVE_PHASES:
             if disruption and not _has_condition(pod, "DisruptionTarget"):
-                _set_condition(pod["status"].setdefault("conditions", []),
-                               _condition("DisruptionTarget", "True", *disruption))
+                _set_condition(
+                    pod["status"].setdefault("conditions", []), _condition("DisruptionTarget", "True", *disruption)
+                )
             pod["metadata"].setdefault("deletionTimestamp", now())
-            pod["metadata"].setdefault("deletionGracePeriodSeconds",
-                                       int(pod["spec"].get("terminationGracePeriodSeconds", 30)))
+            pod["metadata"].setdefault(
+                "deletionGracePeriodSeconds", int(pod["spec"].get("terminationGracePeriodSeconds", 30))
+            )
             self._touch(pod)
             job = self._owner_job(pod)
             if job is not None and not self._finished(job):
@@ -1665,12 +2149,15 @@ class FakeKube:
         if template_spec.get("restartPolicy") not in ("Never", "OnFailure"):
             problems.append('spec.template.spec.restartPolicy: Required value: valid values: "OnFailure", "Never"')
         if spec.get("podFailurePolicy") and template_spec.get("restartPolicy") != "Never":
-            problems.append("spec.template.spec.restartPolicy: Invalid value: only \"Never\" is supported "
-                            "when podFailurePolicy is specified")
+            problems.append(
+                'spec.template.spec.restartPolicy: Invalid value: only "Never" is supported '
+                "when podFailurePolicy is specified"
+            )
         if spec.get("completionMode") == "Indexed" and spec.get("completions") is None:
             problems.append("spec.completions: Required value: when completion mode is Indexed")
-        problems += label_problems((spec["template"].get("metadata") or {}).get("labels"),
-                                   "spec.template.metadata.labels")
+        problems += label_problems(
+            (spec["template"].get("metadata") or {}).get("labels"), "spec.template.metadata.labels"
+        )
         problems += pod_failure_policy_problems(spec) + pod_spec_problems(template_spec, "spec.template.spec")
         if problems:
             raise ApiError.invalid(JOB, name, problems)
@@ -1678,9 +2165,14 @@ class FakeKube:
         self._warn_pod_security(template_spec, *pod_security_levels(self._namespace(namespace)))
         self._admit("CREATE", JOB, "", namespace, name, job, None)
         replacement = "Failed" if spec.get("podFailurePolicy") else "TerminatingOrFailed"
-        for key, default in (("completions", 1), ("parallelism", 1), ("backoffLimit", 6),
-                             ("completionMode", "NonIndexed"), ("suspend", False),
-                             ("podReplacementPolicy", replacement)):
+        for key, default in (
+            ("completions", 1),
+            ("parallelism", 1),
+            ("backoffLimit", 6),
+            ("completionMode", "NonIndexed"),
+            ("suspend", False),
+            ("podReplacementPolicy", replacement),
+        ):
             spec.setdefault(key, default)
         job["status"] = {}
         self._insert(JOB, job, namespace, dry_run)
@@ -1688,8 +2180,13 @@ class FakeKube:
         selector_labels = {LABEL_CONTROLLER_UID: uid}
         spec.setdefault("selector", {"matchLabels": selector_labels})
         template_meta = spec["template"].setdefault("metadata", {})
-        template_meta["labels"] = {**(template_meta.get("labels") or {}), LABEL_CONTROLLER_UID: uid,
-                                   LABEL_JOB_NAME: name, "controller-uid": uid, "job-name": name}
+        template_meta["labels"] = {
+            **(template_meta.get("labels") or {}),
+            LABEL_CONTROLLER_UID: uid,
+            LABEL_JOB_NAME: name,
+            "controller-uid": uid,
+            "job-name": name,
+        }
         if not dry_run:
             self._job_state[uid] = _JobState()
             self._sync_job(job)
@@ -1705,8 +2202,11 @@ class FakeKube:
 
     def _owned_pods(self, job: dict) -> list[dict]:
         uid = job["metadata"]["uid"]
-        return [p for _, p in sorted(self._store[POD].items())
-                if any(r.get("uid") == uid for r in p["metadata"].get("ownerReferences") or [])]
+        return [
+            p
+            for _, p in sorted(self._store[POD].items())
+            if any(r.get("uid") == uid for r in p["metadata"].get("ownerReferences") or [])
+        ]
 
     @staticmethod
     def _index(pod: dict) -> int | None:
@@ -1741,13 +2241,17 @@ class FakeKube:
                     if code in (None, 0) or on_codes.get("containerName") not in (None, status["name"]):
                         continue
                     if (code in on_codes["values"]) == (on_codes["operator"] == "In"):
-                        return rule["action"], (f"Container {status['name']} for {where} failed with exit code "
-                                                f"{code} matching {rule['action']} rule at index {index}")
+                        return rule["action"], (
+                            f"Container {status['name']} for {where} failed with exit code "
+                            f"{code} matching {rule['action']} rule at index {index}"
+                        )
             for pattern in on_conditions or []:
                 if _has_condition(pod, pattern["type"], pattern.get("status", "True")):
-                    return rule["action"], (f"Pod {pod['metadata']['namespace']}/{pod['metadata']['name']} has "
-                                            f"condition {pattern['type']} matching {rule['action']} rule "
-                                            f"at index {index}")
+                    return rule["action"], (
+                        f"Pod {pod['metadata']['namespace']}/{pod['metadata']['name']} has "
+                        f"condition {pattern['type']} matching {rule['action']} rule "
+                        f"at index {index}"
+                    )
         return "Count", ""
 
     def _account(self, job: dict, pod: dict) -> None:
@@ -1799,7 +2303,7 @@ class FakeKube:
             room = spec["parallelism"] - len(active) - len(waiting)
             if spec["completionMode"] == "Indexed":
                 busy = state.succeeded_indexes | {self._index(p) for p in active + waiting}
-                for index in [i for i in range(spec["completions"]) if i not in busy][:max(room, 0)]:
+                for index in [i for i in range(spec["completions"]) if i not in busy][: max(room, 0)]:
                     if not self._create_job_pod(job, index):
                         break
                 done = len(state.succeeded_indexes) >= spec["completions"]
@@ -1811,8 +2315,12 @@ class FakeKube:
             if done:
                 conditions = job["status"].setdefault("conditions", [])
                 for type_ in ("SuccessCriteriaMet", "Complete"):
-                    _set_condition(conditions, _condition(type_, "True", "CompletionsReached",
-                                                          "Reached expected number of succeeded pods", probe=True))
+                    _set_condition(
+                        conditions,
+                        _condition(
+                            type_, "True", "CompletionsReached", "Reached expected number of succeeded pods", probe=True
+                        ),
+                    )
                 job["status"]["completionTime"] = now()
                 self._emit(job, "Completed", "Job completed", "job-controller")
         self._refresh_job_status(job)
@@ -1878,16 +2386,31 @@ class FakeKube:
         meta, spec = template.get("metadata") or {}, template["spec"]
         suffix = f"-{index}-" if index is not None else "-"
         meta.pop("name", None)
-        meta["generateName"] = name[:58 - len(suffix)] + suffix
-        meta["ownerReferences"] = [{"apiVersion": "batch/v1", "kind": "Job", "name": name,
-                                    "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        meta["generateName"] = name[: 58 - len(suffix)] + suffix
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "name": name,
+                "uid": job["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         if index is not None:
             meta["labels"][LABEL_INDEX] = str(index)
             meta["annotations"] = {**(meta.get("annotations") or {}), LABEL_INDEX: str(index)}
             spec["hostname"] = f"{name}-{index}"
             for c in spec.get("containers", []) + (spec.get("initContainers") or []):
-                c["env"] = [*(c.get("env") or []), {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
-                    "apiVersion": "v1", "fieldPath": f"metadata.annotations['{LABEL_INDEX}']"}}}]
+                c["env"] = [
+                    *(c.get("env") or []),
+                    {
+                        "name": "JOB_COMPLETION_INDEX",
+                        "valueFrom": {
+                            "fieldRef": {"apiVersion": "v1", "fieldPath": f"metadata.annotations['{LABEL_INDEX}']"}
+                        },
+                    },
+                ]
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
         self._create_pod(pod, job["metadata"]["namespace"])
         return pod
@@ -1897,8 +2420,9 @@ class FakeKube:
         self._remove(JOB, job)  # first, so that deleted pods are not replaced
         for pod in pods:
             if policy == "Orphan":
-                pod["metadata"]["ownerReferences"] = [r for r in pod["metadata"]["ownerReferences"]
-                                                      if r.get("uid") != job["metadata"]["uid"]]
+                pod["metadata"]["ownerReferences"] = [
+                    r for r in pod["metadata"]["ownerReferences"] if r.get("uid") != job["metadata"]["uid"]
+                ]
                 self._touch(pod)
             else:
                 self._delete_pod(pod)
@@ -1906,11 +2430,15 @@ class FakeKube:
         # or loses its owner reference when orphaned.
         uid = job["metadata"]["uid"]
         for res in (SERVICE, NETWORKPOLICY, CONFIGMAP):
-            for obj in [o for o in self._store[res].values()
-                        if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])]:
+            for obj in [
+                o
+                for o in self._store[res].values()
+                if any(r.get("uid") == uid for r in o["metadata"].get("ownerReferences") or [])
+            ]:
                 if policy == "Orphan":
-                    obj["metadata"]["ownerReferences"] = [r for r in obj["metadata"]["ownerReferences"]
-                                                          if r.get("uid") != uid]
+                    obj["metadata"]["ownerReferences"] = [
+                        r for r in obj["metadata"]["ownerReferences"] if r.get("uid") != uid
+                    ]
                     self._touch(obj)
                 else:
                     self._remove(res, obj)
@@ -1930,8 +2458,7 @@ class FakeKube:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         return user
 
-    def _dispatch(self, method: str, path: str, query: dict, content_type: str, raw: bytes,
-                  authorization: str = ""):
+    def _dispatch(self, method: str, path: str, query: dict, content_type: str, raw: bytes, authorization: str = ""):
         """Route one request: (status code, JSON-able or text payload, extra headers)."""
         with self._lock:
             user = self._authenticate(authorization)
@@ -1941,27 +2468,65 @@ class FakeKube:
             finally:
                 self._user = None
             if self._warnings:
-                headers = {**headers, "Warning": [f'299 - "{w}"' for w in self._warnings] +
-                           ([headers["Warning"]] if "Warning" in headers else [])}
+                headers = {
+                    **headers,
+                    "Warning": [f'299 - "{w}"' for w in self._warnings]
+                    + ([headers["Warning"]] if "Warning" in headers else []),
+                }
             return code, payload, headers
 
     def _route(self, method: str, path: str, query: dict, content_type: str, raw: bytes):
         parts = [p for p in path.split("/") if p]
         if parts in (["version"],):
-            return 200, {"major": "1", "minor": KUBERNETES_VERSION.split(".")[1], "emulationMajor": "1",
-                         "emulationMinor": KUBERNETES_VERSION.split(".")[1], "minCompatibilityMajor": "1",
-                         "minCompatibilityMinor": str(int(KUBERNETES_VERSION.split(".")[1]) - 1),
-                         "gitVersion": f"v{KUBERNETES_VERSION}.0-eks-fake", "gitCommit": "0" * 40,
-                         "gitTreeState": "clean", "buildDate": "2025-04-23T00:00:00Z", "goVersion": "go1.24.2",
-                         "compiler": "gc", "platform": "linux/amd64"}, {}
+            return (
+                200,
+                {
+                    "major": "1",
+                    "minor": KUBERNETES_VERSION.split(".")[1],
+                    "emulationMajor": "1",
+                    "emulationMinor": KUBERNETES_VERSION.split(".")[1],
+                    "minCompatibilityMajor": "1",
+                    "minCompatibilityMinor": str(int(KUBERNETES_VERSION.split(".")[1]) - 1),
+                    "gitVersion": f"v{KUBERNETES_VERSION}.0-eks-fake",
+                    "gitCommit": "0" * 40,
+                    "gitTreeState": "clean",
+                    "buildDate": "2025-04-23T00:00:00Z",
+                    "goVersion": "go1.24.2",
+                    "compiler": "gc",
+                    "platform": "linux/amd64",
+                },
+                {},
+            )
         if parts == ["api"]:
-            return 200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
-                {"clientCIDR": "0.0.0.0/0", "serverAddress": f"127.0.0.1:{self.port}"}]}, {}
+            return (
+                200,
+                {
+                    "kind": "APIVersions",
+                    "versions": ["v1"],
+                    "serverAddressByClientCIDRs": [
+                        {"clientCIDR": "0.0.0.0/0", "serverAddress": f"127.0.0.1:{self.port}"}
+                    ],
+                },
+                {},
+            )
         if parts == ["apis"]:
             groups = sorted({(r.group, r.version) for r in RESOURCES.values() if r.group})
-            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
-                {"name": g, "versions": [{"groupVersion": f"{g}/{v}", "version": v}],
-                 "preferredVersion": {"groupVersion": f"{g}/{v}", "version": v}} for g, v in groups]}, {}
+            return (
+                200,
+                {
+                    "kind": "APIGroupList",
+                    "apiVersion": "v1",
+                    "groups": [
+                        {
+                            "name": g,
+                            "versions": [{"groupVersion": f"{g}/{v}", "version": v}],
+                            "preferredVersion": {"groupVersion": f"{g}/{v}", "version": v},
+                        }
+                        for g, v in groups
+                    ],
+                },
+                {},
+            )
         if len(parts) >= 2 and parts[0] == "api":
             group, version, rest = "", parts[1], parts[2:]
         elif len(parts) >= 3 and parts[0] == "apis":
@@ -1972,11 +2537,25 @@ class FakeKube:
             resources = [r for r in RESOURCES.values() if (r.group, r.version) == (group, version)]
             if not resources:
                 raise ApiError(404, "NotFound", "the server could not find the requested resource")
-            return 200, {"kind": "APIResourceList", "apiVersion": "v1",
-                         "groupVersion": resources[0].api_version, "resources": [
-                             {"name": r.plural, "singularName": r.kind.lower(), "namespaced": r.namespaced,
-                              "kind": r.kind, "verbs": ["create", "delete", "deletecollection", "get", "list",
-                                                        "patch", "update"]} for r in resources]}, {}
+            return (
+                200,
+                {
+                    "kind": "APIResourceList",
+                    "apiVersion": "v1",
+                    "groupVersion": resources[0].api_version,
+                    "resources": [
+                        {
+                            "name": r.plural,
+                            "singularName": r.kind.lower(),
+                            "namespaced": r.namespaced,
+                            "kind": r.kind,
+                            "verbs": ["create", "delete", "deletecollection", "get", "list", "patch", "update"],
+                        }
+                        for r in resources
+                    ],
+                },
+                {},
+            )
         namespace = ""
         if rest[0] == "namespaces" and len(rest) >= 3:
             namespace, rest = rest[1], rest[2:]
@@ -1984,9 +2563,13 @@ class FakeKube:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         plural, name, sub = rest[0], rest[1] if len(rest) > 1 else "", rest[2] if len(rest) > 2 else ""
         res = RESOURCES.get((group, plural))
-        verb = {"GET": "get" if name else ("watch" if query.get("watch") in ("true", "1") else "list"),
-                "POST": "create", "PUT": "update", "PATCH": "patch",
-                "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
+        verb = {
+            "GET": "get" if name else ("watch" if query.get("watch") in ("true", "1") else "list"),
+            "POST": "create",
+            "PUT": "update",
+            "PATCH": "patch",
+            "DELETE": "delete" if name else "deletecollection",
+        }.get(method, method.lower())
         with self._lock:
             body, bad_body = None, None
             if raw:
@@ -1995,8 +2578,11 @@ class FakeKube:
                 except ValueError as e:
                     bad_body = ApiError.bad_request(f"the request body is not JSON: {e}")
             # RBAC sees no name on a create (the URL has none); the record names the object made.
-            named = name or (((body.get("metadata") or {}).get("name") or "") if verb == "create" and not sub
-                             and isinstance(body, dict) and isinstance(body.get("metadata"), dict) else "")
+            named = name or (
+                ((body.get("metadata") or {}).get("name") or "")
+                if verb == "create" and not sub and isinstance(body, dict) and isinstance(body.get("metadata"), dict)
+                else ""
+            )
             self.requests.append(Request(verb, group, plural, sub, namespace, named, self._user))
             if self._authorizer is not None:
                 denied = self._authorizer.authorize(self._user, verb, group, plural, sub, namespace, name)
@@ -2008,14 +2594,30 @@ class FakeKube:
                 raise bad_body
             return self._serve(res, verb, method, namespace, name, sub, query, content_type, body)
 
-    def _serve(self, res: Resource, verb: str, method: str, namespace: str, name: str, sub: str,
-               query: dict, content_type: str, body):
+    def _serve(
+        self,
+        res: Resource,
+        verb: str,
+        method: str,
+        namespace: str,
+        name: str,
+        sub: str,
+        query: dict,
+        content_type: str,
+        body,
+    ):
         allowed_sub = {POD: {"", "log", "eviction", "status"}, JOB: {"", "status"}}.get(res, {""})
         # Subresources: pods/log (get), pods/eviction (create), */status (get, update, patch).
-        if sub not in allowed_sub or (sub == "eviction") != (verb == "create" and bool(name)) or \
-                (sub == "log" and verb != "get"):
-            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {res.qualified}"
-                           f"{'/' + sub if sub else ''} by this fake apiserver")
+        if (
+            sub not in allowed_sub
+            or (sub == "eviction") != (verb == "create" and bool(name))
+            or (sub == "log" and verb != "get")
+        ):
+            raise ApiError(
+                405,
+                "MethodNotAllowed",
+                f"{method} is not supported on {res.qualified}{'/' + sub if sub else ''} by this fake apiserver",
+            )
         if verb == "watch":
             raise ApiError.bad_request("watch is not supported by the fake apiserver; poll with list")
         if res is NAMESPACE and verb in ("get", "list"):
@@ -2032,10 +2634,12 @@ class FakeKube:
             if res is NODE:
                 self._after_node_read([name])
             return 200, obj, {}
-        if verb in ("create", "update", "patch") and not isinstance(body, list if
-                                                                  "json-patch" in content_type else dict):
-            raise ApiError.bad_request(f"{verb} needs a JSON {'list' if 'json-patch' in content_type else 'object'}"
-                                       " body")
+        if verb in ("create", "update", "patch") and not isinstance(
+            body, list if "json-patch" in content_type else dict
+        ):
+            raise ApiError.bad_request(
+                f"{verb} needs a JSON {'list' if 'json-patch' in content_type else 'object'} body"
+            )
         options = body if verb in ("delete", "deletecollection") and isinstance(body, dict) else {}
         if verb == "create" and sub == "eviction":
             return self._evict(namespace, name, body)
@@ -2055,13 +2659,26 @@ class FakeKube:
     def _serve_namespace(self, verb: str, name: str):
         """Stored namespaces (load, add_namespace, create) and, as if created on first use, those
         that hold objects, plus default and kube-system."""
-        names = sorted({"default", "kube-system"} | {n for _, n in self._store[NAMESPACE]} |
-                       {ns for r in RESOURCES.values() if r.namespaced for ns, _ in self._store[r]})
+        names = sorted(
+            {"default", "kube-system"}
+            | {n for _, n in self._store[NAMESPACE]}
+            | {ns for r in RESOURCES.values() if r.namespaced for ns, _ in self._store[r]}
+        )
         if verb == "get":
             return 200, copy.deepcopy(self._namespace(name)), {}
-        return 200, {"kind": "NamespaceList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._last_rv)},
-                     "items": [{k: v for k, v in copy.deepcopy(self._namespace(n)).items()
-                                if k not in ("kind", "apiVersion")} for n in names]}, {}
+        return (
+            200,
+            {
+                "kind": "NamespaceList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(self._last_rv)},
+                "items": [
+                    {k: v for k, v in copy.deepcopy(self._namespace(n)).items() if k not in ("kind", "apiVersion")}
+                    for n in names
+                ],
+            },
+            {},
+        )
 
     def _after_node_read(self, names: list[str]) -> None:
         """The second controller armed by taint_on_next_read acts right after the read."""
@@ -2073,16 +2690,23 @@ class FakeKube:
     def _select(self, res: Resource, namespace: str, query: dict) -> list[dict]:
         labels = parse_label_selector(query.get("labelSelector", ""))
         fields = parse_field_selector(query.get("fieldSelector", ""), res)
-        return [obj for (ns, _), obj in sorted(self._store[res].items())
-                if (not namespace or ns == namespace) and labels(obj["metadata"].get("labels")) and fields(obj)]
+        return [
+            obj
+            for (ns, _), obj in sorted(self._store[res].items())
+            if (not namespace or ns == namespace) and labels(obj["metadata"].get("labels")) and fields(obj)
+        ]
 
     def _list_body(self, res: Resource, items: list[dict], cont: str = "") -> dict:
         metadata = {"resourceVersion": str(self._last_rv)}
         if cont:
             metadata["continue"] = cont
         # Built-in lists carry no kind/apiVersion per item; custom resources do.
-        items = [copy.deepcopy(o) if res.group == "karpenter.sh" else
-                 {k: copy.deepcopy(v) for k, v in o.items() if k not in ("kind", "apiVersion")} for o in items]
+        items = [
+            copy.deepcopy(o)
+            if res.group == "karpenter.sh"
+            else {k: copy.deepcopy(v) for k, v in o.items() if k not in ("kind", "apiVersion")}
+            for o in items
+        ]
         return {"kind": f"{res.kind}List", "apiVersion": res.api_version, "metadata": metadata, "items": items}
 
     def _list(self, res: Resource, namespace: str, query: dict) -> dict:
@@ -2090,7 +2714,7 @@ class FakeKube:
         start = int(query.get("continue") or 0)
         limit = int(query.get("limit") or 0)
         if limit and start + limit < len(items):
-            return self._list_body(res, items[start:start + limit], str(start + limit))
+            return self._list_body(res, items[start : start + limit], str(start + limit))
         return self._list_body(res, items[start:])
 
     def _log(self, namespace: str, name: str, query: dict) -> str:
@@ -2098,21 +2722,23 @@ class FakeKube:
         containers = [c["name"] for c in pod["spec"]["containers"]]
         container = query.get("container")
         if container is None and len(containers) > 1:
-            raise ApiError.bad_request(f"a container name must be specified for pod {name}, choose one of: "
-                                       f"[{' '.join(containers)}]")
+            raise ApiError.bad_request(
+                f"a container name must be specified for pod {name}, choose one of: [{' '.join(containers)}]"
+            )
         container = container or containers[0]
         if container not in containers:
             raise ApiError.bad_request(f"container {container} is not valid for pod {name}")
         if not pod["spec"].get("nodeName"):
-            raise ApiError.bad_request(f'container "{container}" in pod "{name}" is waiting to start: '
-                                       "ContainerCreating")
+            raise ApiError.bad_request(
+                f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating'
+            )
         text = self.logs.get((namespace, name, container), self.logs.get((namespace, name), ""))
         if query.get("tailLines") is not None:
             lines = text.splitlines(keepends=True)
             tail = int(query["tailLines"])
             text = "".join(lines[-tail:]) if tail > 0 else ""
         if query.get("limitBytes"):
-            text = text.encode()[:int(query["limitBytes"])].decode(errors="ignore")
+            text = text.encode()[: int(query["limitBytes"])].decode(errors="ignore")
         return text
 
     def _create(self, res: Resource, namespace: str, body: dict, dry_run: bool) -> dict:
@@ -2120,15 +2746,17 @@ class FakeKube:
         obj.setdefault("apiVersion", res.api_version)
         obj.setdefault("kind", res.kind)
         if (obj["apiVersion"], obj["kind"]) != (res.api_version, res.kind):
-            raise ApiError.bad_request(f"the body is a {obj['apiVersion']} {obj['kind']}, but the request is for "
-                                       f"{res.api_version} {res.kind}")
+            raise ApiError.bad_request(
+                f"the body is a {obj['apiVersion']} {obj['kind']}, but the request is for {res.api_version} {res.kind}"
+            )
         self._validate(res, obj)
         if res is POD:
             return self._create_pod(obj, namespace, dry_run)
         if res is JOB:
             return self._create_job(obj, namespace, dry_run)
         problems = {SERVICE: service_problems, NETWORKPOLICY: network_policy_problems}.get(res, lambda _: [])(
-            obj.get("spec") or {})
+            obj.get("spec") or {}
+        )
         if problems:
             raise ApiError.invalid(res, (obj.get("metadata") or {}).get("name", ""), problems)
         if res is SERVICE:
@@ -2168,13 +2796,21 @@ class FakeKube:
                 new = merge_patch(current, body)
             elif kind == "application/strategic-merge-patch+json":
                 if not res.definition:
-                    raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown "
-                                   "format - accepted media types include: application/json-patch+json, "
-                                   "application/merge-patch+json, application/apply-patch+yaml")
+                    raise ApiError(
+                        415,
+                        "UnsupportedMediaType",
+                        "the body of the request was in an unknown "
+                        "format - accepted media types include: application/json-patch+json, "
+                        "application/merge-patch+json, application/apply-patch+yaml",
+                    )
                 new = strategic_merge(current, body, {"$ref": f"#/$defs/{res.definition}"})
             else:
-                raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
-                               f"{kind or 'no Content-Type'} is not supported by this fake apiserver")
+                raise ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    f"the body of the request was in an unknown format - "
+                    f"{kind or 'no Content-Type'} is not supported by this fake apiserver",
+                )
         except (KeyError, IndexError, ValueError, TypeError) as e:
             raise ApiError(422, "Invalid", f"the server rejected the patch: {e}") from None
         if not isinstance(new, dict):
@@ -2184,17 +2820,28 @@ class FakeKube:
         # stored one; without one an update or patch applies to whatever is stored.
         want = (new.get("metadata") or {}).get("resourceVersion") if isinstance(new.get("metadata"), dict) else None
         if want and want != current["metadata"]["resourceVersion"]:
-            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.qualified} "{name}": '
-                           "the object has been modified; please apply your changes to the latest "
-                           "version and try again", {"name": name, "group": res.group, "kind": res.plural})
+            raise ApiError(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on {res.qualified} "{name}": '
+                "the object has been modified; please apply your changes to the latest "
+                "version and try again",
+                {"name": name, "group": res.group, "kind": res.plural},
+            )
         # The main resource ignores status changes, the status subresource everything else.
         kept = current if sub == "status" else new
         status = new.get("status") if sub == "status" else current.get("status")
         new = {**copy.deepcopy(kept), "status": copy.deepcopy(status)}
         if new["status"] is None:
             new.pop("status")
-        new["metadata"] = {**(new.get("metadata") or {}), **{k: current["metadata"][k] for k in (
-            "name", "namespace", "uid", "creationTimestamp", "generation") if k in current["metadata"]}}
+        new["metadata"] = {
+            **(new.get("metadata") or {}),
+            **{
+                k: current["metadata"][k]
+                for k in ("name", "namespace", "uid", "creationTimestamp", "generation")
+                if k in current["metadata"]
+            },
+        }
         new["apiVersion"], new["kind"] = res.api_version, res.kind
         self._validate(res, new)
         problems = label_problems(new["metadata"].get("labels"))
@@ -2233,8 +2880,12 @@ class FakeKube:
         return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}, {}
 
     def _delete(self, res: Resource, obj: dict, query: dict, options: dict):
-        details = {"name": obj["metadata"]["name"], "group": res.group, "kind": res.plural,
-                   "uid": obj["metadata"]["uid"]}
+        details = {
+            "name": obj["metadata"]["name"],
+            "group": res.group,
+            "kind": res.plural,
+            "uid": obj["metadata"]["uid"],
+        }
         success = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}
         self._admit("DELETE", res, "", obj["metadata"].get("namespace", ""), obj["metadata"]["name"], None, obj)
         if res is POD:
@@ -2277,8 +2928,14 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length) if length else b""
         headers: dict = {}
         try:
-            code, payload, headers = kube._dispatch(method, url.path, query, self.headers.get("Content-Type", ""), raw,
-                                                    self.headers.get("Authorization", ""))
+            code, payload, headers = kube._dispatch(
+                method,
+                url.path,
+                query,
+                self.headers.get("Content-Type", ""),
+                raw,
+                self.headers.get("Authorization", ""),
+            )
         except ApiError as e:
             code, payload = e.code, e.status()
         except Exception as e:  # a bug in the fake: answer 500 and keep it for the test to see

@@ -38,15 +38,17 @@ logging.getLogger("celpy").setLevel(logging.CRITICAL)
 @dataclass(frozen=True)
 class UserInfo:
     """Who makes a request: the authenticated username and groups, as the apiserver sees them."""
+
     username: str
     groups: tuple[str, ...] = ()
 
 
 def service_account_user(namespace: str, name: str) -> UserInfo:
     """The user a ServiceAccount token authenticates as."""
-    return UserInfo(f"system:serviceaccount:{namespace}:{name}",
-                    ("system:serviceaccounts", f"system:serviceaccounts:{namespace}",
-                     "system:authenticated"))
+    return UserInfo(
+        f"system:serviceaccount:{namespace}:{name}",
+        ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"),
+    )
 
 
 #: The cluster creator: in system:masters, so RBAC allows it everything.
@@ -71,8 +73,7 @@ def forbidden_message(api_group: str, resource: str, name: str, reason: str) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def _rule_allows(rule: dict[str, Any], verb: str, api_group: str, resource: str, subresource: str,
-                 name: str) -> bool:
+def _rule_allows(rule: dict[str, Any], verb: str, api_group: str, resource: str, subresource: str, name: str) -> bool:
     """One PolicyRule against one request, as rbac/v1 RuleAllows does it."""
     verbs = rule.get("verbs") or []
     if "*" not in verbs and verb not in verbs:
@@ -82,8 +83,7 @@ def _rule_allows(rule: dict[str, Any], verb: str, api_group: str, resource: str,
         return False
     combined = f"{resource}/{subresource}" if subresource else resource
     resources = rule.get("resources") or []  # a nonResourceURLs rule has none: never matches here
-    if not any(r == "*" or r == combined or (subresource and r == f"*/{subresource}")
-               for r in resources):
+    if not any(r == "*" or r == combined or (subresource and r == f"*/{subresource}") for r in resources):
         return False
     # resourceNames restricts requests that name an object; list, watch-all and create name none,
     # so a rule with resourceNames never grants them.
@@ -108,7 +108,7 @@ class RbacAuthorizer:
     """The RBAC authorizer over a set of objects (anything that is not RBAC is ignored)."""
 
     def __init__(self, objects: list[dict[str, Any]]):
-        self.roles: dict[tuple[str, str], list[dict]] = {}          # (namespace, name) -> rules
+        self.roles: dict[tuple[str, str], list[dict]] = {}  # (namespace, name) -> rules
         self.cluster_roles: dict[str, list[dict]] = {}
         self.role_bindings: list[dict[str, Any]] = []
         self.cluster_role_bindings: list[dict[str, Any]] = []
@@ -145,18 +145,20 @@ class RbacAuthorizer:
             if any(_subject_matches(s, user, bound_ns) for s in binding.get("subjects") or []):
                 yield from self._rules_of(binding.get("roleRef") or {}, bound_ns)
 
-    def authorize(self, user: UserInfo, verb: str, api_group: str, resource: str, subresource: str,
-                  namespace: str, name: str) -> str | None:
+    def authorize(
+        self, user: UserInfo, verb: str, api_group: str, resource: str, subresource: str, namespace: str, name: str
+    ) -> str | None:
         """None when the request is allowed, else the apiserver's 403 message."""
         if SUPERUSER_GROUP in user.groups:
             return None
-        if any(_rule_allows(rule, verb, api_group, resource, subresource, name)
-               for rule in self._bound_rules(user, namespace)):
+        if any(
+            _rule_allows(rule, verb, api_group, resource, subresource, name)
+            for rule in self._bound_rules(user, namespace)
+        ):
             return None
         requested = f"{resource}/{subresource}" if subresource else resource
         where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
-        reason = (f'User "{user.username}" cannot {verb} resource "{requested}" '
-                  f'in API group "{api_group}" {where}')
+        reason = f'User "{user.username}" cannot {verb} resource "{requested}" in API group "{api_group}" {where}'
         return forbidden_message(api_group, resource, name, reason)
 
 
@@ -200,17 +202,27 @@ def _resource_listed(resources: list[str] | None, resource: str, subresource: st
     return False
 
 
-def _rule_matches(rule: dict[str, Any], operation: str, api_group: str, api_version: str,
-                  resource: str, subresource: str, namespace: str, name: str) -> bool:
+def _rule_matches(
+    rule: dict[str, Any],
+    operation: str,
+    api_group: str,
+    api_version: str,
+    resource: str,
+    subresource: str,
+    namespace: str,
+    name: str,
+) -> bool:
     scope = rule.get("scope", "*")
     if scope == "Cluster" and namespace or scope == "Namespaced" and not namespace:
         return False
     if rule.get("resourceNames") and name not in rule["resourceNames"]:
         return False
-    return (_listed(rule.get("operations"), operation)
-            and _listed(rule.get("apiGroups"), api_group)
-            and _listed(rule.get("apiVersions"), api_version)
-            and _resource_listed(rule.get("resources"), resource, subresource))
+    return (
+        _listed(rule.get("operations"), operation)
+        and _listed(rule.get("apiGroups"), api_group)
+        and _listed(rule.get("apiVersions"), api_version)
+        and _resource_listed(rule.get("resources"), resource, subresource)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,7 +296,7 @@ class _LazyVariables(celtypes.MapType):
 class _Policy:
     name: str
     spec: dict[str, Any]
-    match_conditions: list[tuple[str, str, Any]]   # (name, expression, program)
+    match_conditions: list[tuple[str, str, Any]]  # (name, expression, program)
     variables: dict[str, tuple[str, Any]]
     validations: list[tuple[dict[str, Any], Any, Any]]  # (validation, program, messageExpression program)
     compile_error: str | None
@@ -294,13 +306,14 @@ def _load_policy(obj: dict[str, Any]) -> _Policy:
     spec = obj.get("spec") or {}
     name = obj["metadata"]["name"]
     try:
-        conditions = [(c["name"], c["expression"], _compile(c["expression"]))
-                      for c in spec.get("matchConditions") or []]
-        variables = {v["name"]: (v["expression"], _compile(v["expression"]))
-                     for v in spec.get("variables") or []}
-        validations = [(v, _compile(v["expression"]),
-                        _compile(v["messageExpression"]) if v.get("messageExpression") else None)
-                       for v in spec.get("validations") or []]
+        conditions = [
+            (c["name"], c["expression"], _compile(c["expression"])) for c in spec.get("matchConditions") or []
+        ]
+        variables = {v["name"]: (v["expression"], _compile(v["expression"])) for v in spec.get("variables") or []}
+        validations = [
+            (v, _compile(v["expression"]), _compile(v["messageExpression"]) if v.get("messageExpression") else None)
+            for v in spec.get("validations") or []
+        ]
         return _Policy(name, spec, conditions, variables, validations, None)
     except _CelError as exc:
         return _Policy(name, spec, [], {}, [], str(exc))
@@ -325,8 +338,9 @@ class AdmissionPolicies:
     # -- matching -----------------------------------------------------------------------------
 
     @staticmethod
-    def _matches(match: dict[str, Any] | None, request: dict[str, Any], obj, old_obj,
-                 namespace_labels: dict[str, str]) -> bool:
+    def _matches(
+        match: dict[str, Any] | None, request: dict[str, Any], obj, old_obj, namespace_labels: dict[str, str]
+    ) -> bool:
         """matchConstraints / matchResources against a request (None: match everything)."""
         if match is None:
             return True
@@ -334,12 +348,17 @@ class AdmissionPolicies:
         if request["namespace"] and not selector_matches(match.get("namespaceSelector"), namespace_labels):
             return False
         selector = match.get("objectSelector")
-        if selector and not (selector_matches(selector, _labels(obj))
-                             or selector_matches(selector, _labels(old_obj))):
+        if selector and not (selector_matches(selector, _labels(obj)) or selector_matches(selector, _labels(old_obj))):
             return False
-        args = (request["operation"], request["resource"]["group"], request["resource"]["version"],
-                request["resource"]["resource"], request["subResource"], request["namespace"],
-                request["name"])
+        args = (
+            request["operation"],
+            request["resource"]["group"],
+            request["resource"]["version"],
+            request["resource"]["resource"],
+            request["subResource"],
+            request["namespace"],
+            request["name"],
+        )
         if any(_rule_matches(rule, *args) for rule in match.get("excludeResourceRules") or []):
             return False
         rules = match.get("resourceRules") or []
@@ -348,8 +367,9 @@ class AdmissionPolicies:
     # -- evaluation ---------------------------------------------------------------------------
 
     @staticmethod
-    def _activation(policy: _Policy, user: UserInfo, request: dict[str, Any], obj, old_obj,
-                    namespace_obj) -> dict[str, Any]:
+    def _activation(
+        policy: _Policy, user: UserInfo, request: dict[str, Any], obj, old_obj, namespace_obj
+    ) -> dict[str, Any]:
         activation: dict[str, Any] = {
             "object": celpy.json_to_cel(obj),
             "oldObject": celpy.json_to_cel(old_obj),
@@ -398,18 +418,32 @@ class AdmissionPolicies:
             failures.append((validation.get("reason", "Invalid"), message))
         return failures
 
-    def admit(self, user: UserInfo, operation: str, api_group: str, api_version: str, resource: str,
-              subresource: str, namespace: str, name: str, obj: dict[str, Any] | None,
-              old_obj: dict[str, Any] | None, namespace_obj: dict[str, Any] | None
-              ) -> tuple[int, str] | None:
+    def admit(
+        self,
+        user: UserInfo,
+        operation: str,
+        api_group: str,
+        api_version: str,
+        resource: str,
+        subresource: str,
+        namespace: str,
+        name: str,
+        obj: dict[str, Any] | None,
+        old_obj: dict[str, Any] | None,
+        namespace_obj: dict[str, Any] | None,
+    ) -> tuple[int, str] | None:
         """None when every bound policy admits the request, else (HTTP code, the apiserver's
         message) of the first denial. ``operation`` is CREATE/UPDATE/DELETE/CONNECT (a PATCH is
         an UPDATE with both objects, as the apiserver hands it to admission)."""
         self.warnings = []
         source = obj if obj is not None else old_obj
         # admission.NewForbidden names the object being created by its name or generateName.
-        shown_name = name or ((source or {}).get("metadata") or {}).get("name") \
-            or ((source or {}).get("metadata") or {}).get("generateName") or ""
+        shown_name = (
+            name
+            or ((source or {}).get("metadata") or {}).get("name")
+            or ((source or {}).get("metadata") or {}).get("generateName")
+            or ""
+        )
         kind = (source or {}).get("kind", "")
         request = {
             "uid": "fake-admission-request",
@@ -429,8 +463,11 @@ class AdmissionPolicies:
         if namespace:  # the apiserver labels every namespace with its name
             namespace_labels.setdefault("kubernetes.io/metadata.name", namespace)
         if namespace and namespace_obj is None:
-            namespace_obj = {"apiVersion": "v1", "kind": "Namespace",
-                             "metadata": {"name": namespace, "labels": namespace_labels}}
+            namespace_obj = {
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": namespace, "labels": namespace_labels},
+            }
         if not namespace:
             namespace_obj = None
         denial = None
@@ -440,8 +477,9 @@ class AdmissionPolicies:
                 continue  # a binding to a missing policy: nothing to enforce here
             if not self._matches(policy.spec.get("matchConstraints"), request, obj, old_obj, namespace_labels):
                 continue
-            if not self._matches((binding.get("spec") or {}).get("matchResources"), request, obj, old_obj,
-                                 namespace_labels):
+            if not self._matches(
+                (binding.get("spec") or {}).get("matchResources"), request, obj, old_obj, namespace_labels
+            ):
                 continue
             activation = self._activation(policy, user, request, obj, old_obj, namespace_obj)
             actions = (binding.get("spec") or {}).get("validationActions") or []
@@ -449,10 +487,14 @@ class AdmissionPolicies:
             for reason, message in self._evaluate_policy(policy, activation):
                 if "Deny" in actions:
                     if denial is None:
-                        text = (f"ValidatingAdmissionPolicy '{policy.name}' with binding "
-                                f"'{binding_name}' denied request: {message}")
-                        denial = (REASON_CODES.get(reason, 422),
-                                  forbidden_message(api_group, resource, shown_name, text))
+                        text = (
+                            f"ValidatingAdmissionPolicy '{policy.name}' with binding "
+                            f"'{binding_name}' denied request: {message}"
+                        )
+                        denial = (
+                            REASON_CODES.get(reason, 422),
+                            forbidden_message(api_group, resource, shown_name, text),
+                        )
                 elif "Warn" in actions or "Audit" in actions:
                     self.warnings.append((policy.name, binding_name, message))
         return denial

@@ -13,10 +13,11 @@ import time
 
 import kubernetes
 import pytest
-from control.support import MEASURED
-from control.fakes.eks_cluster import cluster  # noqa: F401  (fixture)
-from control.fake_kube import FakeKube, Request, fake_kube, pod_security_violations, schema_problems  # noqa: F401  (fixture)
 from kubernetes.client.exceptions import ApiException
+
+from control.fake_kube import FakeKube, Request, fake_kube, pod_security_violations, schema_problems  # noqa: F401  (fixture)
+from control.fakes.eks_cluster import cluster  # noqa: F401  (fixture)
+from control.support import MEASURED
 
 NS = "training"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
@@ -25,27 +26,47 @@ GPU_TAINT = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
 def training_job(name: str, completions: int = 2, *, gpus: int = 8, backoff_limit: int = 0) -> dict:
     """An Indexed job shaped like the EKS backend's: one pod per node, FailJob on 75, Ignore disruptions."""
     return {
-        "apiVersion": "batch/v1", "kind": "Job",
+        "apiVersion": "batch/v1",
+        "kind": "Job",
         "metadata": {"name": name, "labels": {"app": "fsdp"}},
         "spec": {
-            "completionMode": "Indexed", "completions": completions, "parallelism": completions,
+            "completionMode": "Indexed",
+            "completions": completions,
+            "parallelism": completions,
             "backoffLimit": backoff_limit,
-            "podFailurePolicy": {"rules": [
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                {"action": "FailJob",
-                 "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [75, 78]}},
-            ]},
+            "podFailurePolicy": {
+                "rules": [
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+                    {
+                        "action": "FailJob",
+                        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [75, 78]},
+                    },
+                ]
+            },
             "template": {
                 "metadata": {"labels": {"app": "fsdp", "run": name}},
                 "spec": {
-                    "restartPolicy": "Never", "subdomain": name,
+                    "restartPolicy": "Never",
+                    "subdomain": name,
                     "nodeSelector": {"node-type": "gpu"},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                    "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-                        {"labelSelector": {"matchLabels": {"batch.kubernetes.io/job-name": name}},
-                         "topologyKey": "kubernetes.io/hostname"}]}},
-                    "containers": [{"name": "trainer", "image": "trainer:1",
-                                    "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}],
+                    "affinity": {
+                        "podAntiAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": [
+                                {
+                                    "labelSelector": {"matchLabels": {"batch.kubernetes.io/job-name": name}},
+                                    "topologyKey": "kubernetes.io/hostname",
+                                }
+                            ]
+                        }
+                    },
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": "trainer:1",
+                            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}},
+                        }
+                    ],
                 },
             },
         },
@@ -53,16 +74,25 @@ def training_job(name: str, completions: int = 2, *, gpus: int = 8, backoff_limi
 
 
 def add_gpu_node(kube: FakeKube, name: str, **kwargs) -> None:
-    kube.add_node(name, labels={"node-type": "gpu"}, taints=[GPU_TAINT],
-                  allocatable={"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"}, **kwargs)
+    kube.add_node(
+        name,
+        labels={"node-type": "gpu"},
+        taints=[GPU_TAINT],
+        allocatable={"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "4"},
+        **kwargs,
+    )
 
 
 @pytest.fixture
 def kube(fake_kube):
     yield fake_kube
     assert fake_kube.errors == []  # the fake itself never crashed on a request
-    for res, schema in (("pods", "pod-v1.json"), ("jobs", "job-batch-v1.json"), ("nodes", "node-v1.json"),
-                        ("events", "event-v1.json")):  # what the fake makes is valid 1.33 API too
+    for res, schema in (
+        ("pods", "pod-v1.json"),
+        ("jobs", "job-batch-v1.json"),
+        ("nodes", "node-v1.json"),
+        ("events", "event-v1.json"),
+    ):  # what the fake makes is valid 1.33 API too
         for obj in [o for (r, _), o in _stored(fake_kube) if r == res]:
             assert schema_problems(obj, schema) == [], (res, obj["metadata"]["name"])
 
@@ -85,18 +115,24 @@ def error(exc: pytest.ExceptionInfo) -> dict:
 def test_indexed_job_pods_land_one_per_matching_node(kube, api):
     add_gpu_node(kube, "gpu-a")
     add_gpu_node(kube, "gpu-b")
-    kube.add_node("cpu-a", labels={"node-type": "cpu"})                       # selector mismatch
-    add_gpu_node(kube, "gpu-cordoned", unschedulable=True)                    # cordoned
-    add_gpu_node(kube, "gpu-sick", ready=False)                               # NotReady
-    kube.add_node("gpu-other", labels={"node-type": "gpu"}, allocatable={"nvidia.com/gpu": "8"},
-                  taints=[{"key": "dedicated", "value": "other", "effect": "NoSchedule"}])  # untolerated taint
+    kube.add_node("cpu-a", labels={"node-type": "cpu"})  # selector mismatch
+    add_gpu_node(kube, "gpu-cordoned", unschedulable=True)  # cordoned
+    add_gpu_node(kube, "gpu-sick", ready=False)  # NotReady
+    kube.add_node(
+        "gpu-other",
+        labels={"node-type": "gpu"},
+        allocatable={"nvidia.com/gpu": "8"},
+        taints=[{"key": "dedicated", "value": "other", "effect": "NoSchedule"}],
+    )  # untolerated taint
     batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
 
     # 1 GPU per pod: only the anti-affinity keeps the three pods on three different nodes.
     job = batch.create_namespaced_job(NS, training_job("run-a", completions=3, gpus=1))
     assert job.spec.selector.match_labels == {"batch.kubernetes.io/controller-uid": job.metadata.uid}
-    pods = {p.metadata.annotations["batch.kubernetes.io/job-completion-index"]: p
-            for p in core.list_namespaced_pod(NS, label_selector="job-name=run-a").items}
+    pods = {
+        p.metadata.annotations["batch.kubernetes.io/job-completion-index"]: p
+        for p in core.list_namespaced_pod(NS, label_selector="job-name=run-a").items
+    }
     assert sorted(pods) == ["0", "1", "2"]
     for index, pod in pods.items():
         assert pod.metadata.name.startswith(f"run-a-{index}-") and len(pod.metadata.name) == len(f"run-a-{index}-") + 5
@@ -111,13 +147,17 @@ def test_indexed_job_pods_land_one_per_matching_node(kube, api):
     scheduled = next(c for c in pending.status.conditions if c.type == "PodScheduled")
     assert (scheduled.status, scheduled.reason) == ("False", "Unschedulable")
     assert scheduled.message.startswith("0/6 nodes are available: ")
-    for reason in ("1 node(s) didn't match Pod's node affinity/selector",
-                   "2 node(s) didn't match pod anti-affinity rules",
-                   "untolerated taint {dedicated: other}", "untolerated taint {node.kubernetes.io/not-ready: }",
-                   "1 node(s) were unschedulable"):
+    for reason in (
+        "1 node(s) didn't match Pod's node affinity/selector",
+        "2 node(s) didn't match pod anti-affinity rules",
+        "untolerated taint {dedicated: other}",
+        "untolerated taint {node.kubernetes.io/not-ready: }",
+        "1 node(s) were unschedulable",
+    ):
         assert reason in scheduled.message
-    events = core.list_namespaced_event(NS, field_selector=f"involvedObject.name={pending.metadata.name},"
-                                                           "involvedObject.kind=Pod").items
+    events = core.list_namespaced_event(
+        NS, field_selector=f"involvedObject.name={pending.metadata.name},involvedObject.kind=Pod"
+    ).items
     assert [e.reason for e in events] == ["FailedScheduling"] and events[0].type == "Warning"
     status = batch.read_namespaced_job_status("run-a", NS).status
     assert (status.active, status.ready, status.failed) == (3, 2, None)
@@ -171,20 +211,33 @@ def test_strict_validation_rejects_unknown_fields_and_accepts_valid_objects(kube
     with pytest.raises(ApiException) as exc:
         batch.create_namespaced_job(NS, training_job("good"))
     assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
-        409, "AlreadyExists", 'jobs.batch "good" already exists')
+        409,
+        "AlreadyExists",
+        'jobs.batch "good" already exists',
+    )
 
     # Typed client objects serialize to valid bodies; generateName and server-set metadata are filled.
-    service = core.create_namespaced_service(NS, kubernetes.client.V1Service(
-        metadata=kubernetes.client.V1ObjectMeta(generate_name="rdzv-"),
-        spec=kubernetes.client.V1ServiceSpec(cluster_ip="None", selector={"run": "good"},
-                                             ports=[kubernetes.client.V1ServicePort(port=29500, name="c10d")])))
+    service = core.create_namespaced_service(
+        NS,
+        kubernetes.client.V1Service(
+            metadata=kubernetes.client.V1ObjectMeta(generate_name="rdzv-"),
+            spec=kubernetes.client.V1ServiceSpec(
+                cluster_ip="None",
+                selector={"run": "good"},
+                ports=[kubernetes.client.V1ServicePort(port=29500, name="c10d")],
+            ),
+        ),
+    )
     assert service.metadata.name.startswith("rdzv-") and service.metadata.uid and service.metadata.namespace == NS
     assert service.spec.cluster_ip == "None" and service.spec.ports[0].protocol == "TCP"
     assert int(service.metadata.resource_version) > 0 and service.metadata.creation_timestamp.tzinfo is not None
     with pytest.raises(ApiException) as exc:
         core.read_namespaced_service("missing", NS)
     assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
-        404, "NotFound", 'services "missing" not found')
+        404,
+        "NotFound",
+        'services "missing" not found',
+    )
 
     # A server-side dry run validates without storing.
     dry_pod = {"metadata": {"name": "dry"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
@@ -202,8 +255,10 @@ def test_pod_failure_policy_fail_job_on_exit_75_deletes_the_other_pods(kube, api
 
     job = batch.read_namespaced_job_status("run-b", NS)
     failed = {c.type: c for c in job.status.conditions}
-    expected = (f"Container trainer for pod {NS}/{pod0['metadata']['name']} failed with exit code 75 "
-                "matching FailJob rule at index 0")
+    expected = (
+        f"Container trainer for pod {NS}/{pod0['metadata']['name']} failed with exit code 75 "
+        "matching FailJob rule at index 0"
+    )
     for type_ in ("FailureTarget", "Failed"):
         condition = failed[type_]
         assert (condition.status, condition.reason, condition.message) == ("True", "PodFailurePolicy", expected)
@@ -226,8 +281,9 @@ def test_disruptions_are_ignored_and_replaced_while_other_failures_count_to_back
 
     # Eviction (Ignore on DisruptionTarget): the pod goes, a new pod for index 1 comes, nothing counted.
     evicted = by_index()["run-c-1"]["metadata"]["name"]
-    core.create_namespaced_pod_eviction(evicted, NS, kubernetes.client.V1Eviction(
-        metadata=kubernetes.client.V1ObjectMeta(name=evicted, namespace=NS)))
+    core.create_namespaced_pod_eviction(
+        evicted, NS, kubernetes.client.V1Eviction(metadata=kubernetes.client.V1ObjectMeta(name=evicted, namespace=NS))
+    )
     with pytest.raises(ApiException) as exc:
         core.read_namespaced_pod(evicted, NS)
     assert exc.value.status == 404
@@ -276,8 +332,10 @@ def test_a_lost_nodes_pod_keeps_its_index_until_terminal_then_is_replaced_for_th
 
     node = core.read_node(lost["spec"]["nodeName"])
     assert {c.type: c.status for c in node.status.conditions}["Ready"] == "Unknown"
-    assert {(t.key, t.effect) for t in node.spec.taints} >= {("node.kubernetes.io/unreachable", "NoSchedule"),
-                                                            ("node.kubernetes.io/unreachable", "NoExecute")}
+    assert {(t.key, t.effect) for t in node.spec.taints} >= {
+        ("node.kubernetes.io/unreachable", "NoSchedule"),
+        ("node.kubernetes.io/unreachable", "NoExecute"),
+    }
     terminating = core.read_namespaced_pod(lost["metadata"]["name"], NS)
     assert terminating.metadata.deletion_timestamp is not None and terminating.status.phase == "Running"
     disruption = {c.type: c for c in terminating.status.conditions}["DisruptionTarget"]
@@ -287,8 +345,13 @@ def test_a_lost_nodes_pod_keeps_its_index_until_terminal_then_is_replaced_for_th
     assert len(kube.pods(NS, "run-l")) == 3  # no replacement while the old pod is Terminating
 
     # Evicting it (a drain, replace_nodes) changes nothing: no kubelet is left to end it.
-    core.create_namespaced_pod_eviction(lost["metadata"]["name"], NS, kubernetes.client.V1Eviction(
-        metadata=kubernetes.client.V1ObjectMeta(name=lost["metadata"]["name"], namespace=NS)))
+    core.create_namespaced_pod_eviction(
+        lost["metadata"]["name"],
+        NS,
+        kubernetes.client.V1Eviction(
+            metadata=kubernetes.client.V1ObjectMeta(name=lost["metadata"]["name"], namespace=NS)
+        ),
+    )
     assert core.read_namespaced_pod(lost["metadata"]["name"], NS).status.phase == "Running"
     assert len(kube.pods(NS, "run-l")) == 3
 
@@ -328,7 +391,9 @@ def test_success_sets_success_criteria_and_complete(kube, api):
     kube.succeed_pods(NS, "run-d")
     status = batch.read_namespaced_job_status("run-d", NS).status
     assert [(c.type, c.status, c.reason) for c in status.conditions] == [
-        ("SuccessCriteriaMet", "True", "CompletionsReached"), ("Complete", "True", "CompletionsReached")]
+        ("SuccessCriteriaMet", "True", "CompletionsReached"),
+        ("Complete", "True", "CompletionsReached"),
+    ]
     assert (status.succeeded, status.completed_indexes, status.active) == (2, "0-1", None)
     assert status.start_time is not None and status.completion_time is not None
 
@@ -338,18 +403,31 @@ def test_node_patch_cordon_and_taint_in_all_three_patch_types(kube, api):
     core = kubernetes.client.CoreV1Api(api)
     # Strategic merge (the client's choice for a dict body): taints are an atomic list, replaced whole.
     quarantine = {"key": "fsdp.example.com/quarantine", "value": "xid-79", "effect": "NoSchedule"}
-    node = core.patch_node("gpu-a", {"spec": {"unschedulable": True, "taints": [GPU_TAINT, quarantine]},
-                                     "metadata": {"labels": {"fsdp.example.com/health": "bad"}}})
+    node = core.patch_node(
+        "gpu-a",
+        {
+            "spec": {"unschedulable": True, "taints": [GPU_TAINT, quarantine]},
+            "metadata": {"labels": {"fsdp.example.com/health": "bad"}},
+        },
+    )
     assert node.spec.unschedulable is True
     assert [t.key for t in node.spec.taints] == [GPU_TAINT["key"], quarantine["key"]]
     assert node.metadata.labels["fsdp.example.com/health"] == "bad" and node.metadata.labels["node-type"] == "gpu"
     # Merge patch and JSON patch, both as the client sends them.
     core.patch_node("gpu-a", {"spec": {"taints": [GPU_TAINT]}}, _content_type="application/merge-patch+json")
     assert kube.node("gpu-a")["spec"]["taints"] == [GPU_TAINT]
-    core.patch_node("gpu-a", [{"op": "add", "path": "/spec/taints/-", "value": quarantine},
-                              {"op": "replace", "path": "/spec/unschedulable", "value": False}])
-    assert kube.node("gpu-a")["spec"] == {**kube.node("gpu-a")["spec"], "taints": [GPU_TAINT, quarantine],
-                                          "unschedulable": False}
+    core.patch_node(
+        "gpu-a",
+        [
+            {"op": "add", "path": "/spec/taints/-", "value": quarantine},
+            {"op": "replace", "path": "/spec/unschedulable", "value": False},
+        ],
+    )
+    assert kube.node("gpu-a")["spec"] == {
+        **kube.node("gpu-a")["spec"],
+        "taints": [GPU_TAINT, quarantine],
+        "unschedulable": False,
+    }
     # Untolerated quarantine taint: a new job's pod stays pending until the taint goes.
     kubernetes.client.BatchV1Api(api).create_namespaced_job(NS, training_job("run-e", completions=1))
     assert kube.pods(NS, "run-e")[0]["status"]["phase"] == "Pending"
@@ -407,8 +485,13 @@ def test_label_and_field_selectors(kube, api):
 def test_pod_log_honours_tail_lines_and_container(kube, api):
     kube.add_node("cpu-a")
     core = kubernetes.client.CoreV1Api(api)
-    core.create_namespaced_pod(NS, {"metadata": {"name": "two"}, "spec": {"containers": [
-        {"name": "trainer", "image": "t"}, {"name": "sidecar", "image": "s"}]}})
+    core.create_namespaced_pod(
+        NS,
+        {
+            "metadata": {"name": "two"},
+            "spec": {"containers": [{"name": "trainer", "image": "t"}, {"name": "sidecar", "image": "s"}]},
+        },
+    )
     kube.set_pod_log(NS, "two", "".join(f"step {i}\n" for i in range(10)), container="trainer")
     kube.logs[(NS, "two", "sidecar")] = "sidecar up\n"
 
@@ -470,9 +553,18 @@ def test_job_deletion_propagation_and_nodeclaim_deletion(kube, api):
     assert orphan["status"]["phase"] == "Running" and orphan["metadata"]["ownerReferences"] == []
     # The Job's Service goes with it (the garbage collector follows ownerReferences).
     owner = kube.job(NS, "drop")
-    core.create_namespaced_service(NS, {"metadata": {"name": "drop", "ownerReferences": [
-        {"apiVersion": "batch/v1", "kind": "Job", "name": "drop", "uid": owner["metadata"]["uid"]}]},
-        "spec": {"clusterIP": "None", "ports": [{"port": 29500}]}})
+    core.create_namespaced_service(
+        NS,
+        {
+            "metadata": {
+                "name": "drop",
+                "ownerReferences": [
+                    {"apiVersion": "batch/v1", "kind": "Job", "name": "drop", "uid": owner["metadata"]["uid"]}
+                ],
+            },
+            "spec": {"clusterIP": "None", "ports": [{"port": 29500}]},
+        },
+    )
     foreground = kubernetes.client.V1DeleteOptions(propagation_policy="Foreground")
     status = batch.delete_namespaced_job("drop", NS, body=foreground)
     assert status.status == "Success" and kube.pods(NS, "drop") == []
@@ -523,8 +615,13 @@ def test_kubernetes_asyncio_and_kubeconfig(kube, tmp_path):
             assert node.spec.unschedulable is True
             nodes = (await core.list_node(field_selector="spec.unschedulable=true")).items
             assert [n.metadata.name for n in nodes] == ["gpu-a"]
-            await core.create_namespaced_pod_eviction(pods[0].metadata.name, NS, kubernetes_asyncio.client.V1Eviction(
-                metadata=kubernetes_asyncio.client.V1ObjectMeta(name=pods[0].metadata.name, namespace=NS)))
+            await core.create_namespaced_pod_eviction(
+                pods[0].metadata.name,
+                NS,
+                kubernetes_asyncio.client.V1Eviction(
+                    metadata=kubernetes_asyncio.client.V1ObjectMeta(name=pods[0].metadata.name, namespace=NS)
+                ),
+            )
             pending = [p for p in (await core.list_namespaced_pod(NS)).items if p.status.phase == "Pending"]
             assert len(pending) == 1  # the only free GPU node is cordoned
             await batch.delete_namespaced_job("async", NS, propagation_policy="Background")
@@ -540,14 +637,43 @@ def test_non_indexed_job_node_affinity_pod_delete_and_events(kube, api):
     kube.add_node("p5-a", labels={"node.kubernetes.io/instance-type": "p5.48xlarge"})
     kube.add_node("p4-a", labels={"node.kubernetes.io/instance-type": "p4d.24xlarge"})
     batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
-    job = {"metadata": {"name": "plain"}, "spec": {"completions": 2, "parallelism": 2, "backoffLimit": 3, "template": {
-        "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "busybox"}],
-                 "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                     {"matchExpressions": [{"key": "node.kubernetes.io/instance-type", "operator": "In",
-                                            "values": ["p5.48xlarge", "p5e.48xlarge"]}]}]}}}}}}}
+    job = {
+        "metadata": {"name": "plain"},
+        "spec": {
+            "completions": 2,
+            "parallelism": 2,
+            "backoffLimit": 3,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "main", "image": "busybox"}],
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {
+                                        "matchExpressions": [
+                                            {
+                                                "key": "node.kubernetes.io/instance-type",
+                                                "operator": "In",
+                                                "values": ["p5.48xlarge", "p5e.48xlarge"],
+                                            }
+                                        ]
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                }
+            },
+        },
+    }
     created = batch.create_namespaced_job(NS, job)
     assert (created.spec.completion_mode, created.spec.backoff_limit, created.spec.pod_replacement_policy) == (
-        "NonIndexed", 3, "TerminatingOrFailed")
+        "NonIndexed",
+        3,
+        "TerminatingOrFailed",
+    )
     pods = kube.pods(NS, "plain")
     assert len(pods) == 2 and {p["spec"]["nodeName"] for p in pods} == {"p5-a"}
     assert all(p["metadata"]["name"].startswith("plain-") and "hostname" not in p["spec"] for p in pods)
@@ -566,17 +692,26 @@ def test_non_indexed_job_node_affinity_pod_delete_and_events(kube, api):
     # Pod labels (strategic merge on the pod) and pod conditions (merged by type on pods/status).
     name = kube.pods(NS, "plain")[0]["metadata"]["name"]
     core.patch_namespaced_pod(name, NS, {"metadata": {"labels": {"checked": "yes"}}})
-    core.patch_namespaced_pod_status(name, NS, {"status": {"conditions": [
-        {"type": "fsdp.example.com/Drained", "status": "True", "reason": "Checked"}]}})
+    core.patch_namespaced_pod_status(
+        name,
+        NS,
+        {"status": {"conditions": [{"type": "fsdp.example.com/Drained", "status": "True", "reason": "Checked"}]}},
+    )
     pod = core.read_namespaced_pod(name, NS)
     assert pod.metadata.labels["checked"] == "yes" and pod.metadata.labels["job-name"] == "plain"
     assert {c.type for c in pod.status.conditions} >= {"PodScheduled", "Ready", "fsdp.example.com/Drained"}
 
     # Events can be created too (strictly validated); nodes can be deleted through the API.
-    event = core.create_namespaced_event(NS, kubernetes.client.CoreV1Event(
-        metadata=kubernetes.client.V1ObjectMeta(generate_name="plain."), reason="RunRestarted", type="Normal",
-        message="restart 1 of 3",
-        involved_object=kubernetes.client.V1ObjectReference(kind="Job", name="plain", namespace=NS)))
+    event = core.create_namespaced_event(
+        NS,
+        kubernetes.client.CoreV1Event(
+            metadata=kubernetes.client.V1ObjectMeta(generate_name="plain."),
+            reason="RunRestarted",
+            type="Normal",
+            message="restart 1 of 3",
+            involved_object=kubernetes.client.V1ObjectReference(kind="Job", name="plain", namespace=NS),
+        ),
+    )
     listed = core.list_namespaced_event(NS, field_selector="reason=RunRestarted").items
     assert [e.metadata.name for e in listed] == [event.metadata.name]
     assert core.delete_node("p4-a").status == "Success" and [n["metadata"]["name"] for n in kube.nodes()] == ["p5-a"]
@@ -585,6 +720,7 @@ def test_non_indexed_job_node_affinity_pod_delete_and_events(kube, api):
 # ---------------------------------------------------------------------------------------------
 # As strict as EKS: immutability, semantic validation, references, conflicts, Pod Security,
 # RBAC and admission policies.
+
 
 def invalid_message(call, *args, **kwargs) -> str:
     """The 422 message the apiserver answers ``call`` with."""
@@ -602,8 +738,11 @@ def test_a_jobs_template_selector_completion_mode_and_failure_policy_are_immutab
     message = invalid_message(batch.patch_namespaced_job, "fixed", NS, image)
     assert message.startswith('Job.batch "fixed" is invalid: spec.template: Invalid value: ')
     assert message.endswith(": field is immutable")
-    for path, value in (("/spec/completionMode", "NonIndexed"), ("/spec/selector/matchLabels/x", "y"),
-                        ("/spec/podFailurePolicy/rules/1/onExitCodes/values", [75])):
+    for path, value in (
+        ("/spec/completionMode", "NonIndexed"),
+        ("/spec/selector/matchLabels/x", "y"),
+        ("/spec/podFailurePolicy/rules/1/onExitCodes/values", [75]),
+    ):
         key = path.split("/")[2]
         patch = [{"op": "add", "path": path, "value": value}]
         message = invalid_message(batch.patch_namespaced_job, "fixed", NS, patch)
@@ -628,7 +767,8 @@ def test_a_jobs_template_selector_completion_mode_and_failure_policy_are_immutab
     assert core.patch_namespaced_pod(name, NS, new_image).spec.containers[0].image == "trainer:2"
     resources = [{"op": "add", "path": "/spec/containers/0/resources/limits/nvidia.com~1gpu", "value": "4"}]
     assert "spec: Forbidden: pod updates may not change fields other than" in invalid_message(
-        core.patch_namespaced_pod, name, NS, resources)
+        core.patch_namespaced_pod, name, NS, resources
+    )
 
 
 def test_semantic_validation_beyond_the_schema(kube, api):
@@ -646,47 +786,75 @@ def test_semantic_validation_beyond_the_schema(kube, api):
         return spec["template"]["spec"]["containers"][0]
 
     cases = [
-        (lambda s: rules(s)[1]["onExitCodes"].update(values=[0, 75]),
-         "spec.podFailurePolicy.rules[1].onExitCodes.values[0]: Invalid value: 0: must not be 0 for the In operator"),
-        (lambda s: rules(s)[1]["onExitCodes"].update(values=[78, 75]),
-         "spec.podFailurePolicy.rules[1].onExitCodes.values[1]: Invalid value: 75: must be ordered"),
-        (lambda s: rules(s)[1]["onExitCodes"].update(containerName="launcher"),
-         'spec.podFailurePolicy.rules[1].onExitCodes.containerName: Invalid value: "launcher": must be one of the '
-         "container or initContainer names in the pod template"),
-        (lambda s: container(s).update(resources={"requests": {"nvidia.com/gpu": "4"},
-                                                  "limits": {"nvidia.com/gpu": "8"}}),
-         'spec.template.spec.containers[0].resources.requests: Invalid value: "4": must be equal to nvidia.com/gpu '
-         "limit of 8"),
-        (lambda s: container(s).update(resources={"requests": {"vpc.amazonaws.com/efa": "4"}}),
-         "spec.template.spec.containers[0].resources.limits: Required value: Limit must be set for non "
-         "overcommitable resources (vpc.amazonaws.com/efa)"),
-        (lambda s: container(s).update(resources={"limits": {"hugepages-2Mi": "1Gi"}}),
-         "spec.template.spec.containers[0].resources: Forbidden: HugePages require cpu or memory"),
-        (lambda s: container(s).update(resources={"requests": {"hugepages-2Mi": "1Gi"},
-                                                  "limits": {"hugepages-2Mi": "2Gi", "memory": "8Gi"}}),
-         'must be equal to hugepages-2Mi limit of 2Gi'),
-        (lambda s: container(s).update(resources={"requests": {"cpu": "8"}, "limits": {"cpu": "4"}}),
-         'resources.requests: Invalid value: "8": must be less than or equal to cpu limit of 4'),
+        (
+            lambda s: rules(s)[1]["onExitCodes"].update(values=[0, 75]),
+            "spec.podFailurePolicy.rules[1].onExitCodes.values[0]: Invalid value: 0: must not be 0 for the In operator",
+        ),
+        (
+            lambda s: rules(s)[1]["onExitCodes"].update(values=[78, 75]),
+            "spec.podFailurePolicy.rules[1].onExitCodes.values[1]: Invalid value: 75: must be ordered",
+        ),
+        (
+            lambda s: rules(s)[1]["onExitCodes"].update(containerName="launcher"),
+            'spec.podFailurePolicy.rules[1].onExitCodes.containerName: Invalid value: "launcher": must be one of the '
+            "container or initContainer names in the pod template",
+        ),
+        (
+            lambda s: container(s).update(
+                resources={"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "8"}}
+            ),
+            'spec.template.spec.containers[0].resources.requests: Invalid value: "4": must be equal to nvidia.com/gpu '
+            "limit of 8",
+        ),
+        (
+            lambda s: container(s).update(resources={"requests": {"vpc.amazonaws.com/efa": "4"}}),
+            "spec.template.spec.containers[0].resources.limits: Required value: Limit must be set for non "
+            "overcommitable resources (vpc.amazonaws.com/efa)",
+        ),
+        (
+            lambda s: container(s).update(resources={"limits": {"hugepages-2Mi": "1Gi"}}),
+            "spec.template.spec.containers[0].resources: Forbidden: HugePages require cpu or memory",
+        ),
+        (
+            lambda s: container(s).update(
+                resources={"requests": {"hugepages-2Mi": "1Gi"}, "limits": {"hugepages-2Mi": "2Gi", "memory": "8Gi"}}
+            ),
+            "must be equal to hugepages-2Mi limit of 2Gi",
+        ),
+        (
+            lambda s: container(s).update(resources={"requests": {"cpu": "8"}, "limits": {"cpu": "4"}}),
+            'resources.requests: Invalid value: "8": must be less than or equal to cpu limit of 4',
+        ),
     ]
     for edit, expected in cases:
         assert expected in invalid_message(batch.create_namespaced_job, NS, job_with(edit))
     # Limits alone are fine (requests default to them), and so are cpu/memory requests below limits.
-    batch.create_namespaced_job(NS, job_with(lambda s: container(s).update(resources={
-        "requests": {"cpu": "4", "memory": "8Gi"},
-        "limits": {"cpu": "8", "memory": "8Gi", "nvidia.com/gpu": "8", "hugepages-2Mi": "1Gi"}})))
+    batch.create_namespaced_job(
+        NS,
+        job_with(
+            lambda s: container(s).update(
+                resources={
+                    "requests": {"cpu": "4", "memory": "8Gi"},
+                    "limits": {"cpu": "8", "memory": "8Gi", "nvidia.com/gpu": "8", "hugepages-2Mi": "1Gi"},
+                }
+            )
+        ),
+    )
 
     # Names per kind: a Service is a DNS-1035 label (a letter first), a Job at most 63 characters,
     # a namespace an RFC 1123 label; a pod's hostname and subdomain are RFC 1123 labels.
     service = {"metadata": {"name": "7b-llama"}, "spec": {"clusterIP": "None", "ports": [{"port": 29500}]}}
     assert 'metadata.name: Invalid value: "7b-llama": a DNS-1035 label' in invalid_message(
-        core.create_namespaced_service, NS, service)
+        core.create_namespaced_service, NS, service
+    )
     renamed = core.create_namespaced_service(NS, {**service, "metadata": {"name": "r7b-llama"}})
     assert renamed.metadata.name == "r7b-llama"
     assert batch.create_namespaced_job(NS, training_job("7b-llama", completions=1)).metadata.name == "7b-llama"
     long_name = training_job("j" * 64, completions=1)
     del long_name["spec"]["template"]["metadata"]["labels"]["run"], long_name["spec"]["template"]["spec"]["subdomain"]
     assert invalid_message(batch.create_namespaced_job, NS, long_name).endswith(
-        f'metadata.name: Invalid value: "{"j" * 64}": must be no more than 63 characters')
+        f'metadata.name: Invalid value: "{"j" * 64}": must be no more than 63 characters'
+    )
     assert "RFC 1123 label" in invalid_message(core.create_namespace, {"metadata": {"name": "team.a"}})
     pod = {"metadata": {"name": "named"}, "spec": {"hostname": "Node_0", "containers": [{"name": "c", "image": "i"}]}}
     assert 'spec.hostname: Invalid value: "Node_0"' in invalid_message(core.create_namespaced_pod, NS, pod)
@@ -694,14 +862,18 @@ def test_semantic_validation_beyond_the_schema(kube, api):
     # Ports: in range, named ports by IANA_SVC_NAME, several Service ports each with a name.
     bad_port = {"metadata": {"name": "rdzv"}, "spec": {"clusterIP": "None", "ports": [{"port": 70000}]}}
     assert "spec.ports[0].port: Invalid value: 70000: must be between 1 and 65535, inclusive" in invalid_message(
-        core.create_namespaced_service, NS, bad_port)
+        core.create_namespaced_service, NS, bad_port
+    )
     two = {"metadata": {"name": "rdzv"}, "spec": {"ports": [{"port": 29500, "name": "c10d"}, {"port": 29501}]}}
     assert "spec.ports[1].name: Required value" in invalid_message(core.create_namespaced_service, NS, two)
     pod["spec"] = {"containers": [{"name": "c", "image": "i", "ports": [{"containerPort": 0}]}]}
     assert "spec.containers[0].ports[0].containerPort: Invalid value: 0" in invalid_message(
-        core.create_namespaced_pod, NS, pod)
-    policy = {"metadata": {"name": "np"}, "spec": {"podSelector": {}, "ingress": [
-        {"from": [{}], "ports": [{"port": 29500, "endPort": 29400}]}]}}
+        core.create_namespaced_pod, NS, pod
+    )
+    policy = {
+        "metadata": {"name": "np"},
+        "spec": {"podSelector": {}, "ingress": [{"from": [{}], "ports": [{"port": 29500, "endPort": 29400}]}]},
+    }
     message = invalid_message(kubernetes.client.NetworkingV1Api(api).create_namespaced_network_policy, NS, policy)
     assert "spec.ingress[0].ports[0].endPort: Invalid value: 29400" in message
     assert "spec.ingress[0].from[0]: Required value: must specify a peer" in message
@@ -712,10 +884,18 @@ def test_references_to_service_accounts_priority_classes_and_claims_must_exist_o
     kube.add_node("cpu-a")
     batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
     scheduling = kubernetes.client.SchedulingV1Api(api)
-    kube.load([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-               {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer", "namespace": NS}},
-               {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "training"},
-                "value": 1000}])
+    kube.load(
+        [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer", "namespace": NS}},
+            {
+                "apiVersion": "scheduling.k8s.io/v1",
+                "kind": "PriorityClass",
+                "metadata": {"name": "training"},
+                "value": 1000,
+            },
+        ]
+    )
     assert [a.metadata.name for a in core.list_namespaced_service_account(NS).items] == ["trainer"]
     assert scheduling.read_priority_class("training").value == 1000
 
@@ -727,7 +907,8 @@ def test_references_to_service_accounts_priority_classes_and_claims_must_exist_o
     (event,) = [e for e in kube.events(NS, "needs-sa") if e["reason"] == "FailedCreate"]
     assert event["type"] == "Warning" and event["message"] == (
         f'Error creating: pods "needs-sa-0-" is forbidden: error looking up service account {NS}/launcher: '
-        'serviceaccount "launcher" not found')
+        'serviceaccount "launcher" not found'
+    )
     core.create_namespaced_service_account(NS, {"metadata": {"name": "launcher"}})
     assert [p["status"]["phase"] for p in kube.pods(NS, "needs-sa")] == ["Running"]  # created once it exists
 
@@ -736,34 +917,60 @@ def test_references_to_service_accounts_priority_classes_and_claims_must_exist_o
     job["spec"]["template"]["spec"]["priorityClassName"] = "urgent"
     batch.create_namespaced_job(NS, job)
     assert [e["message"] for e in kube.events(NS, "needs-pc") if e["reason"] == "FailedCreate"] == [
-        'Error creating: pods "needs-pc-0-" is forbidden: no PriorityClass with name urgent was found']
-    direct = {"metadata": {"name": "direct"}, "spec": {"serviceAccountName": "trainer", "priorityClassName": "training",
-                                                       "containers": [{"name": "c", "image": "i"}]}}
+        'Error creating: pods "needs-pc-0-" is forbidden: no PriorityClass with name urgent was found'
+    ]
+    direct = {
+        "metadata": {"name": "direct"},
+        "spec": {
+            "serviceAccountName": "trainer",
+            "priorityClassName": "training",
+            "containers": [{"name": "c", "image": "i"}],
+        },
+    }
     assert core.create_namespaced_pod(NS, direct).spec.priority == 1000
     with pytest.raises(ApiException) as exc:  # a client's own pod: 403 from the ServiceAccount admission
         core.create_namespaced_pod(NS, {**direct, "spec": {**direct["spec"], "serviceAccountName": "nobody"}})
     assert (exc.value.status, error(exc)["message"]) == (
-        403, f'pods "direct" is forbidden: error looking up service account {NS}/nobody: serviceaccount "nobody" '
-             "not found")
+        403,
+        f'pods "direct" is forbidden: error looking up service account {NS}/nobody: serviceaccount "nobody" not found',
+    )
 
     # A missing claim: the pod is created but stays Pending until the claim exists.
-    claimed = {"metadata": {"name": "claimed"}, "spec": {
-        "containers": [{"name": "c", "image": "i", "volumeMounts": [{"name": "fsx", "mountPath": "/fsx"}]}],
-        "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-training"}}]}}
+    claimed = {
+        "metadata": {"name": "claimed"},
+        "spec": {
+            "containers": [{"name": "c", "image": "i", "volumeMounts": [{"name": "fsx", "mountPath": "/fsx"}]}],
+            "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-training"}}],
+        },
+    }
     assert core.create_namespaced_pod(NS, claimed).status.phase == "Pending"
     (event,) = [e for e in kube.events(NS, "claimed") if e["reason"] == "FailedScheduling"]
     assert event["message"].startswith('0/2 nodes are available: persistentvolumeclaim "fsx-training" not found.')
-    core.create_namespaced_persistent_volume_claim(NS, {"metadata": {"name": "fsx-training"}, "spec": {
-        "accessModes": ["ReadWriteMany"], "storageClassName": "", "resources": {"requests": {"storage": "1200Gi"}}}})
+    core.create_namespaced_persistent_volume_claim(
+        NS,
+        {
+            "metadata": {"name": "fsx-training"},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "resources": {"requests": {"storage": "1200Gi"}},
+            },
+        },
+    )
     assert kube.pod(NS, "claimed")["status"]["phase"] == "Running"
     assert [c.metadata.name for c in core.list_namespaced_persistent_volume_claim(NS).items] == ["fsx-training"]
 
 
 def test_network_policies_are_served_and_strictly_validated(kube, api):
     networking = kubernetes.client.NetworkingV1Api(api)
-    policy = {"metadata": {"name": "rdzv", "labels": {"app": "fsdp"}}, "spec": {
-        "podSelector": {"matchLabels": {"fsdp-resilience/job-name": "run-a"}}, "policyTypes": ["Ingress"],
-        "ingress": [{"from": [{"podSelector": {"matchLabels": {"fsdp-resilience/job-name": "run-a"}}}]}]}}
+    policy = {
+        "metadata": {"name": "rdzv", "labels": {"app": "fsdp"}},
+        "spec": {
+            "podSelector": {"matchLabels": {"fsdp-resilience/job-name": "run-a"}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"fsdp-resilience/job-name": "run-a"}}}]}],
+        },
+    }
     created = networking.create_namespaced_network_policy(NS, policy)
     assert created.metadata.uid
     assert networking.read_namespaced_network_policy("rdzv", NS).spec.policy_types == ["Ingress"]
@@ -794,24 +1001,35 @@ def test_a_stale_resource_version_conflicts_and_a_second_controller_races_a_tain
     node = core.list_node(field_selector="metadata.name=gpu-a").items[0]  # a list is a read too
     stale = node.metadata.resource_version
     with pytest.raises(ApiException) as exc:
-        core.patch_node("gpu-a", {"metadata": {"resourceVersion": stale},
-                                  "spec": {"taints": [GPU_TAINT, quarantine]}})
+        core.patch_node("gpu-a", {"metadata": {"resourceVersion": stale}, "spec": {"taints": [GPU_TAINT, quarantine]}})
     assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
-        409, "Conflict", 'Operation cannot be fulfilled on nodes "gpu-a": the object has been modified; please apply '
-                         "your changes to the latest version and try again")
+        409,
+        "Conflict",
+        'Operation cannot be fulfilled on nodes "gpu-a": the object has been modified; please apply '
+        "your changes to the latest version and try again",
+    )
     node = core.read_node("gpu-a")
     taints = api.sanitize_for_serialization(node.spec.taints) + [quarantine]
-    core.patch_node("gpu-a", {"metadata": {"resourceVersion": node.metadata.resource_version},
-                              "spec": {"taints": taints}})
+    core.patch_node(
+        "gpu-a", {"metadata": {"resourceVersion": node.metadata.resource_version}, "spec": {"taints": taints}}
+    )
     assert {t["key"] for t in kube.node("gpu-a")["spec"]["taints"]} == {
-        GPU_TAINT["key"], quarantine["key"], unreachable["key"]}
+        GPU_TAINT["key"],
+        quarantine["key"],
+        unreachable["key"],
+    }
     # The client sent timeAdded as "+00:00"; stored as the apiserver re-encodes it (UTC, Z).
     (added,) = [t["timeAdded"] for t in kube.node("gpu-a")["spec"]["taints"] if t["key"] == unreachable["key"]]
     assert "+00:00" in str(taints) and added.endswith("Z") and "+" not in added
     # The same for a JSON patch and for a PUT with a stale resourceVersion.
     with pytest.raises(ApiException) as exc:
-        core.patch_node("gpu-a", [{"op": "replace", "path": "/metadata/resourceVersion", "value": stale},
-                                  {"op": "add", "path": "/spec/unschedulable", "value": True}])
+        core.patch_node(
+            "gpu-a",
+            [
+                {"op": "replace", "path": "/metadata/resourceVersion", "value": stale},
+                {"op": "add", "path": "/spec/unschedulable", "value": True},
+            ],
+        )
     assert exc.value.status == 409
     body = core.read_node("gpu-a")
     kube.add_node_taint("gpu-a", {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"})
@@ -822,29 +1040,54 @@ def test_a_stale_resource_version_conflicts_and_a_second_controller_races_a_tain
 
 def hardened_pod(name: str, add: list[str] | None = None) -> dict:
     """A pod as the EKS backend makes it: non-root, no escalation, drop ALL, RuntimeDefault."""
-    return {"metadata": {"name": name}, "spec": {
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [{"name": "trainer", "image": "trainer:1", "securityContext": {
-            "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"], "add": add or []}}}]}}
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "runAsGroup": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": "trainer:1",
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"], "add": add or []},
+                    },
+                }
+            ],
+        },
+    }
 
 
 def test_pod_security_violations_word_for_word():
     assert pod_security_violations(hardened_pod("p")["spec"], "restricted") == []
     ipc_lock = hardened_pod("p", add=["IPC_LOCK"])["spec"]
     assert pod_security_violations(ipc_lock, "baseline") == [
-        'non-default capabilities (container "trainer" must not include "IPC_LOCK" in '
-        "securityContext.capabilities.add)"]
+        'non-default capabilities (container "trainer" must not include "IPC_LOCK" in securityContext.capabilities.add)'
+    ]
     assert pod_security_violations(ipc_lock, "restricted")[-1] == (
         'unrestricted capabilities (container "trainer" must not include "IPC_LOCK" in '
-        "securityContext.capabilities.add)")
+        "securityContext.capabilities.add)"
+    )
     assert pod_security_violations(hardened_pod("p", add=["NET_BIND_SERVICE"])["spec"], "restricted") == []
-    plain = {"containers": [{"name": "a", "image": "i"}, {"name": "b", "image": "i", "ports": [{"containerPort": 80,
-                                                                                                 "hostPort": 80}]}],
-             "hostNetwork": True, "volumes": [{"name": "host", "hostPath": {"path": "/dev"}}]}
+    plain = {
+        "containers": [
+            {"name": "a", "image": "i"},
+            {"name": "b", "image": "i", "ports": [{"containerPort": 80, "hostPort": 80}]},
+        ],
+        "hostNetwork": True,
+        "volumes": [{"name": "host", "hostPath": {"path": "/dev"}}],
+    }
     assert pod_security_violations(plain, "privileged") == []
     assert pod_security_violations(plain, "baseline") == [
-        "host namespaces (hostNetwork=true)", 'hostPath volume ("host")', 'hostPort (container "b" uses hostPort 80)']
+        "host namespaces (hostNetwork=true)",
+        'hostPath volume ("host")',
+        'hostPort (container "b" uses hostPort 80)',
+    ]
     assert pod_security_violations(plain, "restricted")[3:] == [
         'restricted volume types (volume "host" uses restricted volume type "hostPath")',
         'allowPrivilegeEscalation != false (containers "a", "b" must set '
@@ -852,9 +1095,12 @@ def test_pod_security_violations_word_for_word():
         'unrestricted capabilities (containers "a", "b" must set securityContext.capabilities.drop=["ALL"])',
         'runAsNonRoot != true (pod or containers "a", "b" must set securityContext.runAsNonRoot=true)',
         'seccompProfile (pod or containers "a", "b" must set securityContext.seccompProfile.type to '
-        '"RuntimeDefault" or "Localhost")']
-    root = {**hardened_pod("p")["spec"], "securityContext": {"runAsUser": 0, "runAsNonRoot": True,
-                                                             "seccompProfile": {"type": "RuntimeDefault"}}}
+        '"RuntimeDefault" or "Localhost")',
+    ]
+    root = {
+        **hardened_pod("p")["spec"],
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+    }
     assert pod_security_violations(root, "restricted") == ["runAsUser=0 (pod must not set runAsUser=0)"]
 
 
@@ -862,20 +1108,28 @@ def test_pod_security_admission_enforces_and_warns_per_namespace_label(kube, api
     add_gpu_node(kube, "gpu-a")
     kube.add_node("cpu-a")
     batch, core = kubernetes.client.BatchV1Api(api), kubernetes.client.CoreV1Api(api)
-    kube.add_namespace("psa-baseline", {"pod-security.kubernetes.io/enforce": "baseline",
-                                        "pod-security.kubernetes.io/warn": "restricted"})
-    kube.add_namespace("psa-restricted", {"pod-security.kubernetes.io/enforce": "restricted",
-                                          "pod-security.kubernetes.io/enforce-version": "v1.30"})
+    kube.add_namespace(
+        "psa-baseline",
+        {"pod-security.kubernetes.io/enforce": "baseline", "pod-security.kubernetes.io/warn": "restricted"},
+    )
+    kube.add_namespace(
+        "psa-restricted",
+        {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "v1.30"},
+    )
     with pytest.raises(ApiException) as exc:
         core.create_namespaced_pod("psa-baseline", hardened_pod("efa", add=["IPC_LOCK"]))
     assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
-        403, "Forbidden", 'pods "efa" is forbidden: violates PodSecurity "baseline:latest": non-default capabilities '
-                          '(container "trainer" must not include "IPC_LOCK" in securityContext.capabilities.add)')
+        403,
+        "Forbidden",
+        'pods "efa" is forbidden: violates PodSecurity "baseline:latest": non-default capabilities '
+        '(container "trainer" must not include "IPC_LOCK" in securityContext.capabilities.add)',
+    )
     # Admitted at baseline, with a warning for what restricted would reject.
     plain = {"metadata": {"name": "plain"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
     _, code, headers = core.create_namespaced_pod_with_http_info("psa-baseline", plain)
-    assert code == 201 and headers["Warning"].startswith('299 - "would violate PodSecurity "restricted:latest": '
-                                                         "allowPrivilegeEscalation != false")
+    assert code == 201 and headers["Warning"].startswith(
+        '299 - "would violate PodSecurity "restricted:latest": allowPrivilegeEscalation != false'
+    )
     _, _, headers = core.create_namespaced_pod_with_http_info("psa-baseline", hardened_pod("hardened"))
     assert "Warning" not in headers
     core.create_namespaced_pod(NS, hardened_pod("efa", add=["IPC_LOCK"]))  # no labels: privileged
@@ -887,13 +1141,16 @@ def test_pod_security_admission_enforces_and_warns_per_namespace_label(kube, api
     assert code == 201 and 'would violate PodSecurity "restricted:v1.30"' in headers["Warning"]
     assert kube.pods("psa-restricted") == []
     (event,) = [e for e in kube.events("psa-restricted", "loose") if e["reason"] == "FailedCreate"]
-    assert event["message"].startswith('Error creating: pods "loose-0-" is forbidden: violates PodSecurity '
-                                       '"restricted:v1.30": allowPrivilegeEscalation != false (container "trainer" '
-                                       "must set securityContext.allowPrivilegeEscalation=false)")
+    assert event["message"].startswith(
+        'Error creating: pods "loose-0-" is forbidden: violates PodSecurity '
+        '"restricted:v1.30": allowPrivilegeEscalation != false (container "trainer" '
+        "must set securityContext.allowPrivilegeEscalation=false)"
+    )
     good = training_job("tight", completions=1)
     good["spec"]["template"]["spec"].update(securityContext=hardened_pod("x")["spec"]["securityContext"])
-    good["spec"]["template"]["spec"]["containers"][0]["securityContext"] = \
-        hardened_pod("x")["spec"]["containers"][0]["securityContext"]
+    good["spec"]["template"]["spec"]["containers"][0]["securityContext"] = hardened_pod("x")["spec"]["containers"][0][
+        "securityContext"
+    ]
     _, _, headers = batch.create_namespaced_job_with_http_info("psa-restricted", good)
     assert "Warning" not in headers and len(kube.pods("psa-restricted", "tight")) == 1
 
@@ -905,50 +1162,113 @@ def test_tokens_rbac_and_admission_policies_once_a_kit_is_loaded(kube, api, tmp_
     kube.add_node("cpu-a", labels={"node-type": "cpu"})
     worker, triggerer = service_account_user("airflow", "worker"), service_account_user("airflow", "triggerer")
     rbac = "rbac.authorization.k8s.io/v1"
-    kube.load([
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-        {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "launcher", "namespace": NS}, "rules": [
-            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get"]},
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
-        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "launcher", "namespace": NS},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "launcher"},
-         "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": "airflow"}]},
-        {"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": "nodes"}, "rules": [
-            {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]}]},
-        {"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": "nodes"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "nodes"},
-         "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": "airflow"},
-                      {"kind": "ServiceAccount", "name": "triggerer", "namespace": "airflow"}]},
-        # Node patches only on GPU nodes; the job controller's pods need a team label.
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-         "metadata": {"name": "gpu-nodes-only"}, "spec": {
-             "failurePolicy": "Fail",
-             "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
-                                                     "operations": ["UPDATE"], "resources": ["nodes"]}]},
-             "matchConditions": [{"name": "airflow", "expression":
-                                  "request.userInfo.username.startsWith('system:serviceaccount:airflow:')"}],
-             "validations": [{"expression": "has(oldObject.metadata.labels) && "
-                                            "'node-type' in oldObject.metadata.labels && "
-                                            "oldObject.metadata.labels['node-type'] == 'gpu'",
-                              "message": "only GPU nodes"}]}},
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-         "metadata": {"name": "gpu-nodes-only"}, "spec": {"policyName": "gpu-nodes-only",
-                                                         "validationActions": ["Deny"]}},
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-         "metadata": {"name": "team-pods"}, "spec": {
-             "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
-                                                     "operations": ["CREATE"], "resources": ["pods"]}]},
-             "matchConditions": [{"name": "job-controller", "expression":
-                                  "request.userInfo.username == 'system:serviceaccount:kube-system:job-controller'"}],
-             "validations": [{"expression": "has(object.metadata.labels) && 'team' in object.metadata.labels",
-                              "message": "pods need a team"}]}},
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
-         "metadata": {"name": "team-pods"}, "spec": {"policyName": "team-pods", "validationActions": ["Deny"]}},
-    ])
+    kube.load(
+        [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+            {
+                "apiVersion": rbac,
+                "kind": "Role",
+                "metadata": {"name": "launcher", "namespace": NS},
+                "rules": [
+                    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get"]},
+                    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                ],
+            },
+            {
+                "apiVersion": rbac,
+                "kind": "RoleBinding",
+                "metadata": {"name": "launcher", "namespace": NS},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "launcher"},
+                "subjects": [{"kind": "ServiceAccount", "name": "worker", "namespace": "airflow"}],
+            },
+            {
+                "apiVersion": rbac,
+                "kind": "ClusterRole",
+                "metadata": {"name": "nodes"},
+                "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]}],
+            },
+            {
+                "apiVersion": rbac,
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": "nodes"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "nodes"},
+                "subjects": [
+                    {"kind": "ServiceAccount", "name": "worker", "namespace": "airflow"},
+                    {"kind": "ServiceAccount", "name": "triggerer", "namespace": "airflow"},
+                ],
+            },
+            # Node patches only on GPU nodes; the job controller's pods need a team label.
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicy",
+                "metadata": {"name": "gpu-nodes-only"},
+                "spec": {
+                    "failurePolicy": "Fail",
+                    "matchConstraints": {
+                        "resourceRules": [
+                            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}
+                        ]
+                    },
+                    "matchConditions": [
+                        {
+                            "name": "airflow",
+                            "expression": "request.userInfo.username.startsWith('system:serviceaccount:airflow:')",
+                        }
+                    ],
+                    "validations": [
+                        {
+                            "expression": "has(oldObject.metadata.labels) && "
+                            "'node-type' in oldObject.metadata.labels && "
+                            "oldObject.metadata.labels['node-type'] == 'gpu'",
+                            "message": "only GPU nodes",
+                        }
+                    ],
+                },
+            },
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicyBinding",
+                "metadata": {"name": "gpu-nodes-only"},
+                "spec": {"policyName": "gpu-nodes-only", "validationActions": ["Deny"]},
+            },
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicy",
+                "metadata": {"name": "team-pods"},
+                "spec": {
+                    "matchConstraints": {
+                        "resourceRules": [
+                            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+                        ]
+                    },
+                    "matchConditions": [
+                        {
+                            "name": "job-controller",
+                            "expression": "request.userInfo.username == "
+                            "'system:serviceaccount:kube-system:job-controller'",
+                        }
+                    ],
+                    "validations": [
+                        {
+                            "expression": "has(object.metadata.labels) && 'team' in object.metadata.labels",
+                            "message": "pods need a team",
+                        }
+                    ],
+                },
+            },
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": "ValidatingAdmissionPolicyBinding",
+                "metadata": {"name": "team-pods"},
+                "spec": {"policyName": "team-pods", "validationActions": ["Deny"]},
+            },
+        ]
+    )
 
     def client(user) -> kubernetes.client.ApiClient:
         return kubernetes.config.new_client_from_config(
-            config_file=str(kube.kubeconfig(tmp_path / f"{user.username.replace(':', '-')}.json", NS, user)))
+            config_file=str(kube.kubeconfig(tmp_path / f"{user.username.replace(':', '-')}.json", NS, user))
+        )
 
     as_worker, as_triggerer, as_admin = client(worker), client(triggerer), client(ADMIN)
     try:
@@ -963,8 +1283,11 @@ def test_tokens_rbac_and_admission_policies_once_a_kit_is_loaded(kube, api, tmp_
         with pytest.raises(ApiException) as exc:
             kubernetes.client.BatchV1Api(as_triggerer).create_namespaced_job(NS, training_job("nope"))
         assert (exc.value.status, error(exc)["reason"], error(exc)["message"]) == (
-            403, "Forbidden", 'jobs.batch is forbidden: User "system:serviceaccount:airflow:triggerer" cannot create '
-                              f'resource "jobs" in API group "batch" in the namespace "{NS}"')
+            403,
+            "Forbidden",
+            'jobs.batch is forbidden: User "system:serviceaccount:airflow:triggerer" cannot create '
+            f'resource "jobs" in API group "batch" in the namespace "{NS}"',
+        )
         with pytest.raises(ApiException) as exc:  # no grant for deletes either
             kubernetes.client.BatchV1Api(as_worker).delete_namespaced_job("owned", NS)
         assert exc.value.status == 403 and 'cannot delete resource "jobs"' in error(exc)["message"]
@@ -1000,8 +1323,11 @@ def test_tokens_rbac_and_admission_policies_once_a_kit_is_loaded(kube, api, tmp_
 
 
 def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_triggerer_in_triggers(cluster):
-    from control.fakes.eks_cluster import NS as TRAINING_NS, TRIGGERER, WORKER, acting_as, add_gpu_node as add_pool_node
     from fsdp_resilience.control.triggers.node_capacity import NodeCapacityTrigger
+
+    from control.fakes.eks_cluster import NS as TRAINING_NS
+    from control.fakes.eks_cluster import TRIGGERER, WORKER, acting_as
+    from control.fakes.eks_cluster import add_gpu_node as add_pool_node
 
     kube = cluster
     add_pool_node(kube, "gpu-0")
@@ -1011,9 +1337,12 @@ def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_trigge
     try:
         job = training_job("kit-run", completions=1)
         spec = job["spec"]["template"]["spec"]
-        spec.update(serviceAccountName="fsdp-training", nodeSelector={"fsdp-resilience/pool": "gpu"},
-                    securityContext=hardened_pod("x")["spec"]["securityContext"],
-                    volumes=[{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-training"}}])
+        spec.update(
+            serviceAccountName="fsdp-training",
+            nodeSelector={"fsdp-resilience/pool": "gpu"},
+            securityContext=hardened_pod("x")["spec"]["securityContext"],
+            volumes=[{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx-training"}}],
+        )
         spec["containers"][0]["securityContext"] = hardened_pod("x")["spec"]["containers"][0]["securityContext"]
         batch.create_namespaced_job(TRAINING_NS, job)
         assert kube.requests[-1].user == WORKER
@@ -1022,8 +1351,10 @@ def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_trigge
         with acting_as(kube, TRIGGERER), pytest.raises(ApiException) as exc:
             batch.create_namespaced_job(TRAINING_NS, training_job("from-trigger"))
         assert (exc.value.status, error(exc)["message"]) == (
-            403, 'jobs.batch is forbidden: User "system:serviceaccount:airflow:airflow-triggerer" cannot create '
-                 f'resource "jobs" in API group "batch" in the namespace "{TRAINING_NS}"')
+            403,
+            'jobs.batch is forbidden: User "system:serviceaccount:airflow:airflow-triggerer" cannot create '
+            f'resource "jobs" in API group "batch" in the namespace "{TRAINING_NS}"',
+        )
         assert kube.requests[-1].user == TRIGGERER
 
         # The kit's node-write policy: the worker may cordon a GPU-pool node, not another node.
@@ -1040,8 +1371,12 @@ def test_strict_cluster_loads_the_kit_and_calls_as_worker_in_tasks_and_as_trigge
 
     # A trigger's requests (here through asyncio.to_thread) carry the triggerer's token.
     kube.clear_requests()
-    backend = {"name": "eks", "namespace": TRAINING_NS, "kubernetes_conn_id": "kubernetes_fake",
-               "image": "example.com/fsdp-training:test"}
+    backend = {
+        "name": "eks",
+        "namespace": TRAINING_NS,
+        "kubernetes_conn_id": "kubernetes_fake",
+        "image": "example.com/fsdp-training:test",
+    }
     trigger = NodeCapacityTrigger(backend=backend, nodes=1, timeout_s=30, started_at=time.time(), poll_interval_s=0.1)
 
     async def first_event():

@@ -24,8 +24,10 @@ def lane_versions() -> str:
         except PackageNotFoundError:
             return "not installed"
 
-    return (f"nvidia-resiliency-ext {installed('nvidia-resiliency-ext')}, torch {installed('torch')}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"nvidia-resiliency-ext {installed('nvidia-resiliency-ext')}, torch {installed('torch')}, "
+        f"Python {platform.python_version()}"
+    )
 
 
 def pytest_report_header(config) -> str:
@@ -38,10 +40,12 @@ SECOND_LANE = os.environ.get("TRAINING_TESTS_LANE") == "nvrx07"
 
 def pytest_configure(config) -> None:
     config.addinivalue_line(
-        "markers", "one_lane: runs on the .venv lane only (NVRx 0.4.1, the GPU image's torch), not again on the "
-                   "NVRx 0.7 lane. Only for slow tests that import nothing of NVRx and run no restart, "
-                   "checkpoint or launcher code of training/: the second lane would repeat them on "
-                   "Debian's torch, which the GPU image does not use.")
+        "markers",
+        "one_lane: runs on the .venv lane only (NVRx 0.4.1, the GPU image's torch), not again on the "
+        "NVRx 0.7 lane. Only for slow tests that import nothing of NVRx and run no restart, "
+        "checkpoint or launcher code of training/: the second lane would repeat them on "
+        "Debian's torch, which the GPU image does not use.",
+    )
 
 
 def pytest_collection_modifyitems(config, items) -> None:

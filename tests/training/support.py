@@ -11,12 +11,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared import FAST_RUN, REPO, free_port
 from fsdp_resilience.training.contract import RunConfig, read_events
 from fsdp_resilience.training.faults import LAUNCH_PID_ENV
 
-__all__ = ["FAST", "REPO", "Run", "checkpoint_tensors", "free_port", "launch", "launch_processes",
-           "run_config", "run_training", "wait_until_no_process_of", "write_config"]
+from shared import FAST_RUN, REPO, free_port
+
+__all__ = [
+    "FAST",
+    "REPO",
+    "Run",
+    "checkpoint_tensors",
+    "free_port",
+    "launch",
+    "launch_processes",
+    "run_config",
+    "run_training",
+    "wait_until_no_process_of",
+    "write_config",
+]
 
 FAST = dict(FAST_RUN, model="tiny", checkpoint_interval=3)
 
@@ -42,7 +54,7 @@ class Run:
         """The events of the newest launch (from its node-0 ``launch_begin`` on)."""
         events = self.events
         begins = [i for i, r in enumerate(events) if r["event"] == "launch_begin" and r.get("node_rank") == 0]
-        return events[begins[-1]:]
+        return events[begins[-1] :]
 
 
 def checkpoint_tensors(path: Path, out: Path) -> dict:
@@ -66,8 +78,7 @@ def checkpoint_tensors(path: Path, out: Path) -> dict:
 
 
 def write_config(tmp_path: Path, dataset: Path, run_id: str, **overrides) -> RunConfig:
-    fields = dict(FAST, run_id=run_id, run_dir=str(tmp_path / run_id), dataset_dir=str(dataset),
-                  rdzv_port=free_port())
+    fields = dict(FAST, run_id=run_id, run_dir=str(tmp_path / run_id), dataset_dir=str(dataset), rdzv_port=free_port())
     fields.update(overrides)
     cfg = RunConfig(**fields)
     (tmp_path / f"{run_id}.json").write_text(cfg.to_json())
@@ -79,8 +90,9 @@ def launch(cfg: RunConfig, cfg_path: Path, *, node_rank: int | None = None) -> s
     if node_rank is not None:
         cmd += ["--node-rank", str(node_rank), "--rdzv-host", "127.0.0.1"]
     log = open(Path(cfg_path).with_suffix(f".node{node_rank or 0}.log"), "w")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
 
 
 def launch_processes(launch_pid: int) -> list[tuple[int, str]]:
@@ -130,8 +142,9 @@ def run_config(tmp_path: Path, cfg: RunConfig, timeout: float = 400) -> Run:
     output = cfg_path.with_suffix(".node0.log").read_text()
     # The launcher reaps before it exits; a loaded machine may take a moment to show it.
     left = wait_until_no_process_of(proc.pid, timeout=10)
-    assert not left, f"processes left behind by the launcher (pid {proc.pid}):\n" + \
-        "\n".join(f"{pid} {cmd[:200]}" for pid, cmd in left)
+    assert not left, f"processes left behind by the launcher (pid {proc.pid}):\n" + "\n".join(
+        f"{pid} {cmd[:200]}" for pid, cmd in left
+    )
     return Run(cfg, rc, output)
 
 

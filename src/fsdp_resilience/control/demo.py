@@ -33,8 +33,16 @@ DRILLS = [
     {"kind": "sigkill", "step": 25, "rank": 1, "attempt": None, "node_id": "slot-0"},
 ]
 #: Short timeouts so faults resolve in seconds on a laptop CPU (see docs/reference/run-config.md).
-FAST = {"seq_len": 64, "batch_size": 4, "collective_timeout_s": 3.0, "heartbeat_timeout_s": 30.0,
-        "initial_heartbeat_timeout_s": 90.0, "hang_timeout_s": 15.0, "device": "cpu", "faults": DRILLS}
+FAST = {
+    "seq_len": 64,
+    "batch_size": 4,
+    "collective_timeout_s": 3.0,
+    "heartbeat_timeout_s": 30.0,
+    "initial_heartbeat_timeout_s": 90.0,
+    "hang_timeout_s": 15.0,
+    "device": "cpu",
+    "faults": DRILLS,
+}
 
 
 def airflow_env(root: Path) -> dict[str, str]:
@@ -71,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     backend_state = root / ".local-backend"
     if backend_state.exists():
         subprocess.run(["rm", "-rf", str(backend_state)], check=True)
-    subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [str(Path(sys.executable).with_name("airflow")), "db", "migrate"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     t0 = time.time()
     print("[demo] 1/2 stage_dataset: the Python standard library -> token shards", flush=True)
@@ -82,27 +94,50 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     run_name = time.strftime("demo-%Y%m%d-%H%M%S")
-    print(f"[demo] 2/2 fsdp_training {run_name}: 2 ranks, {args.steps} steps, drills: "
-          + ", ".join(f"{d['kind']}@{d['step']}" for d in DRILLS), flush=True)
-    state, tasks = run_dag("fsdp_training", {
-        "run_name": run_name, "dataset": "python-stdlib", "steps": args.steps, "checkpoint_interval": 5,
-        "max_restarts": 2, "max_node_replacements": 1, "run_config": FAST})
+    print(
+        f"[demo] 2/2 fsdp_training {run_name}: 2 ranks, {args.steps} steps, drills: "
+        + ", ".join(f"{d['kind']}@{d['step']}" for d in DRILLS),
+        flush=True,
+    )
+    state, tasks = run_dag(
+        "fsdp_training",
+        {
+            "run_name": run_name,
+            "dataset": "python-stdlib",
+            "steps": args.steps,
+            "checkpoint_interval": 5,
+            "max_restarts": 2,
+            "max_node_replacements": 1,
+            "run_config": FAST,
+        },
+    )
 
     run_dir = root / run_name
     from fsdp_resilience.training.contract import read_events
 
     events = read_events(run_dir / "events.jsonl")
     print(f"\n[demo] fsdp_training ended {state} in {time.time() - t0:.0f}s (both DAGs)")
-    for task_id in ("watch_checkpoints", "escalation_1.diagnose_and_replace", "escalation_1.watch",
-                    "resolve_outcome", "evaluate", "build_report", "publish"):
+    for task_id in (
+        "watch_checkpoints",
+        "escalation_1.diagnose_and_replace",
+        "escalation_1.watch",
+        "resolve_outcome",
+        "evaluate",
+        "build_report",
+        "publish",
+    ):
         print(f"  {task_id:38s} {tasks.get(task_id)}")
     print("\n[demo] the ladder, from events.jsonl")
     for r in events:
         if r["event"] == "restart_end":
-            print(f"  restart   {r['layer']:9s} {r['latency_s']:6.1f}s  (resumed at step {r['step']}, {r.get('node_id')})")
+            print(
+                f"  restart   {r['layer']:9s} {r['latency_s']:6.1f}s  (resumed at step {r['step']}, {r.get('node_id')})"
+            )
         elif r["event"] == "escalation":
-            print(f"  escalation rung {r['rung']}: {r['failure_class']} -> replaced {r['nodes']}, "
-                  f"launch {r['from_launch']} -> {r['to_launch']}")
+            print(
+                f"  escalation rung {r['rung']}: {r['failure_class']} -> replaced {r['nodes']}, "
+                f"launch {r['from_launch']} -> {r['to_launch']}"
+            )
     evaluation = run_dir / "eval.json"
     if evaluation.exists():
         e = json.loads(evaluation.read_text())

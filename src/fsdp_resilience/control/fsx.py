@@ -68,11 +68,15 @@ def file_system_id() -> str:
     """The FSx for Lustre file system of this deployment, from ``FSDP_FSX_FILE_SYSTEM_ID``."""
     value = os.environ.get(FILE_SYSTEM_ID_ENV, "").strip()
     if not value:
-        raise FsxStagingError(f"{FILE_SYSTEM_ID_ENV} is not set: set it in the Airflow workers' and triggerer's "
-                              "environment to the id of the FSx for Lustre file system (fs-...)")
+        raise FsxStagingError(
+            f"{FILE_SYSTEM_ID_ENV} is not set: set it in the Airflow workers' and triggerer's "
+            "environment to the id of the FSx for Lustre file system (fs-...)"
+        )
     if not FILE_SYSTEM_ID_RE.match(value):
-        raise FsxStagingError(f"{FILE_SYSTEM_ID_ENV}={value!r} is not an FSx file system id; it looks like "
-                              "fs-0123456789abcdef0 (aws fsx describe-file-systems lists yours)")
+        raise FsxStagingError(
+            f"{FILE_SYSTEM_ID_ENV}={value!r} is not an FSx file system id; it looks like "
+            "fs-0123456789abcdef0 (aws fsx describe-file-systems lists yours)"
+        )
     return value
 
 
@@ -106,8 +110,10 @@ def normalize_s3_uri(uri: str) -> str:
 def normalize_fs_path(path: str) -> str:
     """An absolute file-system path without '.', '..' or trailing slashes ("/" for the root)."""
     if not isinstance(path, str) or not path.startswith("/"):
-        raise FsxStagingError(f"{path!r} is not an absolute file-system path; give one like /datasets/c4 "
-                              "(relative to the file system root, not to the mount point)")
+        raise FsxStagingError(
+            f"{path!r} is not an absolute file-system path; give one like /datasets/c4 "
+            "(relative to the file system root, not to the mount point)"
+        )
     parts = [p for p in path.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise FsxStagingError(f"{path!r} contains '.' or '..' segments; give the path from the file system root")
@@ -120,8 +126,10 @@ def _under(path: str, base: str) -> bool:
 
 
 def describe_association(a: dict[str, Any]) -> str:
-    return (f"{a.get('AssociationId', '?')}: {a.get('DataRepositoryPath', '?')} <-> {a.get('FileSystemPath', '?')} "
-            f"({a.get('Lifecycle', '?')})")
+    return (
+        f"{a.get('AssociationId', '?')}: {a.get('DataRepositoryPath', '?')} <-> {a.get('FileSystemPath', '?')} "
+        f"({a.get('Lifecycle', '?')})"
+    )
 
 
 def locate(associations: Iterable[dict[str, Any]], path: str) -> tuple[dict[str, Any], str, str] | None:
@@ -138,7 +146,7 @@ def locate(associations: Iterable[dict[str, Any]], path: str) -> tuple[dict[str,
         base = repo if is_s3 else fs_root
         if not _under(target, base) or (best is not None and len(base) <= best[0]):
             continue
-        rest = target[len(base):].strip("/")
+        rest = target[len(base) :].strip("/")
         fs_path = posixpath.join(fs_root, rest) if rest else fs_root
         s3_uri = f"{repo}/{rest}" if rest else repo
         best = (len(base), a, fs_path, s3_uri)
@@ -151,15 +159,20 @@ def locate_or_raise(associations: Iterable[dict[str, Any]], path: str) -> tuple[
     found = locate(associations, path)
     if found is None:
         existing = "; ".join(describe_association(a) for a in associations) or "none"
-        raise FsxStagingError(f"no data repository association covers {path}; associations of the file system: "
-                              f"{existing}. Link the S3 prefix to a folder with a data repository association "
-                              "(aws fsx create-data-repository-association) or give a path under one of these")
+        raise FsxStagingError(
+            f"no data repository association covers {path}; associations of the file system: "
+            f"{existing}. Link the S3 prefix to a folder with a data repository association "
+            "(aws fsx create-data-repository-association) or give a path under one of these"
+        )
     association = found[0]
     if association.get("Lifecycle") not in USABLE_ASSOCIATION:
         reason = (association.get("FailureDetails") or {}).get("Message")
-        raise FsxStagingError(f"data repository association {describe_association(association)} covers {path} but "
-                              f"is not AVAILABLE{f': {reason}' if reason else ''}; wait until it is AVAILABLE, or "
-                              "fix or recreate it", retryable=association.get("Lifecycle") == "CREATING")
+        raise FsxStagingError(
+            f"data repository association {describe_association(association)} covers {path} but "
+            f"is not AVAILABLE{f': {reason}' if reason else ''}; wait until it is AVAILABLE, or "
+            "fix or recreate it",
+            retryable=association.get("Lifecycle") == "CREATING",
+        )
     return found
 
 
@@ -179,8 +192,9 @@ def task_type(kind: str) -> str:
     try:
         return TASK_TYPES[kind]
     except KeyError:
-        raise FsxStagingError(f"kind={kind!r} is not a data repository task kind; use one of "
-                              f"{', '.join(TASK_TYPES)}") from None
+        raise FsxStagingError(
+            f"kind={kind!r} is not a data repository task kind; use one of {', '.join(TASK_TYPES)}"
+        ) from None
 
 
 def task_path(kind: str, fs_path: str, s3_uri: str, folder: bool = False) -> str:
@@ -190,8 +204,10 @@ def task_path(kind: str, fs_path: str, s3_uri: str, folder: bool = False) -> str
     if kind == IMPORT:
         return s3_uri + "/" if folder else s3_uri
     if fs_path == "/":
-        raise FsxStagingError("refusing to export the whole file system: give the run dir or file to export, "
-                              "e.g. /runs/<run_id>/checkpoints")
+        raise FsxStagingError(
+            "refusing to export the whole file system: give the run dir or file to export, "
+            "e.g. /runs/<run_id>/checkpoints"
+        )
     return fs_path.lstrip("/")
 
 
@@ -244,8 +260,9 @@ def task_outcome(task: dict[str, Any]) -> tuple[str, str]:
         return FAILED, f"{what} failed: {reason}{_report_hint(task)}"
     if lifecycle == "CANCELED":
         return FAILED, f"{what} was canceled ({done} of {total} files done){_report_hint(task)}"
-    return FAILED, (f"{what} is in an unknown lifecycle {lifecycle!r}; look at it with "
-                    "aws fsx describe-data-repository-tasks")
+    return FAILED, (
+        f"{what} is in an unknown lifecycle {lifecycle!r}; look at it with aws fsx describe-data-repository-tasks"
+    )
 
 
 def task_summary(task: dict[str, Any]) -> dict[str, Any]:
@@ -255,9 +272,16 @@ def task_summary(task: dict[str, Any]) -> dict[str, Any]:
     def iso(value: Any) -> str | None:
         return value.isoformat() if isinstance(value, datetime) else value
 
-    return {"task_id": task.get("TaskId"), "type": task.get("Type"), "lifecycle": task.get("Lifecycle"),
-            "file_system_id": task.get("FileSystemId"), "paths": list(task.get("Paths") or []),
-            "report_path": report.get("Path") if report.get("Enabled") else None,
-            "total_files": status.get("TotalCount"), "succeeded_files": status.get("SucceededCount"),
-            "failed_files": status.get("FailedCount"), "start_time": iso(task.get("StartTime")),
-            "end_time": iso(task.get("EndTime"))}
+    return {
+        "task_id": task.get("TaskId"),
+        "type": task.get("Type"),
+        "lifecycle": task.get("Lifecycle"),
+        "file_system_id": task.get("FileSystemId"),
+        "paths": list(task.get("Paths") or []),
+        "report_path": report.get("Path") if report.get("Enabled") else None,
+        "total_files": status.get("TotalCount"),
+        "succeeded_files": status.get("SucceededCount"),
+        "failed_files": status.get("FailedCount"),
+        "start_time": iso(task.get("StartTime")),
+        "end_time": iso(task.get("EndTime")),
+    }

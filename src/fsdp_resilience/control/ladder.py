@@ -28,28 +28,36 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_resilience.training.contract import (
-    ConfigError,
-    Event,
-    EventLog,
-    REPLACEABLE_FAILURES,
-    RunConfig,
-    read_events,
-    what_to_do,
-)
-
 from fsdp_resilience.control import settings
 from fsdp_resilience.control.backends import LOST, BackendError, InsufficientCapacityError, JobHandle, get_backend
 from fsdp_resilience.control.backends.base import node_key
 from fsdp_resilience.control.task_data import Launch, Outcome, Run
 from fsdp_resilience.control.trusted_checkpoint import CheckpointChoice, choose_checkpoint
+from fsdp_resilience.training.contract import (
+    REPLACEABLE_FAILURES,
+    ConfigError,
+    Event,
+    EventLog,
+    RunConfig,
+    read_events,
+    what_to_do,
+)
 
 #: The graph holds this many escalation rungs; the max_node_replacements param picks how many run.
 MAX_RUNGS = 3
 
 #: Run config fields the DAG's form sets directly; the rest can come through ``run_config``.
-FORM_FIELDS = ("model", "nodes", "spare_nodes", "procs_per_node", "steps", "checkpoint_interval", "restart_mode",
-               "max_restarts", "stall_timeout_s")
+FORM_FIELDS = (
+    "model",
+    "nodes",
+    "spare_nodes",
+    "procs_per_node",
+    "steps",
+    "checkpoint_interval",
+    "restart_mode",
+    "max_restarts",
+    "stall_timeout_s",
+)
 
 #: Run config fields only the control plane sets: where the run reads and writes (under the
 #: configured roots), what it is called, and its rendezvous port. ``run_config`` may not set them:
@@ -89,22 +97,34 @@ def build_run_config(params: dict[str, Any], dag_run_id: str) -> Run:
         raise ConfigError(f"run_config must be a JSON object of run config fields, got {overrides!r}")
     placed = sorted(set(overrides) & set(PLACEMENT_FIELDS))
     if placed:
-        raise ConfigError(f"run_config may not set {', '.join(placed)}: the control plane places every run under "
-                          f"FSDP_RUNS_ROOT and FSDP_DATA_ROOT. Name the run with run_name and the dataset with dataset")
+        raise ConfigError(
+            f"run_config may not set {', '.join(placed)}: the control plane places every run under "
+            f"FSDP_RUNS_ROOT and FSDP_DATA_ROOT. Name the run with run_name and the dataset with dataset"
+        )
     dataset = params.get("dataset")
     if not isinstance(dataset, str) or not re.match(NAME_PATTERN, dataset):
-        raise ConfigError(f"dataset={dataset!r} must be the name of a staged dataset (a folder under the data "
-                          f"root: lowercase letters, digits, '-', '_', '.'), not a path")
+        raise ConfigError(
+            f"dataset={dataset!r} must be the name of a staged dataset (a folder under the data "
+            f"root: lowercase letters, digits, '-', '_', '.'), not a path"
+        )
     fields = {name: params[name] for name in FORM_FIELDS if params.get(name) is not None}
     fields.update(overrides)
     if params.get("fault_drill"):  # the form's one drill, after any run_config lists
         fields["faults"] = [*(fields.get("faults") or []), params["fault_drill"]]
-    cfg = RunConfig.from_dict({"run_id": run_id, "run_dir": str(settings.runs_root() / run_id),
-                               "dataset_dir": str(settings.data_root() / dataset),
-                               "rdzv_port": rdzv_port_for(run_id), **fields})
+    cfg = RunConfig.from_dict(
+        {
+            "run_id": run_id,
+            "run_dir": str(settings.runs_root() / run_id),
+            "dataset_dir": str(settings.data_root() / dataset),
+            "rdzv_port": rdzv_port_for(run_id),
+            **fields,
+        }
+    )
     try:  # the folders as the launchers will open them: a symlink placed under a root is followed
-        cfg = cfg.replace(run_dir=str(settings.under_root(settings.runs_root(), run_id, what="run")),
-                          dataset_dir=str(settings.under_root(settings.data_root(), dataset, what="dataset")))
+        cfg = cfg.replace(
+            run_dir=str(settings.under_root(settings.runs_root(), run_id, what="run")),
+            dataset_dir=str(settings.under_root(settings.data_root(), dataset, what="dataset")),
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
     max_replacements = int(params.get("max_node_replacements", 1))
@@ -114,16 +134,18 @@ def build_run_config(params: dict[str, Any], dag_run_id: str) -> Run:
         name = settings.backend_name(params.get("backend"))
         namespace = params.get("namespace")
         if namespace and name == "eks" and namespace not in settings.allowed_namespaces():
-            raise ValueError(f"namespace {namespace!r} is not one this deployment trains in "
-                             f"({', '.join(settings.allowed_namespaces())}): leave it empty, or have an administrator "
-                             "apply the kit there and add it to FSDP_EKS_NAMESPACES")
-        backend = settings.backend_config(name, **{
-            k: params[k] for k in ("image", "namespace") if params.get(k) and name == "eks"})
+            raise ValueError(
+                f"namespace {namespace!r} is not one this deployment trains in "
+                f"({', '.join(settings.allowed_namespaces())}): leave it empty, or have an administrator "
+                "apply the kit there and add it to FSDP_EKS_NAMESPACES"
+            )
+        backend = settings.backend_config(
+            name, **{k: params[k] for k in ("image", "namespace") if params.get(k) and name == "eks"}
+        )
     except ValueError as e:  # FSDP_* settings that do not parse
         raise ConfigError(f"backend settings: {e}") from None
     check_backend(backend, cfg)
-    return Run(config=cfg.to_dict(), backend=backend, max_node_replacements=max_replacements,
-               airflow_run_id=dag_run_id)
+    return Run(config=cfg.to_dict(), backend=backend, max_node_replacements=max_replacements, airflow_run_id=dag_run_id)
 
 
 def check_backend(backend: dict[str, Any], cfg: RunConfig) -> None:
@@ -144,9 +166,11 @@ def check_backend(backend: dict[str, Any], cfg: RunConfig) -> None:
     # A launch starts a launcher on a node of its own for every training node and every spare:
     # the pool must hold them all, whatever node count a backend's own check looks at.
     if capacity is not None and not capacity.provisions_on_demand and cfg.launch_nodes > capacity.total:
-        raise ConfigError(f"capacity: run {cfg.run_id} starts {cfg.launch_nodes} node launchers (nodes {cfg.nodes} + "
-                          f"spare_nodes {cfg.spare_nodes}), one node each, but the {instance.name} backend's pool has "
-                          f"{capacity.total}: lower spare_nodes or nodes, or grow the pool")
+        raise ConfigError(
+            f"capacity: run {cfg.run_id} starts {cfg.launch_nodes} node launchers (nodes {cfg.nodes} + "
+            f"spare_nodes {cfg.spare_nodes}), one node each, but the {instance.name} backend's pool has "
+            f"{capacity.total}: lower spare_nodes or nodes, or grow the pool"
+        )
 
 
 def launch(run: Run, launch_no: int) -> Launch:
@@ -155,9 +179,16 @@ def launch(run: Run, launch_no: int) -> Launch:
     cfg = RunConfig.from_dict(run.config)
     backend = get_backend(**run.backend)
     handle = backend.submit(cfg, launch_id=str(launch_no), airflow_run_id=run.airflow_run_id)
-    return Launch(backend=run.backend, handle=handle.to_dict(), run_dir=cfg.run_dir, final_step=cfg.steps,
-                  stall_timeout_s=cfg.stall_timeout_s, launched_at=float(handle.extra.get("submitted_at", time.time())),
-                  checkpoints_s3=settings.checkpoints_s3_uri(cfg.run_dir), aws_conn_id=settings.aws_conn_id())
+    return Launch(
+        backend=run.backend,
+        handle=handle.to_dict(),
+        run_dir=cfg.run_dir,
+        final_step=cfg.steps,
+        stall_timeout_s=cfg.stall_timeout_s,
+        launched_at=float(handle.extra.get("submitted_at", time.time())),
+        checkpoints_s3=settings.checkpoints_s3_uri(cfg.run_dir),
+        aws_conn_id=settings.aws_conn_id(),
+    )
 
 
 def next_launch_no(outcome: Outcome) -> int:
@@ -189,8 +220,10 @@ def failure_message(run: Run, outcome: Outcome) -> str:
     """Why the run failed, for the DAG's error: the class and message of the last launch, and
     what to do about a class the ladder never retries."""
     failure = outcome.failure_class
-    text = (f"training failed: {failure}: {outcome.message} (after {next_launch_no(outcome)} launch(es), "
-            f"max_node_replacements={run.max_node_replacements})")
+    text = (
+        f"training failed: {failure}: {outcome.message} (after {next_launch_no(outcome)} launch(es), "
+        f"max_node_replacements={run.max_node_replacements})"
+    )
     if failure not in REPLACEABLE_FAILURES:
         text += f". What to do: {what_to_do(failure)}"
     return text
@@ -210,17 +243,30 @@ def diagnose_and_replace(run: Run, outcome: Outcome, rung: int) -> dict[str, Any
     handle = JobHandle.from_dict(outcome.handle)
     diagnosis = backend.diagnose(handle)
     if not diagnosis.replaceable:
-        raise EscalationError(f"launch {handle.launch_id} failed with {diagnosis.failure_class}, which no node "
-                              f"replacement can fix: {'; '.join(diagnosis.evidence)}")
+        raise EscalationError(
+            f"launch {handle.launch_id} failed with {diagnosis.failure_class}, which no node "
+            f"replacement can fix: {'; '.join(diagnosis.evidence)}"
+        )
     replacement = backend.replace_nodes(diagnosis.bad_node_ids, reason=f"rung {rung}: {diagnosis.failure_class}")
     if replacement.refused:
         raise EscalationError(f"the backend refused to replace {replacement.refused}: {replacement.reason}")
     cfg = RunConfig.from_dict(run.config)
     EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
-        Event.ESCALATION, rung=rung, from_launch=handle.launch_id, to_launch=str(next_launch_no(outcome)),
-        failure_class=diagnosis.failure_class, nodes=replacement.replaced, reason="; ".join(diagnosis.evidence))
-    return {"rung": rung, "failure_class": diagnosis.failure_class, "bad_nodes": diagnosis.bad_node_ids,
-            "replaced": replacement.replaced, "evidence": diagnosis.evidence}
+        Event.ESCALATION,
+        rung=rung,
+        from_launch=handle.launch_id,
+        to_launch=str(next_launch_no(outcome)),
+        failure_class=diagnosis.failure_class,
+        nodes=replacement.replaced,
+        reason="; ".join(diagnosis.evidence),
+    )
+    return {
+        "rung": rung,
+        "failure_class": diagnosis.failure_class,
+        "bad_nodes": diagnosis.bad_node_ids,
+        "replaced": replacement.replaced,
+        "evidence": diagnosis.evidence,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,16 +278,18 @@ def _control_events(cfg: RunConfig, event: Event, since: float) -> list[dict[str
     """The run's ``event`` records written since ``since`` (epoch seconds): a run dir reused by a
     later DAG run (the same run_name) keeps the records of the earlier ones, which are not this
     run's to count."""
-    return [r for r in read_events(cfg.layout.events, event)
-            if isinstance(r.get("ts"), (int, float)) and r["ts"] >= since]
+    return [
+        r for r in read_events(cfg.layout.events, event) if isinstance(r.get("ts"), (int, float)) and r["ts"] >= since
+    ]
 
 
 def spares_added(run: Run, launch: Launch) -> list[dict[str, Any]]:
     """The ``spare_added`` records of this launch: one per lost node whose spare was replaced."""
     cfg = RunConfig.from_dict(run.config)
     launch_id = launch.launch_id
-    return [r for r in _control_events(cfg, Event.SPARE_ADDED, launch.launched_at)
-            if str(r.get("launch_id")) == launch_id]
+    return [
+        r for r in _control_events(cfg, Event.SPARE_ADDED, launch.launched_at) if str(r.get("launch_id")) == launch_id
+    ]
 
 
 def handled_nodes(run: Run, launch: Launch) -> list[str]:
@@ -249,19 +297,24 @@ def handled_nodes(run: Run, launch: Launch) -> list[str]:
     keeper already made up for (from the events log, so a retried task never quarantines and
     refills for the same node twice; on EKS a recreated pod keeps a lost pod's index on another
     machine, and is handled on its own if it is lost too)."""
-    return sorted({node_key(r["lost_node_rank"], r.get("lost_node_id")) for r in spares_added(run, launch)
-                   if isinstance(r.get("lost_node_rank"), int)})
+    return sorted(
+        {
+            node_key(r["lost_node_rank"], r.get("lost_node_id"))
+            for r in spares_added(run, launch)
+            if isinstance(r.get("lost_node_rank"), int)
+        }
+    )
 
 
 def node_replacements_done(run: Run, since: float) -> tuple[int, int]:
     """(escalations, spare refills) of this DAG run, whose first launch was at ``since``."""
     cfg = RunConfig.from_dict(run.config)
-    return (len(_control_events(cfg, Event.ESCALATION, since)),
-            len(_control_events(cfg, Event.SPARE_ADDED, since)))
+    return (len(_control_events(cfg, Event.ESCALATION, since)), len(_control_events(cfg, Event.SPARE_ADDED, since)))
 
 
-def keep_spare_pool(run: Run, launch: Launch, nodes: list[dict[str, Any]], since: float,
-                    log: Any = print) -> list[dict[str, Any]]:
+def keep_spare_pool(
+    run: Run, launch: Launch, nodes: list[dict[str, Any]], since: float, log: Any = print
+) -> list[dict[str, Any]]:
     """Make up for ``nodes`` (``NodeStatus`` dicts: lost, or spares that dropped out) of a launch
     that trains on, a spare having taken (or being ready to take) their place: take each out of
     service (``replace_nodes``: the local slot is quarantined; on EKS the node is cordoned,
@@ -289,25 +342,32 @@ def keep_spare_pool(run: Run, launch: Launch, nodes: list[dict[str, Any]], since
         key = node_key(index, node_id)
         what = f"launch {handle.launch_id}: node {index} ({node_id}) {node['state']}: {node.get('message') or '?'}"
 
+        # Called within this iteration only, so the loop variables it reads are this node's.
         def result(refilled: bool, why: str, **extra: Any) -> None:
-            log(f"{what}; {'spare pool refilled' if refilled else 'spare pool not refilled'}: {why}")
-            results.append({"node_rank": index, "node_id": node_id, "key": key, "refilled": refilled, "why": why,
-                            **extra})
+            log(f"{what}; {'spare pool refilled' if refilled else 'spare pool not refilled'}: {why}")  # noqa: B023
+            results.append(
+                {"node_rank": index, "node_id": node_id, "key": key, "refilled": refilled, "why": why, **extra}  # noqa: B023
+            )
 
         if key in done:
             result(False, "already handled (a spare_added record of this launch names it)")
             continue
         escalations, refills = node_replacements_done(run, since)
         if escalations + refills >= budget:
-            result(False, f"max_node_replacements={budget} spent ({escalations} escalation(s), {refills} spare "
-                          "refill(s)); the launch trains on with one spare fewer, and with none left a lost node "
-                          "fails it and the ladder decides")
+            result(
+                False,
+                f"max_node_replacements={budget} spent ({escalations} escalation(s), {refills} spare "
+                "refill(s)); the launch trains on with one spare fewer, and with none left a lost node "
+                "fails it and the ladder decides",
+            )
             continue
         if not node_id:
             result(False, "the backend names no machine for it: nothing to take out of service")
             continue
-        reason = (f"launch {handle.launch_id}: node {index} {node['state']} while training went on "
-                  f"({node.get('failure_class')}: {node.get('message') or 'no message'})")
+        reason = (
+            f"launch {handle.launch_id}: node {index} {node['state']} while training went on "
+            f"({node.get('failure_class')}: {node.get('message') or 'no message'})"
+        )
         quarantined: list[str] = []
         if node["state"] == LOST or node.get("failure_class") in REPLACEABLE_FAILURES:
             try:
@@ -331,14 +391,27 @@ def keep_spare_pool(run: Run, launch: Launch, nodes: list[dict[str, Any]], since
             result(False, f"the backend added no spare: {e}", quarantined=quarantined)
             continue
         EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
-            Event.SPARE_ADDED, launch_id=handle.launch_id, lost_node_id=node_id, lost_node_rank=index,
-            quarantined=quarantined, node_id=spare.node_id, node_rank=spare.index, reason=reason)
+            Event.SPARE_ADDED,
+            launch_id=handle.launch_id,
+            lost_node_id=node_id,
+            lost_node_rank=index,
+            quarantined=quarantined,
+            node_id=spare.node_id,
+            node_rank=spare.index,
+            reason=reason,
+        )
         done.append(key)
-        joined = f"node {spare.index} ({spare.node_id})" if spare.node_id else \
-            f"node {spare.index} (a new pod, not yet placed on a machine: {spare.message or spare.state})"
-        result(True, f"{joined} joined as a spare"
-                     + (f"; {', '.join(quarantined)} out of service" if quarantined else ""),
-               quarantined=quarantined, spare=spare.to_dict())
+        joined = (
+            f"node {spare.index} ({spare.node_id})"
+            if spare.node_id
+            else f"node {spare.index} (a new pod, not yet placed on a machine: {spare.message or spare.state})"
+        )
+        result(
+            True,
+            f"{joined} joined as a spare" + (f"; {', '.join(quarantined)} out of service" if quarantined else ""),
+            quarantined=quarantined,
+            spare=spare.to_dict(),
+        )
     return results
 
 
@@ -353,9 +426,14 @@ def trusted_checkpoint(run: Run, task: str) -> CheckpointChoice:
         s3_uri = None if readable else settings.checkpoints_s3_uri(cfg.run_dir)
     except ValueError as e:
         raise EscalationError(str(e)) from None
-    return choose_checkpoint(cfg.run_dir, run_id=cfg.run_id, task=task,
-                             quarantine=readable and run.backend["name"] == "local",
-                             s3_uri=s3_uri, aws_conn_id=settings.aws_conn_id())
+    return choose_checkpoint(
+        cfg.run_dir,
+        run_id=cfg.run_id,
+        task=task,
+        quarantine=readable and run.backend["name"] == "local",
+        s3_uri=s3_uri,
+        aws_conn_id=settings.aws_conn_id(),
+    )
 
 
 def evaluate(run: Run) -> dict[str, Any]:
@@ -364,8 +442,9 @@ def evaluate(run: Run) -> dict[str, Any]:
     (``checkpoint_check``)."""
     choice = trusted_checkpoint(run, task="evaluate")
     print(f"evaluating {choice.summary()}")
-    result = get_backend(**run.backend).run_evaluation(RunConfig.from_dict(run.config),
-                                                       checkpoint_id=choice.checkpoint_id)
+    result = get_backend(**run.backend).run_evaluation(
+        RunConfig.from_dict(run.config), checkpoint_id=choice.checkpoint_id
+    )
     return {**result, "checkpoint_check": choice.to_dict()}
 
 
@@ -386,17 +465,23 @@ def export_plan(run: Run, evaluation: dict[str, Any]) -> tuple[dict[str, Any] | 
     try:
         fs_path = "/" + run_dir.relative_to(settings.fsx_mount_path()).as_posix()
     except ValueError:
-        raise EscalationError(f"run dir {run_dir} is not under the FSx mount {settings.fsx_mount_path()} "
-                              "(FSDP_FSX_MOUNT_PATH): cannot export it") from None
+        raise EscalationError(
+            f"run dir {run_dir} is not under the FSx mount {settings.fsx_mount_path()} "
+            "(FSDP_FSX_MOUNT_PATH): cannot export it"
+        ) from None
     # The records there now (a path that does not exist would fail the task); without the mount
     # they cannot be listed, and only the checkpoint goes.
-    records = sorted(p.name for p in run_dir.iterdir() if p.name != "checkpoints" and not p.name.startswith(".")) \
-        if run_dir.is_dir() else []
+    records = (
+        sorted(p.name for p in run_dir.iterdir() if p.name != "checkpoints" and not p.name.startswith("."))
+        if run_dir.is_dir()
+        else []
+    )
     paths = [f"{fs_path}/{name}" for name in records] + [f"{fs_path}/checkpoints/{checkpoint_id}"]
     what = ", ".join(records) or "no records (the run dir is not mounted here)"
-    return {"file_system_id": file_system, "paths": paths, "aws_conn_id": settings.aws_conn_id()}, \
-        (f"export {fs_path} of {file_system} to its S3 data repository: {what} and checkpoints/{checkpoint_id} "
-         "(verified and evaluated; no other checkpoint)")
+    return {"file_system_id": file_system, "paths": paths, "aws_conn_id": settings.aws_conn_id()}, (
+        f"export {fs_path} of {file_system} to its S3 data repository: {what} and checkpoints/{checkpoint_id} "
+        "(verified and evaluated; no other checkpoint)"
+    )
 
 
 def publish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
@@ -405,10 +490,16 @@ def publish(run: Run, evaluation: dict[str, Any]) -> dict[str, Any]:
     the one that was evaluated."""
     choice = trusted_checkpoint(run, task="publish")
     evaluated = evaluation.get("checkpoint_id")
-    published = {"run_id": run.config["run_id"], "checkpoint": choice.location, **choice.to_dict(),
-                 "evaluated_checkpoint_id": evaluated}
+    published = {
+        "run_id": run.config["run_id"],
+        "checkpoint": choice.location,
+        **choice.to_dict(),
+        "evaluated_checkpoint_id": evaluated,
+    }
     if evaluated != choice.checkpoint_id:
         # The evaluated one failed its checks since, or a newer one verifies now that did not then.
-        published["note"] = (f"the evaluation is of {evaluated}, not of the published {choice.checkpoint_id}; "
-                             "re-run evaluate and publish to evaluate it")
+        published["note"] = (
+            f"the evaluation is of {evaluated}, not of the published {choice.checkpoint_id}; "
+            "re-run evaluate and publish to evaluate it"
+        )
     return published

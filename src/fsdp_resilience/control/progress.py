@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from fsdp_resilience.training.contract import CheckpointCatalog, Event, FailureClass, RunDir
-
 from fsdp_resilience.control.backends import JobHandle, JobStatus, TrainingBackend
 from fsdp_resilience.control.task_data import Outcome
+from fsdp_resilience.training.contract import CheckpointCatalog, Event, FailureClass, RunDir
 
 SUCCESS, FAILED, NO_PROGRESS = "success", "failed", "no_progress"
 
@@ -38,19 +37,37 @@ def latest_checkpoint(run_dir: str, checkpoints_s3: str | None = None, aws_conn_
     return CheckpointCatalog(run_dir).latest()
 
 
-def check_progress(backend: TrainingBackend, handle: JobHandle, *, run_dir: str, final_step: int,
-                   stall_timeout_s: float, launched_at: float, now: float | None = None,
-                   checkpoints_s3: str | None = None, aws_conn_id: str | None = None) -> Outcome:
+def check_progress(
+    backend: TrainingBackend,
+    handle: JobHandle,
+    *,
+    run_dir: str,
+    final_step: int,
+    stall_timeout_s: float,
+    launched_at: float,
+    now: float | None = None,
+    checkpoints_s3: str | None = None,
+    aws_conn_id: str | None = None,
+) -> Outcome:
     """One look at a launch: its job's state, then its newest committed checkpoint (an ``Outcome``
     whose ``outcome`` is None while the launch is still healthy and running)."""
     status = backend.status(handle)
     latest = latest_checkpoint(run_dir, checkpoints_s3, aws_conn_id)
-    return judge_progress(status, latest, handle, final_step=final_step,
-                          stall_timeout_s=stall_timeout_s, launched_at=launched_at, now=now)
+    return judge_progress(
+        status, latest, handle, final_step=final_step, stall_timeout_s=stall_timeout_s, launched_at=launched_at, now=now
+    )
 
 
-def judge_progress(status: JobStatus, latest: Any, handle: JobHandle, *, final_step: int, stall_timeout_s: float,
-                   launched_at: float, now: float | None = None) -> Outcome:
+def judge_progress(
+    status: JobStatus,
+    latest: Any,
+    handle: JobHandle,
+    *,
+    final_step: int,
+    stall_timeout_s: float,
+    launched_at: float,
+    now: float | None = None,
+) -> Outcome:
     """The verdict from a job's state and its run's newest committed checkpoint (``latest``: what
     ``CheckpointCatalog.latest()`` returns, or None). Read the job's state first, then the
     checkpoint: a job seen done has committed everything it ever will, so the checkpoint read after
@@ -63,21 +80,37 @@ def judge_progress(status: JobStatus, latest: Any, handle: JobHandle, *, final_s
     last_progress_at = max(launched_at, (latest.committed_at or 0.0) if latest else 0.0)
 
     def result(outcome: str | None, failure_class: str | None, message: str) -> Outcome:
-        return Outcome(outcome, failure_class, message, step, checkpoint_id, handle.launch_id,
-                       handle.to_dict(), status.state, last_progress_at, [n.to_dict() for n in status.nodes])
+        return Outcome(
+            outcome,
+            failure_class,
+            message,
+            step,
+            checkpoint_id,
+            handle.launch_id,
+            handle.to_dict(),
+            status.state,
+            last_progress_at,
+            [n.to_dict() for n in status.nodes],
+        )
 
     if status.state == "succeeded":
         if step >= final_step:
             return result(SUCCESS, FailureClass.SUCCESS.value, f"step {final_step} committed as {checkpoint_id}")
-        return result(FAILED, FailureClass.UNKNOWN.value,
-                      f"the job ended successfully but the newest committed step is {step}, not {final_step}")
+        return result(
+            FAILED,
+            FailureClass.UNKNOWN.value,
+            f"the job ended successfully but the newest committed step is {step}, not {final_step}",
+        )
     if status.state == "failed":
         return result(FAILED, status.failure_class or FailureClass.UNKNOWN.value, status.message)
     stalled_for = now - last_progress_at
     if stalled_for > stall_timeout_s:
-        return result(NO_PROGRESS, FailureClass.NO_PROGRESS.value,
-                      f"no new committed checkpoint for {stalled_for:.0f}s (stall timeout {stall_timeout_s:.0f}s); "
-                      f"newest committed step {step}")
+        return result(
+            NO_PROGRESS,
+            FailureClass.NO_PROGRESS.value,
+            f"no new committed checkpoint for {stalled_for:.0f}s (stall timeout {stall_timeout_s:.0f}s); "
+            f"newest committed step {step}",
+        )
     return result(None, None, f"{status.state}: newest committed step {step} of {final_step}")
 
 

@@ -106,8 +106,10 @@ def under_root(root: Path, *parts: str, what: str) -> Path:
     path = root.joinpath(*parts)
     resolved = path.resolve()
     if root not in resolved.parents:
-        raise ValueError(f"{what} {'/'.join(parts)!r} resolves to {resolved}, outside its root {root}: "
-                         "give a name of a folder under the root (no '..', no absolute path, no symlink out)")
+        raise ValueError(
+            f"{what} {'/'.join(parts)!r} resolves to {resolved}, outside its root {root}: "
+            "give a name of a folder under the root (no '..', no absolute path, no symlink out)"
+        )
     return resolved
 
 
@@ -119,8 +121,12 @@ def backend_config(name: str, **overrides: Any) -> dict[str, Any]:
     """The kwargs of ``fsdp_resilience.control.backends.get_backend`` for a backend name: JSON-safe, so
     they travel in XCom and trigger kwargs and any process can rebuild the same backend."""
     if name == "local":
-        config = {"name": "local", "state_dir": str(runs_root() / ".local-backend"),
-                  "slots": int(os.environ.get("FSDP_LOCAL_SLOTS", "4")), "training_python": training_python()}
+        config = {
+            "name": "local",
+            "state_dir": str(runs_root() / ".local-backend"),
+            "slots": int(os.environ.get("FSDP_LOCAL_SLOTS", "4")),
+            "training_python": training_python(),
+        }
     elif name == "eks":
         config = eks_backend_config()
     else:
@@ -157,8 +163,10 @@ def checkpoints_s3_uri(run_dir: str) -> str | None:
     try:
         relative = Path(run_dir).resolve().relative_to(runs_root())
     except ValueError:
-        raise ValueError(f"run dir {run_dir} is not under FSDP_RUNS_ROOT={runs_root()}, so its S3 export under "
-                         f"FSDP_CHECKPOINTS_S3={base} is unknown") from None
+        raise ValueError(
+            f"run dir {run_dir} is not under FSDP_RUNS_ROOT={runs_root()}, so its S3 export under "
+            f"FSDP_CHECKPOINTS_S3={base} is unknown"
+        ) from None
     return f"{base}/{relative.as_posix()}"
 
 
@@ -194,12 +202,18 @@ def eks_backend_config() -> dict[str, Any]:
     if env("FSDP_FSX_MOUNT_PATH"):
         pod.setdefault("fsx_mount_path", str(fsx_mount_path()))
     config: dict[str, Any] = {
-        "name": "eks", "image": env("FSDP_EKS_IMAGE", ""), "namespace": env("FSDP_EKS_NAMESPACE", "fsdp-training"),
+        "name": "eks",
+        "image": env("FSDP_EKS_IMAGE", ""),
+        "namespace": env("FSDP_EKS_NAMESPACE", "fsdp-training"),
         "kubernetes_conn_id": env("FSDP_KUBERNETES_CONN_ID", "kubernetes_default"),
-        "cluster_name": env("FSDP_EKS_CLUSTER_NAME") or None, "aws_conn_id": aws_conn_id(),
-        "region_name": env("FSDP_AWS_REGION") or None, "replacement": env("FSDP_EKS_REPLACEMENT", "asg"),
-        "max_unhealthy_share": float(env("FSDP_EKS_MAX_UNHEALTHY_SHARE", "0.2")), "pod": pod,
-        "image_allowlist": image_allowlist()}
+        "cluster_name": env("FSDP_EKS_CLUSTER_NAME") or None,
+        "aws_conn_id": aws_conn_id(),
+        "region_name": env("FSDP_AWS_REGION") or None,
+        "replacement": env("FSDP_EKS_REPLACEMENT", "asg"),
+        "max_unhealthy_share": float(env("FSDP_EKS_MAX_UNHEALTHY_SHARE", "0.2")),
+        "pod": pod,
+        "image_allowlist": image_allowlist(),
+    }
     pool = _json_env("FSDP_EKS_POOL_SELECTOR")
     if pool is not None:
         config["pool_selector"] = pool

@@ -28,19 +28,25 @@ class TaskData:
     def from_dict(cls: type[T], data: Mapping[str, Any]) -> T:
         """The task data from its ``to_dict()`` (an XCom), or ``TaskDataError`` naming what does not fit."""
         if not isinstance(data, Mapping):
-            raise TaskDataError(f"{cls.__name__} comes from a dict (a task's XCom), got {type(data).__name__}: "
-                                f"{data!r}")
+            raise TaskDataError(
+                f"{cls.__name__} comes from a dict (a task's XCom), got {type(data).__name__}: {data!r}"
+            )
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         known = {f.name for f in fields}
-        required = {f.name for f in fields
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        required = {
+            f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         missing, unknown = sorted(required - set(data)), sorted(set(data) - known)
         if missing or unknown:
-            problems = [f"missing {', '.join(missing)}" if missing else "",
-                        f"unknown {', '.join(unknown)}" if unknown else ""]
-            raise TaskDataError(f"not {cls.__name__} task data: {'; '.join(p for p in problems if p)} (keys: "
-                                f"{', '.join(sorted(known))}); was the XCom written by another version of the "
-                                "DAG? Clear the task and its upstream to run them again")
+            problems = [
+                f"missing {', '.join(missing)}" if missing else "",
+                f"unknown {', '.join(unknown)}" if unknown else "",
+            ]
+            raise TaskDataError(
+                f"not {cls.__name__} task data: {'; '.join(p for p in problems if p)} (keys: "
+                f"{', '.join(sorted(known))}); was the XCom written by another version of the "
+                "DAG? Clear the task and its upstream to run them again"
+            )
         return cls(**data)
 
     @classmethod

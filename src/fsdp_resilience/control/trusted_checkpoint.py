@@ -66,8 +66,11 @@ class CheckpointChoice:
         return asdict(self)
 
     def summary(self) -> str:
-        how = f"every file's {CHECKSUM_ALGORITHM} checked" if self.verified == CHECKSUMS else \
-            "marker and file sizes checked (the bytes are not readable here)"
+        how = (
+            f"every file's {CHECKSUM_ALGORITHM} checked"
+            if self.verified == CHECKSUMS
+            else "marker and file sizes checked (the bytes are not readable here)"
+        )
         text = f"{self.checkpoint_id} (step {self.step}; {how})"
         if self.skipped:
             text += "; skipped " + "; ".join(_skip_line(s) for s in self.skipped)
@@ -79,8 +82,15 @@ def _skip_line(skip: dict[str, Any]) -> str:
     return f"{skip['checkpoint_id']}: {skip['reason']}{where}"
 
 
-def choose_checkpoint(run_dir: str | Path, *, run_id: str, task: str, quarantine: bool = False,
-                      s3_uri: str | None = None, aws_conn_id: str | None = "aws_default") -> CheckpointChoice:
+def choose_checkpoint(
+    run_dir: str | Path,
+    *,
+    run_id: str,
+    task: str,
+    quarantine: bool = False,
+    s3_uri: str | None = None,
+    aws_conn_id: str | None = "aws_default",
+) -> CheckpointChoice:
     """The newest committed checkpoint of the run that verifies, read from the run dir if it is
     readable here, else from its S3 export ``s3_uri``. ``task`` names the caller in the events
     (``evaluate``, ``publish``). Raises ``NoTrustedCheckpoint`` when none verifies."""
@@ -91,7 +101,8 @@ def choose_checkpoint(run_dir: str | Path, *, run_id: str, task: str, quarantine
     raise NoTrustedCheckpoint(
         f"cannot verify any checkpoint of run {run_id}: its run dir {run_dir} is not readable here and no S3 "
         "export of it is configured. Mount FSx in the Airflow workers at FSDP_FSX_MOUNT_PATH (the same path as "
-        "in the pods), or set FSDP_CHECKPOINTS_S3 to the S3 side of the runs root")
+        "in the pods), or set FSDP_CHECKPOINTS_S3 to the S3 side of the runs root"
+    )
 
 
 def _choose_in_run_dir(run_dir: Path, *, run_id: str, task: str, quarantine: bool) -> CheckpointChoice:
@@ -111,8 +122,13 @@ def _choose_in_run_dir(run_dir: Path, *, run_id: str, task: str, quarantine: boo
                 skip["not_quarantined"] = f"{e.strerror or e}"
         if moved is not None:
             skip["quarantined_to"] = str(moved)
-            events.emit(Event.CHECKPOINT_QUARANTINED, checkpoint_id=info.checkpoint_id, step=info.step,
-                        reason=reason, moved_to=str(moved))
+            events.emit(
+                Event.CHECKPOINT_QUARANTINED,
+                checkpoint_id=info.checkpoint_id,
+                step=info.step,
+                reason=reason,
+                moved_to=str(moved),
+            )
         else:
             events.emit(Event.CHECKPOINT_SKIP, checkpoint_id=info.checkpoint_id, step=info.step, reason=reason)
         skipped.append(skip)
@@ -152,9 +168,14 @@ def verify_listing(marker: dict[str, Any], sizes: dict[str, int]) -> str | None:
 
 def _none_verifies(run_id: str, where: str, skipped: list[dict[str, Any]]) -> NoTrustedCheckpoint:
     if not skipped:
-        return NoTrustedCheckpoint(f"run {run_id} has no committed checkpoint under {where}: train it first "
-                                   "(torn checkpoints, without a commit marker, never count)")
+        return NoTrustedCheckpoint(
+            f"run {run_id} has no committed checkpoint under {where}: train it first "
+            "(torn checkpoints, without a commit marker, never count)"
+        )
     return NoTrustedCheckpoint(
-        f"no committed checkpoint of run {run_id} verifies ({where}): " + "; ".join(_skip_line(s) for s in skipped)
+        f"no committed checkpoint of run {run_id} verifies ({where}): "
+        + "; ".join(_skip_line(s) for s in skipped)
         + ". Nothing was evaluated or published. Train the run again (it resumes from the newest checkpoint that "
-        "verifies, or from step 0), and look at checkpoints/quarantine/ for what failed", skipped)
+        "verifies, or from step 0), and look at checkpoints/quarantine/ for what failed",
+        skipped,
+    )

@@ -50,15 +50,17 @@ class TokenShards:
         try:
             path, tokens = self.dataset_dir / entry["file"], int(entry["tokens"])
         except (KeyError, TypeError, ValueError):
-            raise DatasetError(f"bad shard entry {entry!r} in {self.dataset_dir / INDEX_FILE}; "
-                               f"{HOW_TO_PREPARE}") from None
+            raise DatasetError(
+                f"bad shard entry {entry!r} in {self.dataset_dir / INDEX_FILE}; {HOW_TO_PREPARE}"
+            ) from None
         try:
             size = path.stat().st_size
         except OSError:
             raise DatasetError(f"shard {path} is missing; {HOW_TO_PREPARE}") from None
         if tokens <= 0 or size < 2 * tokens:
-            raise DatasetError(f"shard {path} holds {size // 2} tokens but the index says {tokens} "
-                               f"(truncated?); {HOW_TO_PREPARE}")
+            raise DatasetError(
+                f"shard {path} holds {size // 2} tokens but the index says {tokens} (truncated?); {HOW_TO_PREPARE}"
+            )
         return np.memmap(path, dtype="<u2", mode="r", shape=(tokens,))
 
     @property
@@ -75,7 +77,7 @@ class TokenShards:
         for row, index in enumerate(indices):
             shard = int(np.searchsorted(ends, index, side="right"))
             start = (int(index) - (int(ends[shard - 1]) if shard else 0)) * seq_len
-            out[row] = self.shards[shard][start:start + seq_len + 1]
+            out[row] = self.shards[shard][start : start + seq_len + 1]
         return out
 
 
@@ -98,7 +100,8 @@ class BatchSampler:
             raise DatasetError(
                 f"the {shards.split} split of {shards.dataset_dir} has {self.num_windows} sequences of "
                 f"{seq_len + 1} tokens, fewer than one global batch ({world_size} ranks x {batch_size}); "
-                "use more data or a smaller seq_len/batch_size")
+                "use more data or a smaller seq_len/batch_size"
+            )
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.empty(0, dtype=np.int64)
 
@@ -113,7 +116,7 @@ class BatchSampler:
         if self.position + self.global_batch > self.num_windows:
             self.epoch, self.position = self.epoch + 1, 0
         start = self.position + self.rank * self.batch_size
-        indices = self._epoch_order()[start:start + self.batch_size]
+        indices = self._epoch_order()[start : start + self.batch_size]
         self.position += self.global_batch
         return _to_batch(self.shards.windows(indices, self.seq_len))
 
@@ -127,8 +130,9 @@ class BatchSampler:
         self.epoch, self.position = epoch, position
 
 
-def validation_batches(dataset_dir: str | os.PathLike, seq_len: int, batch_size: int, n_batches: int,
-                       rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def validation_batches(
+    dataset_dir: str | os.PathLike, seq_len: int, batch_size: int, n_batches: int, rank: int, world_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Up to ``n_batches`` batches of the val split for this rank, in file order (no shuffle).
 
     Batch j of rank r holds windows (j * world_size + r) * batch_size onwards, so ranks never
@@ -139,8 +143,10 @@ def validation_batches(dataset_dir: str | os.PathLike, seq_len: int, batch_size:
     global_batch = world_size * batch_size
     available = num_windows // global_batch
     if available == 0:
-        raise DatasetError(f"the val split of {dataset_dir} has {num_windows} sequences of {seq_len + 1} tokens, "
-                           f"fewer than one global batch ({world_size} ranks x {batch_size})")
+        raise DatasetError(
+            f"the val split of {dataset_dir} has {num_windows} sequences of {seq_len + 1} tokens, "
+            f"fewer than one global batch ({world_size} ranks x {batch_size})"
+        )
     batches = []
     for j in range(min(n_batches, available)):
         start = (j * world_size + rank) * batch_size

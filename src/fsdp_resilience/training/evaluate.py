@@ -131,20 +131,29 @@ def load_into(info: CheckpointInfo, params: dict[str, torch.Tensor]) -> str:
     if why is not None:
         raise _OtherModel(why)
     digests = marker.get("model_crc32c")
-    if (isinstance(digests, list) and len(digests) == marker.get("world_size")
-            and all(isinstance(d, str) for d in digests)):
+    if (
+        isinstance(digests, list)
+        and len(digests) == marker.get("world_size")
+        and all(isinstance(d, str) for d in digests)
+    ):
         try:
             read = read_model_bytes(info.path, plan_direct_read(info.path, metadata, params), len(digests))
         except NotDirectlyReadable as e:
             log.info("%s: reading it with DCP (%s)", info.checkpoint_id, e)
         except Exception as e:  # noqa: BLE001 - e.g. an unreadable file: the file checksums decide
-            log.warning("%s: the direct read failed (%s: %s): checking every file", info.checkpoint_id,
-                        type(e).__name__, e)
+            log.warning(
+                "%s: the direct read failed (%s: %s): checking every file", info.checkpoint_id, type(e).__name__, e
+            )
         else:
             if read == digests:
                 return "model digests"
-            log.warning("%s: the model bytes read do not match the digests its commit recorded (%s, "
-                        "recorded %s): checking every file", info.checkpoint_id, read, digests)
+            log.warning(
+                "%s: the model bytes read do not match the digests its commit recorded (%s, "
+                "recorded %s): checking every file",
+                info.checkpoint_id,
+                read,
+                digests,
+            )
     reason = verify_checkpoint(info.path, marker)
     if reason is not None:
         raise UntrustedCheckpoint(reason)
@@ -152,16 +161,21 @@ def load_into(info: CheckpointInfo, params: dict[str, torch.Tensor]) -> str:
     return "file checksums"
 
 
-def _quarantine(catalog: CheckpointCatalog, info: CheckpointInfo, reason: str, events: EventLog,
-                phase: str) -> Path:
+def _quarantine(catalog: CheckpointCatalog, info: CheckpointInfo, reason: str, events: EventLog, phase: str) -> Path:
     moved_to = catalog.quarantine(info, reason, by="evaluate", phase=phase)
-    events.emit(Event.CHECKPOINT_QUARANTINED, checkpoint_id=info.checkpoint_id, step=info.step,
-                reason=reason, moved_to=str(moved_to))
+    events.emit(
+        Event.CHECKPOINT_QUARANTINED,
+        checkpoint_id=info.checkpoint_id,
+        step=info.step,
+        reason=reason,
+        moved_to=str(moved_to),
+    )
     return moved_to
 
 
-def load_verified(cfg: RunConfig, model: torch.nn.Module, checkpoint_id: str | None,
-                  events: EventLog) -> CheckpointInfo:
+def load_verified(
+    cfg: RunConfig, model: torch.nn.Module, checkpoint_id: str | None, events: EventLog
+) -> CheckpointInfo:
     """Load a verified checkpoint into ``model`` (in place) and return which one.
 
     ``checkpoint_id=None``: the newest committed one that verifies and loads; those that fail
@@ -172,8 +186,10 @@ def load_verified(cfg: RunConfig, model: torch.nn.Module, checkpoint_id: str | N
     params = model.state_dict()  # the parameters' own storage: the load writes into the model
     if checkpoint_id is None:
         if not catalog.committed():
-            raise ConfigError(f"no committed checkpoint in {cfg.layout.checkpoints}: train first "
-                              "(torn checkpoints, without COMMITTED.json, are never evaluated)")
+            raise ConfigError(
+                f"no committed checkpoint in {cfg.layout.checkpoints}: train first "
+                "(torn checkpoints, without COMMITTED.json, are never evaluated)"
+            )
         for info in reversed(catalog.committed()):
             try:
                 load_into(info, params)
@@ -181,40 +197,51 @@ def load_verified(cfg: RunConfig, model: torch.nn.Module, checkpoint_id: str | N
                 _quarantine(catalog, info, str(e), events, phase="verify")
                 continue
             except _OtherModel as e:
-                raise ConfigError(f"{info.checkpoint_id} does not fit model={cfg.model!r}: {e}; evaluate with "
-                                  "the run's own config") from None
+                raise ConfigError(
+                    f"{info.checkpoint_id} does not fit model={cfg.model!r}: {e}; evaluate with the run's own config"
+                ) from None
             except Exception as e:  # noqa: BLE001 - it verified: an unreadable checkpoint all the same
                 _quarantine(catalog, info, f"load failed: {type(e).__name__}: {e}"[:2000], events, phase="load")
                 continue
             for torn in catalog.torn():
                 if torn.step > info.step:
-                    events.emit(Event.CHECKPOINT_SKIP, checkpoint_id=torn.checkpoint_id, step=torn.step,
-                                reason="no commit marker: the save did not finish on every rank")
+                    events.emit(
+                        Event.CHECKPOINT_SKIP,
+                        checkpoint_id=torn.checkpoint_id,
+                        step=torn.step,
+                        reason="no commit marker: the save did not finish on every rank",
+                    )
             return info
         raise NoUsableCheckpoint(
             f"no committed checkpoint of run {cfg.run_id} verifies and loads; each was quarantined "
-            f"under {cfg.layout.quarantine} with its reason (QUARANTINED.json)")
+            f"under {cfg.layout.quarantine} with its reason (QUARANTINED.json)"
+        )
     info = next((c for c in catalog.committed() if c.checkpoint_id == checkpoint_id), None)
     if info is None:
         earlier = [q for q in catalog.quarantined() if q.get("checkpoint_id") == checkpoint_id]
         if earlier:
-            raise NoUsableCheckpoint(f"{checkpoint_id} was quarantined ({earlier[-1].get('reason')}): "
-                                     f"see {earlier[-1]['path']}")
-        raise ConfigError(f"{checkpoint_id} is not a committed checkpoint of run {cfg.run_id}; "
-                          f"committed: {[c.checkpoint_id for c in catalog.committed()]}")
+            raise NoUsableCheckpoint(
+                f"{checkpoint_id} was quarantined ({earlier[-1].get('reason')}): see {earlier[-1]['path']}"
+            )
+        raise ConfigError(
+            f"{checkpoint_id} is not a committed checkpoint of run {cfg.run_id}; "
+            f"committed: {[c.checkpoint_id for c in catalog.committed()]}"
+        )
     try:
         load_into(info, params)
     except UntrustedCheckpoint as e:
         moved_to = _quarantine(catalog, info, str(e), events, phase="verify")
         raise NoUsableCheckpoint(f"{checkpoint_id} fails verification ({e}); quarantined to {moved_to}") from None
     except Exception as e:  # it verified, so its bytes are as committed: most likely not this config's model
-        raise NoUsableCheckpoint(f"{checkpoint_id} verifies but does not load into model={cfg.model!r}: "
-                                 f"{type(e).__name__}: {str(e)[:300]}") from None
+        raise NoUsableCheckpoint(
+            f"{checkpoint_id} verifies but does not load into model={cfg.model!r}: {type(e).__name__}: {str(e)[:300]}"
+        ) from None
     return info
 
 
-def load_model(cfg: RunConfig, checkpoint_id: str | None, device: torch.device,
-               events: EventLog) -> tuple[torch.nn.Module, CheckpointInfo]:
+def load_model(
+    cfg: RunConfig, checkpoint_id: str | None, device: torch.device, events: EventLog
+) -> tuple[torch.nn.Module, CheckpointInfo]:
     """A plain (unsharded) model holding a verified checkpoint's weights: built on the meta
     device, then loaded straight into its parameters. The optimizer state is never read."""
     model = empty_model(cfg, device)
@@ -224,8 +251,7 @@ def load_model(cfg: RunConfig, checkpoint_id: str | None, device: torch.device,
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> tuple[float, int, int]:
-    batches = validation_batches(cfg.dataset_dir, cfg.seq_len, cfg.batch_size, cfg.eval_batches,
-                                 rank=0, world_size=1)
+    batches = validation_batches(cfg.dataset_dir, cfg.seq_len, cfg.batch_size, cfg.eval_batches, rank=0, world_size=1)
     total = 0.0
     for inputs, targets in batches:
         total += cross_entropy_loss(model(inputs.to(device)), targets.to(device)).item()
@@ -237,23 +263,34 @@ def evaluate(cfg: RunConfig, checkpoint_id: str | None = None, device: str | Non
     dev = choose_device(device or cfg.device)
     model, info = load_model(cfg, checkpoint_id, dev, events)
     loss, n_batches, n_tokens = validation_loss(model, cfg, dev)
-    result = {"run_id": cfg.run_id, "checkpoint_id": info.checkpoint_id, "step": info.step,
-              "val_loss": loss, "perplexity": math.exp(loss), "batches": n_batches, "tokens": n_tokens,
-              "saved_world_size": info.world_size, "evaluated_at": time.time()}
+    result = {
+        "run_id": cfg.run_id,
+        "checkpoint_id": info.checkpoint_id,
+        "step": info.step,
+        "val_loss": loss,
+        "perplexity": math.exp(loss),
+        "batches": n_batches,
+        "tokens": n_tokens,
+        "saved_world_size": info.world_size,
+        "evaluated_at": time.time(),
+    }
     atomic_write_text(cfg.layout.eval_result, json.dumps(result, indent=2, sort_keys=True) + "\n")
-    events.emit(Event.EVAL, checkpoint_id=info.checkpoint_id, step=info.step, val_loss=loss,
-                perplexity=math.exp(loss))
+    events.emit(Event.EVAL, checkpoint_id=info.checkpoint_id, step=info.step, val_loss=loss, perplexity=math.exp(loss))
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_resilience.training.evaluate",
-                                     description="Evaluate the newest committed checkpoint of a run that verifies.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_resilience.training.evaluate",
+        description="Evaluate the newest committed checkpoint of a run that verifies.",
+    )
     parser.add_argument("--config", required=True, help="the run's config JSON (e.g. RUN_DIR/run.json)")
-    parser.add_argument("--checkpoint", default=None,
-                        help="a committed checkpoint id (default: the newest that verifies)")
-    parser.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
-                        help="default: the run config's device")
+    parser.add_argument(
+        "--checkpoint", default=None, help="a committed checkpoint id (default: the newest that verifies)"
+    )
+    parser.add_argument(
+        "--device", default=None, choices=("auto", "cpu", "cuda"), help="default: the run config's device"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = RunConfig.load(args.config)
@@ -268,15 +305,23 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if storage_errno(e) is None:
             raise
-        print(f"error: cannot write to the run dir {cfg.run_dir}: {e.strerror or e}; free space or fix "
-              "its mount, then evaluate again", file=sys.stderr)
+        print(
+            f"error: cannot write to the run dir {cfg.run_dir}: {e.strerror or e}; free space or fix "
+            "its mount, then evaluate again",
+            file=sys.stderr,
+        )
         return int(ExitCode.STORAGE_ERROR)
     skipped = sorted({q.get("checkpoint_id") for q in CheckpointCatalog(cfg.run_dir).quarantined()} - before)
     if skipped:
-        print(f"[evaluate] quarantined, failing verification or load: {', '.join(map(str, skipped))} "
-              f"(see {cfg.layout.quarantine})", file=sys.stderr)
-    print(f"[evaluate] {result['checkpoint_id']} (step {result['step']}): val_loss {result['val_loss']:.4f}, "
-          f"perplexity {result['perplexity']:.2f} -> {cfg.layout.eval_result}")
+        print(
+            f"[evaluate] quarantined, failing verification or load: {', '.join(map(str, skipped))} "
+            f"(see {cfg.layout.quarantine})",
+            file=sys.stderr,
+        )
+    print(
+        f"[evaluate] {result['checkpoint_id']} (step {result['step']}): val_loss {result['val_loss']:.4f}, "
+        f"perplexity {result['perplexity']:.2f} -> {cfg.layout.eval_result}"
+    )
     return 0
 
 

@@ -75,8 +75,9 @@ def poison_loss(loss: torch.Tensor) -> torch.Tensor:
     return loss * float("nan")
 
 
-def inject(drill: FaultDrill, step: int, events: EventLog, *,
-           writer_pids: Callable[[], list[int]] = lambda: []) -> None:
+def inject(
+    drill: FaultDrill, step: int, events: EventLog, *, writer_pids: Callable[[], list[int]] = lambda: []
+) -> None:
     """Make ``drill`` happen now. Returns only for drills that let training go on: the writer
     drills (they act on the save that just started) and ``nan``, which the trainer applies to its
     loss with ``poison_loss``."""
@@ -90,7 +91,7 @@ def inject(drill: FaultDrill, step: int, events: EventLog, *,
         # A pure-Python busy loop: the in-process Wrapper's soft timeout can interrupt it
         # (it raises asynchronously into the main thread between bytecodes).
         while True:
-            time.sleep(0)  # noqa: keeps the loop in Python bytecode, not one long C call
+            time.sleep(0)  # keeps the loop in Python bytecode, not one long C call
     if kind == "sigstop":
         os.kill(os.getpid(), signal.SIGSTOP)
         return

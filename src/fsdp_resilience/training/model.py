@@ -107,9 +107,11 @@ def memory_per_gpu(cfg: ModelConfig, run: PresetRun) -> dict[str, float]:
     parts = {
         "sharded_state": 16 * params / run.gpus_per_node,
         "unsharded_params": 2 * (2 * block + root) + 4 * (block + root),
-        "activations": (2 * tokens * cfg.dim * cfg.n_layers  # saved block inputs
-                        + 2 * tokens * (16 * cfg.dim + 3 * cfg.ffn_hidden)  # one block recomputing
-                        + 10 * tokens * cfg.vocab_size),  # bf16 logits, their fp32 copy and gradient
+        "activations": (
+            2 * tokens * cfg.dim * cfg.n_layers  # saved block inputs
+            + 2 * tokens * (16 * cfg.dim + 3 * cfg.ffn_hidden)  # one block recomputing
+            + 10 * tokens * cfg.vocab_size
+        ),  # bf16 logits, their fp32 copy and gradient
         "overhead": GPU_OVERHEAD_BYTES,
     }
     out = {k: round(v / gib, 2) for k, v in parts.items()}
@@ -142,7 +144,7 @@ class RMSNorm(nn.Module):
 def rope_tables(cfg: ModelConfig, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, [max_seq_len, head_dim // 2], fp32."""
     exponents = torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim
-    freqs = 1.0 / (cfg.rope_theta ** exponents)
+    freqs = 1.0 / (cfg.rope_theta**exponents)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -172,8 +174,13 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

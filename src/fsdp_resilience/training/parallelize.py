@@ -124,8 +124,12 @@ def build_sharded_model(
     """
     precision = precision or Precision.for_device(device)
     model = build_model(preset, device="meta", **overrides)
-    parallelize(model, mesh, mixed_precision=precision.mixed_precision,
-                activation_checkpointing=precision.activation_checkpointing)
+    parallelize(
+        model,
+        mesh,
+        mixed_precision=precision.mixed_precision,
+        activation_checkpointing=precision.activation_checkpointing,
+    )
     model.to_empty(device=device)
     if init_weights:
         model.init_weights(seed)

@@ -118,11 +118,14 @@ def read_corpus(src: Path, extensions: tuple[str, ...], val_fraction: float, max
         docs.append((rel, data))
         total += len(data)
     if not docs:
-        raise PrepareError(f"no text files with extensions {', '.join(extensions)} under {src}; "
-                           "point SRC at a folder of text (or change --extensions)")
+        raise PrepareError(
+            f"no text files with extensions {', '.join(extensions)} under {src}; "
+            "point SRC at a folder of text (or change --extensions)"
+        )
     if len(docs) < 2:
-        raise PrepareError(f"only one text file under {src}: at least two are needed so a whole file "
-                           "can be held out for validation")
+        raise PrepareError(
+            f"only one text file under {src}: at least two are needed so a whole file can be held out for validation"
+        )
 
     fractions = [path_fraction(rel) for rel, _ in docs]
     in_val = [f < val_fraction for f in fractions]
@@ -165,13 +168,17 @@ def check_destination(dst: Path, fingerprint: str) -> bool:
     if index is None:
         others = sorted(p.name for p in dst.iterdir() if not is_shard_or_temp(p.name))
         if others:
-            raise PrepareError(f"DST {dst} is not empty and is not a dataset (it holds {', '.join(others[:5])}); "
-                               "choose an empty or new folder")
+            raise PrepareError(
+                f"DST {dst} is not empty and is not a dataset (it holds {', '.join(others[:5])}); "
+                "choose an empty or new folder"
+            )
         return False  # empty, or shards left by an interrupted run: overwrite them
     if index.get("sha256") == fingerprint and index.get("format") == FORMAT:
         return True
-    raise PrepareError(f"DST {dst} already holds a different dataset (source {index.get('source', '?')}); "
-                       "remove it or choose another folder")
+    raise PrepareError(
+        f"DST {dst} already holds a different dataset (source {index.get('source', '?')}); "
+        "remove it or choose another folder"
+    )
 
 
 def write_split(dst: Path, split: str, tokens: bytearray, shard_tokens: int) -> list[dict]:
@@ -179,7 +186,7 @@ def write_split(dst: Path, split: str, tokens: bytearray, shard_tokens: int) -> 
     view = memoryview(tokens)
     for i, start in enumerate(range(0, len(tokens), shard_tokens)):
         name = f"{split}_{i:05d}.bin"
-        chunk = np.frombuffer(view[start:start + shard_tokens], dtype=np.uint8).astype("<u2")
+        chunk = np.frombuffer(view[start : start + shard_tokens], dtype=np.uint8).astype("<u2")
         with open(dst / name, "wb") as f:
             f.write(chunk.tobytes())
             f.flush()
@@ -188,9 +195,15 @@ def write_split(dst: Path, split: str, tokens: bytearray, shard_tokens: int) -> 
     return entries
 
 
-def prepare(src: str | os.PathLike, dst: str | os.PathLike, *, val_fraction: float = 0.05,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, extensions: str = DEFAULT_EXTENSIONS,
-            max_bytes: int | None = None) -> dict:
+def prepare(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    val_fraction: float = 0.05,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    extensions: str = DEFAULT_EXTENSIONS,
+    max_bytes: int | None = None,
+) -> dict:
     """Build the dataset; returns its index (with "unchanged": True if it was already there)."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if not src.is_dir():
@@ -225,28 +238,41 @@ def prepare(src: str | os.PathLike, dst: str | os.PathLike, *, val_fraction: flo
         "sha256": fingerprint,
         "source": str(src),
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "params": {"val_fraction": val_fraction, "shard_tokens": shard_tokens,
-                   "extensions": list(exts), "max_bytes": max_bytes},
+        "params": {
+            "val_fraction": val_fraction,
+            "shard_tokens": shard_tokens,
+            "extensions": list(exts),
+            "max_bytes": max_bytes,
+        },
     }
     atomic_write_text(dst / INDEX_FILE, json.dumps(index, indent=2) + "\n")
     return index
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_resilience.training.prepare_data", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_resilience.training.prepare_data", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("src", help="folder of text files (walked recursively)")
     parser.add_argument("dst", help="dataset folder to create (must be empty, new, or hold this dataset)")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="share of files held out (default 0.05)")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
-    parser.add_argument("--extensions", default=DEFAULT_EXTENSIONS,
-                        help=f"comma-separated (default {DEFAULT_EXTENSIONS})")
+    parser.add_argument(
+        "--extensions", default=DEFAULT_EXTENSIONS, help=f"comma-separated (default {DEFAULT_EXTENSIONS})"
+    )
     parser.add_argument("--max-bytes", type=int, default=None, help="stop after this many bytes of text")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
     try:
-        index = prepare(args.src, args.dst, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                        extensions=args.extensions, max_bytes=args.max_bytes)
+        index = prepare(
+            args.src,
+            args.dst,
+            val_fraction=args.val_fraction,
+            shard_tokens=args.shard_tokens,
+            extensions=args.extensions,
+            max_bytes=args.max_bytes,
+        )
     except PrepareError as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2
@@ -255,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     val_tokens = sum(e["tokens"] for e in index["val"])
     files = index.get("files", {})
     state = "unchanged (already prepared)" if index.get("unchanged") else f"{len(index['train'])} train shard(s)"
-    print(f"prepare_data: {args.dst}: {files.get('train', 0) + files.get('val', 0)} files "
-          f"({files.get('val', 0)} held out), {train_tokens:,} train + {val_tokens:,} val tokens, {state}, "
-          f"{seconds:.2f}s ({(train_tokens + val_tokens) / 1e6 / max(seconds, 1e-9):.1f} M tokens/s)")
+    print(
+        f"prepare_data: {args.dst}: {files.get('train', 0) + files.get('val', 0)} files "
+        f"({files.get('val', 0)} held out), {train_tokens:,} train + {val_tokens:,} val tokens, {state}, "
+        f"{seconds:.2f}s ({(train_tokens + val_tokens) / 1e6 / max(seconds, 1e-9):.1f} M tokens/s)"
+    )
     return 0
 
 

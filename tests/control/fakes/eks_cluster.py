@@ -28,10 +28,18 @@ from typing import Callable
 
 import pytest
 
+from fsdp_resilience.training.contract import (
+    CheckpointCatalog,
+    Event,
+    EventLog,
+    FailureClass,
+    RunConfig,
+    failure_class_for_exit,
+)
+
 from control.fake_kube import FakeKube
-from control.kube_authz import UserInfo, service_account_user
 from control.fakes.saved_checkpoints import save_checkpoint
-from fsdp_resilience.training.contract import CheckpointCatalog, Event, EventLog, FailureClass, RunConfig, failure_class_for_exit
+from control.kube_authz import UserInfo, service_account_user
 
 NS = "fsdp-training"
 POOL = {"fsdp-resilience/pool": "gpu"}
@@ -56,10 +64,15 @@ def aws():
     url = f"http://{host}:{port}"
     # moto keeps its state per process, not per server: start every module from an empty account.
     urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"), timeout=30).close()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
-           "AWS_ENDPOINT_URL": url,
-           "AIRFLOW_CONN_AWS_FAKE": json.dumps({"conn_type": "aws", "extra": {"region_name": REGION,
-                                                                               "endpoint_url": url}})}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_ENDPOINT_URL": url,
+        "AIRFLOW_CONN_AWS_FAKE": json.dumps(
+            {"conn_type": "aws", "extra": {"region_name": REGION, "endpoint_url": url}}
+        ),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield url
@@ -77,7 +90,9 @@ def permissive_cluster(tmp_path, monkeypatch):
     schema and semantic checks still apply), and an Airflow connection ``kubernetes_fake`` to it
     with the admin's token. Only for tests of the fake itself: the backend's tests use ``cluster``."""
     kube = FakeKube()
-    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kube.kubeconfig(tmp_path / "kubeconfig")))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kube.kubeconfig(tmp_path / "kubeconfig"))
+    )
     yield kube
     assert not kube.errors, kube.errors
     kube.stop()
@@ -92,8 +107,9 @@ ACTING_TOKEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_
 
 
 def _deploy_tree_stamp(root: Path) -> tuple:
-    return tuple(sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*")
-                        if f.is_file() and "__pycache__" not in f.parts))
+    return tuple(
+        sorted((str(f), f.stat().st_mtime_ns) for f in root.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+    )
 
 
 @functools.cache
@@ -157,6 +173,7 @@ def run_triggers_as(kube: FakeKube, user: UserInfo, monkeypatch) -> None:
             ACTING_TOKEN.set(token)
             async for event in _original(self):
                 yield event
+
         monkeypatch.setattr(trigger, "run", run)
 
 
@@ -205,29 +222,41 @@ def make_asg(name: str, size: int, tagged: bool = True) -> list[str]:
     import boto3
 
     ec2 = boto3.client("ec2")
-    template = ec2.create_launch_template(LaunchTemplateName=f"{name}-lt", LaunchTemplateData={
-        "ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"})["LaunchTemplate"]["LaunchTemplateId"]
+    template = ec2.create_launch_template(
+        LaunchTemplateName=f"{name}-lt", LaunchTemplateData={"ImageId": "ami-12c6146b", "InstanceType": "p5.48xlarge"}
+    )["LaunchTemplate"]["LaunchTemplateId"]
     boto3.client("autoscaling").create_auto_scaling_group(
-        AutoScalingGroupName=name, MinSize=size, MaxSize=size + 2, DesiredCapacity=size,
-        LaunchTemplate={"LaunchTemplateId": template}, AvailabilityZones=[f"{REGION}a"],
-        Tags=[{**MANAGED_TAG, "ResourceId": name, "ResourceType": "auto-scaling-group"}] if tagged else [])
+        AutoScalingGroupName=name,
+        MinSize=size,
+        MaxSize=size + 2,
+        DesiredCapacity=size,
+        LaunchTemplate={"LaunchTemplateId": template},
+        AvailabilityZones=[f"{REGION}a"],
+        Tags=[{**MANAGED_TAG, "ResourceId": name, "ResourceType": "auto-scaling-group"}] if tagged else [],
+    )
     return asg_instances(name)
 
 
 def asg_instances(name: str) -> list[str]:
     import boto3
 
-    group = boto3.client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
+    group = boto3.client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][
+        0
+    ]
     return sorted(i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] == "InService")
 
 
 def add_gpu_node(kube: FakeKube, name: str, instance: str | None = None, **kw) -> dict:
     """A p5.48xlarge node of the GPU pool (labels, taint, GPUs, EFA devices and the allocatable CPU
     and memory left after EKS's kube-reserved, as on EKS)."""
-    return kube.add_node(name, labels={**POOL, "node.kubernetes.io/instance-type": "p5.48xlarge"},
-                         taints=[GPU_TAINT], allocatable={"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32,
-                                                          "cpu": "191450m", "memory": "1990Gi"},
-                         provider_id=f"aws:///{REGION}a/{instance}" if instance else None, **kw)
+    return kube.add_node(
+        name,
+        labels={**POOL, "node.kubernetes.io/instance-type": "p5.48xlarge"},
+        taints=[GPU_TAINT],
+        allocatable={"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32, "cpu": "191450m", "memory": "1990Gi"},
+        provider_id=f"aws:///{REGION}a/{instance}" if instance else None,
+        **kw,
+    )
 
 
 #: The error a pod's rank reports before its launcher ends with each failure class.
@@ -294,9 +323,18 @@ class FakeKubelet:
     ``threaded`` plays each pod in a thread of its own (needed when one waits for another's).
     """
 
-    def __init__(self, kube: FakeKube, scenario: Callable[[str, int, str], int | str | None], fail_at_step: int = 10,
-                 asg: str | None = None, after_commits: Callable[[RunConfig], None] | None = None, *,
-                 ccm: bool = False, midway: Callable[[RunConfig, str], None] | None = None, threaded: bool = False):
+    def __init__(
+        self,
+        kube: FakeKube,
+        scenario: Callable[[str, int, str], int | str | None],
+        fail_at_step: int = 10,
+        asg: str | None = None,
+        after_commits: Callable[[RunConfig], None] | None = None,
+        *,
+        ccm: bool = False,
+        midway: Callable[[RunConfig, str], None] | None = None,
+        threaded: bool = False,
+    ):
         self.kube, self.scenario, self.fail_at_step, self.asg = kube, scenario, fail_at_step, asg
         self.ccm, self.midway, self.threaded = ccm, midway, threaded
         self.parked: dict[str, list[tuple[str, EventLog]]] = {}  # launch id -> (pod, its events) parked
@@ -355,12 +393,19 @@ class FakeKubelet:
             run_dir = Path(command[command.index("--config") + 1]).parent
             # The checkpoint the control plane named (it verified it), else the newest committed.
             named = command[command.index("--checkpoint") + 1] if "--checkpoint" in command else None
-            info = next(c for c in reversed(CheckpointCatalog(run_dir).committed())
-                        if named in (None, c.checkpoint_id))
+            info = next(c for c in reversed(CheckpointCatalog(run_dir).committed()) if named in (None, c.checkpoint_id))
             self.evaluated.append(info.checkpoint_id)
-            (run_dir / "eval.json").write_text(json.dumps({
-                "checkpoint_id": info.checkpoint_id, "step": info.step, "val_loss": 2.5,
-                "perplexity": 12.18, "saved_world_size": 4}))
+            (run_dir / "eval.json").write_text(
+                json.dumps(
+                    {
+                        "checkpoint_id": info.checkpoint_id,
+                        "step": info.step,
+                        "val_loss": 2.5,
+                        "perplexity": 12.18,
+                        "saved_world_size": 4,
+                    }
+                )
+            )
             self.kube.terminate_pod(NS, pod["metadata"]["name"], 0)
             return
         cfg = RunConfig.from_json(_env(pod, "TRAINING_RUN_CONFIG"))
@@ -391,9 +436,13 @@ class FakeKubelet:
                 self.after_commits(cfg)
         else:
             # Wait for node 0's commits, as the ranks of one job do at each collective save.
-            wait_for(lambda: (CheckpointCatalog(cfg.run_dir).latest() or None) and
-                     CheckpointCatalog(cfg.run_dir).latest().step >= last - last % cfg.checkpoint_interval,
-                     what="node 0's commits")
+            wait_for(
+                lambda: (
+                    (CheckpointCatalog(cfg.run_dir).latest() or None)
+                    and CheckpointCatalog(cfg.run_dir).latest().step >= last - last % cfg.checkpoint_interval
+                ),
+                what="node 0's commits",
+            )
         if code == LOSE_NODE:
             self.kube.lose_node(node)
             return
@@ -401,9 +450,14 @@ class FakeKubelet:
             return
         failure = failure_class_for_exit(code)
         if code != 0:
-            events.emit(Event.FAULT_DETECTED, kind="exception", step=last, rank=index * cfg.procs_per_node,
-                        error=FAULT_ERRORS.get(failure, f"the launcher ended {failure.value}"),
-                        failure_class=failure.value)
+            events.emit(
+                Event.FAULT_DETECTED,
+                kind="exception",
+                step=last,
+                rank=index * cfg.procs_per_node,
+                error=FAULT_ERRORS.get(failure, f"the launcher ended {failure.value}"),
+                failure_class=failure.value,
+            )
         events.emit(Event.FINAL, exit_code=code, failure_class=failure.value)
         self.kube.terminate_pod(NS, pod["metadata"]["name"], code)
         if index == 0 and code == 0:  # the launch ended well: its spares' launchers end 0 too
@@ -426,6 +480,14 @@ def backend_for(tmp_path, **kw):
 def run_config(tmp_path, run_id="llm", nodes=2, **kw) -> RunConfig:
     """A run on this cluster: 8 ranks a node, its run dir and dataset on the FSx folder."""
     fsx = tmp_path / "fsx"
-    return RunConfig.from_dict({"run_id": run_id, "run_dir": str(fsx / "runs" / run_id),
-                                "dataset_dir": str(fsx / "datasets" / "c4"), "nodes": nodes, "procs_per_node": 8,
-                                "stall_timeout_s": 600, **kw})
+    return RunConfig.from_dict(
+        {
+            "run_id": run_id,
+            "run_dir": str(fsx / "runs" / run_id),
+            "dataset_dir": str(fsx / "datasets" / "c4"),
+            "nodes": nodes,
+            "procs_per_node": 8,
+            "stall_timeout_s": 600,
+            **kw,
+        }
+    )

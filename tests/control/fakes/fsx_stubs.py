@@ -15,22 +15,49 @@ from fsdp_resilience.control.hooks.fsx import FsxHook
 REGION = "eu-west-1"
 FS = "fs-0123456789abcdef0"
 TASK = "task-0123456789abcdef0"
-DATASETS = {"AssociationId": "dra-0123456789abcdef0", "FileSystemId": FS, "Lifecycle": "AVAILABLE",
-            "FileSystemPath": "/datasets", "DataRepositoryPath": "s3://bucket/datasets/"}
-RUNS = {"AssociationId": "dra-0123456789abcdef1", "FileSystemId": FS, "Lifecycle": "AVAILABLE",
-        "FileSystemPath": "/runs/", "DataRepositoryPath": "s3://bucket/exports/runs"}
+DATASETS = {
+    "AssociationId": "dra-0123456789abcdef0",
+    "FileSystemId": FS,
+    "Lifecycle": "AVAILABLE",
+    "FileSystemPath": "/datasets",
+    "DataRepositoryPath": "s3://bucket/datasets/",
+}
+RUNS = {
+    "AssociationId": "dra-0123456789abcdef1",
+    "FileSystemId": FS,
+    "Lifecycle": "AVAILABLE",
+    "FileSystemPath": "/runs/",
+    "DataRepositoryPath": "s3://bucket/exports/runs",
+}
 # Same bucket, a name that starts like "datasets": must not be mistaken for a folder of it.
-DATASETS_EXTRA = {"AssociationId": "dra-0123456789abcdef2", "FileSystemId": FS, "Lifecycle": "AVAILABLE",
-                  "FileSystemPath": "/extra", "DataRepositoryPath": "s3://bucket/datasets-extra/"}
+DATASETS_EXTRA = {
+    "AssociationId": "dra-0123456789abcdef2",
+    "FileSystemId": FS,
+    "Lifecycle": "AVAILABLE",
+    "FileSystemPath": "/extra",
+    "DataRepositoryPath": "s3://bucket/datasets-extra/",
+}
 ASSOCIATIONS = [DATASETS, RUNS, DATASETS_EXTRA]
 FS_FILTER = [{"Name": "file-system-id", "Values": [FS]}]
 IN_FLIGHT_FILTER = FS_FILTER + [{"Name": "task-lifecycle", "Values": ["PENDING", "EXECUTING"]}]
 
 
-def a_task(lifecycle="EXECUTING", type_="IMPORT_METADATA_FROM_REPOSITORY", paths=("s3://bucket/datasets/c4",),
-           task_id=TASK, **extra):
-    return {"TaskId": task_id, "Lifecycle": lifecycle, "Type": type_, "FileSystemId": FS, "Paths": list(paths),
-            "CreationTime": datetime(2025, 1, 1, tzinfo=timezone.utc), **extra}
+def a_task(
+    lifecycle="EXECUTING",
+    type_="IMPORT_METADATA_FROM_REPOSITORY",
+    paths=("s3://bucket/datasets/c4",),
+    task_id=TASK,
+    **extra,
+):
+    return {
+        "TaskId": task_id,
+        "Lifecycle": lifecycle,
+        "Type": type_,
+        "FileSystemId": FS,
+        "Paths": list(paths),
+        "CreationTime": datetime(2025, 1, 1, tzinfo=timezone.utc),
+        **extra,
+    }
 
 
 @pytest.fixture()
@@ -44,18 +71,25 @@ def stub(monkeypatch):
 
 
 def expect_file_system(stub, type_="LUSTRE"):
-    stub.add_response("describe_file_systems", {"FileSystems": [
-        {"FileSystemId": FS, "FileSystemType": type_, "Lifecycle": "AVAILABLE"}]}, {"FileSystemIds": [FS]})
+    stub.add_response(
+        "describe_file_systems",
+        {"FileSystems": [{"FileSystemId": FS, "FileSystemType": type_, "Lifecycle": "AVAILABLE"}]},
+        {"FileSystemIds": [FS]},
+    )
 
 
 def expect_associations(stub, associations=ASSOCIATIONS):
-    stub.add_response("describe_data_repository_associations", {"Associations": associations},
-                      {"Filters": FS_FILTER, "MaxResults": 25})
+    stub.add_response(
+        "describe_data_repository_associations",
+        {"Associations": associations},
+        {"Filters": FS_FILTER, "MaxResults": 25},
+    )
 
 
 def expect_in_flight(stub, tasks=()):
-    stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": list(tasks)},
-                      {"Filters": IN_FLIGHT_FILTER})
+    stub.add_response(
+        "describe_data_repository_tasks", {"DataRepositoryTasks": list(tasks)}, {"Filters": IN_FLIGHT_FILTER}
+    )
 
 
 def expect_describe(stub, task):

@@ -10,8 +10,9 @@ from pathlib import Path
 from fsdp_resilience.training.contract import CheckpointCatalog, write_rank_sums
 
 
-def save_checkpoint(run_dir: str | Path, step: int, world_size: int = 2, *, commit: bool = True,
-                    shard_bytes: int = 256) -> Path:
+def save_checkpoint(
+    run_dir: str | Path, step: int, world_size: int = 2, *, commit: bool = True, shard_bytes: int = 256
+) -> Path:
     """Write checkpoint ``step`` of the run (committed unless ``commit=False``: torn) and return
     its folder. Shard bytes differ per step and rank, as real model state does."""
     catalog = CheckpointCatalog(run_dir)

@@ -45,10 +45,21 @@ class SimulatedRun:
         self.iteration = 0
         self.launch_id = ""
         self.fault_ts: float | None = None
-        (run_dir / "run.json").write_text(json.dumps({
-            "run_id": run_id, "run_dir": str(run_dir), "dataset_dir": "data/x", "model": "tiny",
-            "nodes": 1, "procs_per_node": 2, "steps": STEPS, "checkpoint_interval": CHECKPOINT_INTERVAL,
-            "restart_mode": "layered"}))
+        (run_dir / "run.json").write_text(
+            json.dumps(
+                {
+                    "run_id": run_id,
+                    "run_dir": str(run_dir),
+                    "dataset_dir": "data/x",
+                    "model": "tiny",
+                    "nodes": 1,
+                    "procs_per_node": 2,
+                    "steps": STEPS,
+                    "checkpoint_interval": CHECKPOINT_INTERVAL,
+                    "restart_mode": "layered",
+                }
+            )
+        )
 
     def emit(self, log: EventLog, event: Event, after: float = 0.0, **fields) -> dict:
         self.now += after
@@ -57,8 +68,9 @@ class SimulatedRun:
     def _workers(self) -> list[EventLog]:
         ranks = []
         for rank in (0, 1):
-            ranks.append(self.log.bind(pid=self.next_pid, rank=rank, node_rank=0, attempt=self.attempt,
-                                       iteration=self.iteration))
+            ranks.append(
+                self.log.bind(pid=self.next_pid, rank=rank, node_rank=0, attempt=self.attempt, iteration=self.iteration)
+            )
             self.next_pid += 1
         self.rank0 = ranks[0]
         return ranks
@@ -74,15 +86,26 @@ class SimulatedRun:
 
     def begin_training(self, start_step: int, workers: list[EventLog] | None = None) -> None:
         for log in workers or self._workers():
-            self.emit(log, Event.TRAIN_BEGIN, start_step=start_step, world_size=2, device="cpu",
-                      resumed_from=f"step_{start_step:08d}" if start_step else None)
+            self.emit(
+                log,
+                Event.TRAIN_BEGIN,
+                start_step=start_step,
+                world_size=2,
+                device="cpu",
+                resumed_from=f"step_{start_step:08d}" if start_step else None,
+            )
 
     def train(self, first: int, last: int, *, resumed_layer: str | None = None) -> None:
         for step in range(first, last + 1):
             self.now += STEP_S
             if resumed_layer is not None:
-                self.rank0.emit(Event.RESTART_END, ts=round(self.now, 6), layer=resumed_layer, step=step,
-                                latency_s=round(self.now - self.fault_ts, 3))
+                self.rank0.emit(
+                    Event.RESTART_END,
+                    ts=round(self.now, 6),
+                    layer=resumed_layer,
+                    step=step,
+                    latency_s=round(self.now - self.fault_ts, 3),
+                )
                 resumed_layer = None
             self.emit(self.rank0, Event.STEP, step=step, loss=loss_at(step), step_s=STEP_S, tokens_per_s=4096.0)
             if step % CHECKPOINT_INTERVAL == 0:
@@ -91,25 +114,40 @@ class SimulatedRun:
 
     def commit(self, step: int) -> None:
         checkpoint = save_checkpoint(self.layout.root, step, world_size=2)
-        self.rank0.emit(Event.CHECKPOINT_COMMIT, ts=round(self.now, 6), step=step,
-                        checkpoint_id=checkpoint.name, save_s=0.4)
+        self.rank0.emit(
+            Event.CHECKPOINT_COMMIT, ts=round(self.now, 6), step=step, checkpoint_id=checkpoint.name, save_s=0.4
+        )
 
     def inject(self, kind: str, step: int, rank: int = 1) -> None:
         self.fault_ts = self.now
-        self.emit(self.rank0 if rank == 0 else self.rank0.bind(rank=1, pid=self.rank0.context["pid"] + 1),
-                  Event.FAULT_INJECTED, kind=kind, step=step)
+        self.emit(
+            self.rank0 if rank == 0 else self.rank0.bind(rank=1, pid=self.rank0.context["pid"] + 1),
+            Event.FAULT_INJECTED,
+            kind=kind,
+            step=step,
+        )
 
     def detect(self, layer: str, step: int, after: float = 0.01) -> None:
-        self.emit(self.rank0.bind(rank=1, pid=self.rank0.context["pid"] + 1), Event.FAULT_DETECTED, after=after,
-                  layer=layer, kind="RuntimeError", step=step, error="peer gone | see logs", repeated=False)
+        self.emit(
+            self.rank0.bind(rank=1, pid=self.rank0.context["pid"] + 1),
+            Event.FAULT_DETECTED,
+            after=after,
+            layer=layer,
+            kind="RuntimeError",
+            step=step,
+            error="peer gone | see logs",
+            repeated=False,
+        )
 
     def restart_inprocess(self, detect_s: float, restore_s: float, start_step: int) -> None:
         # Same PIDs, next Wrapper iteration; rank 0 logs restart_begin, then both ranks restore.
         self.emit(self.rank0, Event.RESTART_BEGIN, after=detect_s, layer="inprocess", reason="timeout")
         self.iteration += 1
         pids = [self.rank0.context["pid"], self.rank0.context["pid"] + 1]
-        workers = [self.log.bind(pid=pid, rank=rank, node_rank=0, attempt=self.attempt, iteration=self.iteration)
-                   for rank, pid in enumerate(pids)]
+        workers = [
+            self.log.bind(pid=pid, rank=rank, node_rank=0, attempt=self.attempt, iteration=self.iteration)
+            for rank, pid in enumerate(pids)
+        ]
         self.rank0 = workers[0]
         self.now += restore_s
         self.begin_training(start_step, workers)
@@ -120,15 +158,23 @@ class SimulatedRun:
         self.iteration = 0
         self.now += down_s
         self.begin_training(start_step)
-        self.emit(self.rank0, Event.RESTART_BEGIN, layer=layer, reason=f"{layer}: started again",
-                  fault_ts=self.fault_ts)
+        self.emit(
+            self.rank0, Event.RESTART_BEGIN, layer=layer, reason=f"{layer}: started again", fault_ts=self.fault_ts
+        )
 
     def final(self, failure_class: str = "success", exit_code: int = 0, after: float = 1.5) -> None:
         launcher = self.log.bind(pid=1, node_rank=0, role="launcher", launch_id=self.launch_id)
         if failure_class == "success":
             self.emit(self.rank0, Event.TRAIN_END, step=STEPS, status="completed")
-        self.emit(launcher, Event.FINAL, after=after, failure_class=failure_class, exit_code=exit_code,
-                  step=STEPS, message=f"ended {failure_class}")
+        self.emit(
+            launcher,
+            Event.FINAL,
+            after=after,
+            failure_class=failure_class,
+            exit_code=exit_code,
+            step=STEPS,
+            message=f"ended {failure_class}",
+        )
 
     def evaluate(self) -> None:
         evaluation = {"checkpoint_id": f"step_{STEPS:08d}", "step": STEPS, "val_loss": 2.5, "perplexity": 12.18}
@@ -182,8 +228,17 @@ def relaunch_run(run_dir: Path) -> SimulatedRun:
     run.inject("sigkill", 13, rank=0)
     run.final("restarts_exhausted", 75, after=2.0)
     control_plane = run.log.bind(pid=7, role="control-plane")
-    run.emit(control_plane, Event.ESCALATION, after=3.0, rung=1, from_launch="launch-1", to_launch="launch-2",
-             failure_class="restarts_exhausted", nodes=["node-a"], reason="restarts exhausted: replace node-a")
+    run.emit(
+        control_plane,
+        Event.ESCALATION,
+        after=3.0,
+        rung=1,
+        from_launch="launch-1",
+        to_launch="launch-2",
+        failure_class="restarts_exhausted",
+        nodes=["node-a"],
+        reason="restarts exhausted: replace node-a",
+    )
     run.now += 20.0  # node replacement
     run.launch(startup_s=6.0, launch_id="launch-2", start_step=10)
     run.emit(run.rank0, Event.RESTART_BEGIN, layer="relaunch", reason="relaunch: started again", fault_ts=run.fault_ts)
@@ -202,18 +257,48 @@ def spare_run(run_dir: Path) -> SimulatedRun:
     run.inject("node_loss", 13, rank=1)
     run.detect("injob", 13, after=0.05)
     run.restart_injob(down_s=6.0, start_step=10)
-    run.emit(run.rank0, Event.SPARE_PROMOTED, node_id="node-c", node_rank=2, replaces=["node-b"],
-             replaced_node_ranks=[1], members=["node-a", "node-c"], previous_attempt=0, launch_id="0")
+    run.emit(
+        run.rank0,
+        Event.SPARE_PROMOTED,
+        node_id="node-c",
+        node_rank=2,
+        replaces=["node-b"],
+        replaced_node_ranks=[1],
+        members=["node-a", "node-c"],
+        previous_attempt=0,
+        launch_id="0",
+    )
     run.train(11, 14, resumed_layer="injob")
-    run.emit(run.log.bind(pid=7, role="control-plane"), Event.SPARE_ADDED, launch_id="0", lost_node_id="node-b",
-             lost_node_rank=1, quarantined=["node-b"], node_id="node-d", node_rank=3,
-             reason="launch 0: node 1 lost while training went on")
-    run.emit(run.log.bind(pid=8, node_rank=3, node_id="node-d", role="launcher", launch_id="0"), Event.LAUNCH_BEGIN,
-             nodes=2, spare_nodes=1, procs_per_node=1, restart_mode="injob", command="ft", standby=True)
+    run.emit(
+        run.log.bind(pid=7, role="control-plane"),
+        Event.SPARE_ADDED,
+        launch_id="0",
+        lost_node_id="node-b",
+        lost_node_rank=1,
+        quarantined=["node-b"],
+        node_id="node-d",
+        node_rank=3,
+        reason="launch 0: node 1 lost while training went on",
+    )
+    run.emit(
+        run.log.bind(pid=8, node_rank=3, node_id="node-d", role="launcher", launch_id="0"),
+        Event.LAUNCH_BEGIN,
+        nodes=2,
+        spare_nodes=1,
+        procs_per_node=1,
+        restart_mode="injob",
+        command="ft",
+        standby=True,
+    )
     run.train(15, STEPS)
     run.final()
     return run
 
 
-SCENARIOS = {"clean": clean_run, "inprocess": inprocess_run, "injob": injob_run, "relaunch": relaunch_run,
-             "spare": spare_run}
+SCENARIOS = {
+    "clean": clean_run,
+    "inprocess": inprocess_run,
+    "injob": injob_run,
+    "relaunch": relaunch_run,
+    "spare": spare_run,
+}

@@ -4,9 +4,20 @@ run contract (checkpoints committed by node 0, events, the exit code a scenario 
 
 from __future__ import annotations
 
-from control.fakes.eks_cluster import (GPU_TAINT, NS, POOL, FakeKubelet, add_gpu_node, asg_instances, backend_for,
-                                       make_asg, run_config, wait_for)
 from fsdp_resilience.training.contract import CheckpointCatalog, ExitCode, read_events
+
+from control.fakes.eks_cluster import (
+    GPU_TAINT,
+    NS,
+    POOL,
+    FakeKubelet,
+    add_gpu_node,
+    asg_instances,
+    backend_for,
+    make_asg,
+    run_config,
+    wait_for,
+)
 
 
 def test_a_gpu_node_looks_like_a_p5_of_the_pool(cluster):

@@ -18,8 +18,12 @@ def test_queued_responses_answer_the_hooks_client(stub):  # noqa: F811
     expect_describe(stub, task)
     client = fsx_stubs.FsxHook(aws_conn_id=None, region_name=fsx_stubs.REGION).conn
     assert client.describe_file_systems(FileSystemIds=[FS])["FileSystems"][0]["FileSystemType"] == "LUSTRE"
-    paths = [a["FileSystemPath"] for a in client.describe_data_repository_associations(
-        Filters=fsx_stubs.FS_FILTER, MaxResults=25)["Associations"]]
+    paths = [
+        a["FileSystemPath"]
+        for a in client.describe_data_repository_associations(Filters=fsx_stubs.FS_FILTER, MaxResults=25)[
+            "Associations"
+        ]
+    ]
     assert paths == ["/datasets", "/runs/", "/extra"]
     described = client.describe_data_repository_tasks(TaskIds=[task["TaskId"]])["DataRepositoryTasks"]
     assert described[0]["Lifecycle"] == "SUCCEEDED"

@@ -4,8 +4,9 @@ flipped bytes that verification catches."""
 
 from __future__ import annotations
 
-from control.fakes.saved_checkpoints import flip_bytes, save_checkpoint
 from fsdp_resilience.training.contract import CheckpointCatalog, verify_checkpoint
+
+from control.fakes.saved_checkpoints import flip_bytes, save_checkpoint
 
 
 def test_a_saved_checkpoint_is_committed_and_verifies(tmp_path):

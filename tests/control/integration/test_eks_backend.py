@@ -47,10 +47,12 @@ def test_submit_creates_one_indexed_job_and_a_headless_service_and_is_idempotent
     # created while the Job was suspended; then the Job was resumed.
     for resource in ("services", "networkpolicies"):
         assert len([r for r in cluster.requests if r.resource == resource and r.verb == "create"]) == 1, resource
-    job_writes = [(r.resource, r.verb) for r in cluster.requests if r.verb in ("create", "patch")
-                  and r.resource in ("jobs", "services", "networkpolicies")]
-    assert job_writes == [("jobs", "create"), ("services", "create"), ("networkpolicies", "create"),
-                          ("jobs", "patch")]
+    job_writes = [
+        (r.resource, r.verb)
+        for r in cluster.requests
+        if r.verb in ("create", "patch") and r.resource in ("jobs", "services", "networkpolicies")
+    ]
+    assert job_writes == [("jobs", "create"), ("services", "create"), ("networkpolicies", "create"), ("jobs", "patch")]
     assert job["spec"]["suspend"] is False
     assert backend.status(handle).state == "running"
 
@@ -103,10 +105,17 @@ def test_restarts_exhausted_fails_the_job_at_once_and_blames_the_node_from_the_e
     # What the pods wrote to the run dir on FSx: a rank on the bad node kept faulting.
     events = EventLog(Path(cfg.run_dir) / "events.jsonl", run_id=cfg.run_id)
     events.emit(Event.LAUNCH_BEGIN, launch_id="0", node_rank=0, node_id=sorted(pods)[0])
-    events.emit(Event.FAULT_DETECTED, kind="exception", error="CUDA error: uncorrectable ECC error", step=7,
-                rank=9, node_id=bad)
-    events.emit(Event.FAULT_DETECTED, kind="collective", error="NCCL timeout waiting for rank 9", step=7,
-                rank=0, node_id=sorted(pods)[0])  # a peer's symptom: does not blame its node
+    events.emit(
+        Event.FAULT_DETECTED, kind="exception", error="CUDA error: uncorrectable ECC error", step=7, rank=9, node_id=bad
+    )
+    events.emit(
+        Event.FAULT_DETECTED,
+        kind="collective",
+        error="NCCL timeout waiting for rank 9",
+        step=7,
+        rank=0,
+        node_id=sorted(pods)[0],
+    )  # a peer's symptom: does not blame its node
     cluster.set_pod_log(NS, pods[bad], "rank 9: CUDA error\nft_launcher: max restarts reached\n")
     cluster.terminate_pod(NS, pods[bad], int(ExitCode.RESTARTS_EXHAUSTED))
 
@@ -126,8 +135,7 @@ def test_a_node_the_monitoring_agent_marks_unhealthy_is_blamed(cluster, tmp_path
     handle = backend.submit(run_config(tmp_path), "0")
     pod = cluster.pods(NS, handle.job_name)[0]
     node = pod["spec"]["nodeName"]
-    cluster.set_node_condition(node, "AcceleratedHardwareReady", "False", "NvidiaXID79",
-                               "GPU has fallen off the bus")
+    cluster.set_node_condition(node, "AcceleratedHardwareReady", "False", "NvidiaXID79", "GPU has fallen off the bus")
     cluster.terminate_pod(NS, pod["metadata"]["name"], int(ExitCode.RESTARTS_EXHAUSTED))
     diagnosis = backend.diagnose(handle)
     assert diagnosis.bad_node_ids == [node] and diagnosis.replaceable
@@ -147,8 +155,14 @@ def test_a_lost_node_is_replaceable_and_a_user_error_never_is(cluster, tmp_path)
     # pod for that index (the restart layers on the other nodes wait for it to rejoin).
     assert backend.status(lost).state == "running"
     for _ in range(2):  # backoffLimit=2: the third lost pod fails the job
-        pod = wait_for(lambda: [p for p in cluster.pods(NS, lost.job_name) if p["status"]["phase"] == "Running"
-                                and p["spec"]["nodeName"] == node], what="a replacement pod")[0]
+        pod = wait_for(
+            lambda: [
+                p
+                for p in cluster.pods(NS, lost.job_name)
+                if p["status"]["phase"] == "Running" and p["spec"]["nodeName"] == node
+            ],
+            what="a replacement pod",
+        )[0]
         cluster.terminate_pod(NS, pod["metadata"]["name"], 137, reason="OOMKilled")
     status = backend.status(lost)
     assert status.state == "failed" and status.failure_class == "restarts_exhausted", status.message
@@ -161,8 +175,10 @@ def test_a_lost_node_is_replaceable_and_a_user_error_never_is(cluster, tmp_path)
     cluster.terminate_pod(NS, pod["metadata"]["name"], int(ExitCode.USER_ERROR))
     status = backend.status(bug)
     assert status.state == "failed" and status.failure_class == "user_error"
-    assert any(c["type"] == "Failed" and c["reason"] == "PodFailurePolicy"
-               for c in cluster.job(NS, bug.job_name)["status"]["conditions"])
+    assert any(
+        c["type"] == "Failed" and c["reason"] == "PodFailurePolicy"
+        for c in cluster.job(NS, bug.job_name)["status"]["conditions"]
+    )
     diagnosis = backend.diagnose(bug)
     assert not diagnosis.replaceable and diagnosis.bad_node_ids == []
     assert any("user error" in e for e in diagnosis.evidence)
@@ -209,8 +225,10 @@ def test_cancel_suspends_the_job_keeps_the_evidence_and_records_a_stall(cluster,
         eks_backend.timestamp = real_ts
     job = cluster.job(NS, handle.job_name)
     assert job["spec"]["suspend"] is True and CANCEL_ANNOTATION in job["metadata"]["annotations"]
-    wait_for(lambda: not [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
-             what="the suspended job's pods to stop")
+    wait_for(
+        lambda: not [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+        what="the suspended job's pods to stop",
+    )
     status = backend.status(handle)
     assert status.state == "failed" and status.failure_class == "no_progress", status.message
     backend.cancel(handle)  # a no-op now
@@ -292,7 +310,6 @@ def test_evaluation_runs_as_a_one_pod_job_and_returns_its_result(cluster, tmp_pa
         backend.run_evaluation(cfg)
     commit_checkpoint(cfg.run_dir, 20, world_size=8)
 
-
     def pod_that_evaluates():
         pods = wait_for(lambda: [p for p in cluster.pods(NS) if "eval" in p["metadata"]["name"]], what="the eval pod")
         Path(cfg.run_dir, "eval.json").write_text(json.dumps({"checkpoint_id": "step_00000020", "val_loss": 2.5}))
@@ -319,13 +336,23 @@ def test_the_watch_reads_checkpoints_from_the_s3_export_and_the_job_through_the_
     s3 = boto3.client("s3")
     s3.create_bucket(Bucket="exports", CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
     for step in (5, 10):
-        s3.put_object(Bucket="exports", Key=f"runs/s3watch/checkpoints/step_{step:08d}/{COMMIT_MARKER}",
-                      Body=json.dumps({"step": step, "world_size": 16, "committed_at": time.time()}).encode())
+        s3.put_object(
+            Bucket="exports",
+            Key=f"runs/s3watch/checkpoints/step_{step:08d}/{COMMIT_MARKER}",
+            Body=json.dumps({"step": step, "world_size": 16, "committed_at": time.time()}).encode(),
+        )
     s3.put_object(Bucket="exports", Key="runs/s3watch/checkpoints/step_00000015/__0_0.distcp", Body=b"torn")
     trigger = TrainingProgressTrigger(
-        backend=backend.to_config(), handle=handle.to_dict(), run_dir=str(tmp_path / "not-mounted"), final_step=10,
-        stall_timeout_s=600, launched_at=time.time(), poll_interval_s=0.05,
-        checkpoints_s3="s3://exports/runs/s3watch", aws_conn_id="aws_fake")
+        backend=backend.to_config(),
+        handle=handle.to_dict(),
+        run_dir=str(tmp_path / "not-mounted"),
+        final_step=10,
+        stall_timeout_s=600,
+        launched_at=time.time(),
+        poll_interval_s=0.05,
+        checkpoints_s3="s3://exports/runs/s3watch",
+        aws_conn_id="aws_fake",
+    )
     assert TrainingProgressTrigger(**trigger.serialize()[1]).serialize() == trigger.serialize()
 
     async def first_event():
@@ -344,8 +371,9 @@ def test_with_a_cluster_name_the_kubeconfig_comes_from_eks_and_the_aws_connectio
     import yaml
 
     role = boto3.client("iam").create_role(RoleName="eks-cluster", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
-    cluster = boto3.client("eks").create_cluster(name="training", roleArn=role,
-                                                 resourcesVpcConfig={"subnetIds": ["subnet-1"]})["cluster"]
+    cluster = boto3.client("eks").create_cluster(
+        name="training", roleArn=role, resourcesVpcConfig={"subnetIds": ["subnet-1"]}
+    )["cluster"]
     backend = backend_for(tmp_path, cluster_name="training")
     assert get_backend(**backend.to_config()).cluster_name == "training"
     with backend._kubeconfig() as path:
@@ -374,13 +402,17 @@ def test_the_capacity_trigger_waits_for_a_replacement_node_and_gives_up_with_wha
             return event.payload
 
     def trigger(timeout_s):
-        return NodeCapacityTrigger(backend=backend.to_config(), nodes=2, timeout_s=timeout_s, started_at=time.time(),
-                                   poll_interval_s=0.05)
+        return NodeCapacityTrigger(
+            backend=backend.to_config(), nodes=2, timeout_s=timeout_s, started_at=time.time(), poll_interval_s=0.05
+        )
 
     gave_up = asyncio.run(first_event(trigger(0.2)))
     assert gave_up["status"] == "timeout" and gave_up["capacity"]["healthy"] == 1
-    sensor = NodeCapacitySensor(task_id="wait_for_capacity", run=Run(config={"nodes": 2}, backend=backend.to_config(),
-                                                                     max_node_replacements=0), timeout_s=0.2)
+    sensor = NodeCapacitySensor(
+        task_id="wait_for_capacity",
+        run=Run(config={"nodes": 2}, backend=backend.to_config(), max_node_replacements=0),
+        timeout_s=0.2,
+    )
     with pytest.raises(AirflowFailException, match="not enough healthy nodes for 2"):
         sensor.execute_complete({}, gave_up)
 
@@ -409,11 +441,15 @@ def launch_objects(cluster, tmp_path) -> dict[str, list[str]]:
     from kubernetes import client
 
     api = api_client(cluster, tmp_path)
-    return {"jobs": [j.metadata.name for j in client.BatchV1Api(api).list_namespaced_job(NS).items],
-            "services": [s.metadata.name for s in client.CoreV1Api(api).list_namespaced_service(NS).items],
-            "networkpolicies": [p.metadata.name for p in
-                                client.NetworkingV1Api(api).list_namespaced_network_policy(NS).items
-                                if p.metadata.name != "default-deny-ingress"]}
+    return {
+        "jobs": [j.metadata.name for j in client.BatchV1Api(api).list_namespaced_job(NS).items],
+        "services": [s.metadata.name for s in client.CoreV1Api(api).list_namespaced_service(NS).items],
+        "networkpolicies": [
+            p.metadata.name
+            for p in client.NetworkingV1Api(api).list_namespaced_network_policy(NS).items
+            if p.metadata.name != "default-deny-ingress"
+        ],
+    }
 
 
 def test_a_run_id_starting_with_a_digit_launches(cluster, tmp_path):
@@ -423,8 +459,11 @@ def test_a_run_id_starting_with_a_digit_launches(cluster, tmp_path):
     handle = backend.submit(run_config(tmp_path, run_id="7b-llama"), "0")
     assert handle.job_name.startswith("r-7b-llama-0-")
     # The Service (a DNS-1035 name) was accepted, and so the rendezvous host resolves.
-    assert launch_objects(cluster, tmp_path) == {"jobs": [handle.job_name], "services": [handle.job_name],
-                                                 "networkpolicies": [handle.job_name]}
+    assert launch_objects(cluster, tmp_path) == {
+        "jobs": [handle.job_name],
+        "services": [handle.job_name],
+        "networkpolicies": [handle.job_name],
+    }
     assert backend.status(handle).state == "running"
 
 
@@ -446,8 +485,11 @@ def test_a_submit_that_fails_in_the_middle_is_finished_by_a_retry(cluster, tmp_p
         return service
 
     monkeypatch.setattr(eks_backend, "rendezvous_service", refused_once)
-    with pytest.raises(BackendError, match=r"rejected the request to create service .* invalid \(422\).*"
-                                           r"stays suspended.*retrying the launch task"):
+    with pytest.raises(
+        BackendError,
+        match=r"rejected the request to create service .* invalid \(422\).*"
+        r"stays suspended.*retrying the launch task",
+    ):
         backend.submit(cfg, "0")
     monkeypatch.setattr(eks_backend, "rendezvous_service", real_service)
     assert launch_objects(cluster, tmp_path)["services"] == []
@@ -494,8 +536,10 @@ def test_a_cancelled_job_is_never_resumed_by_a_retried_submit(cluster, tmp_path)
     cfg = run_config(tmp_path)
     handle = backend.submit(cfg, "0")
     backend.cancel(handle)
-    wait_for(lambda: not [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
-             what="the cancelled job's pods to stop")
+    wait_for(
+        lambda: not [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+        what="the cancelled job's pods to stop",
+    )
     backend.submit(cfg, "0")  # a late retry of the launch task
     job = cluster.job(NS, handle.job_name)
     assert job["spec"]["suspend"] is True and CANCEL_ANNOTATION in job["metadata"]["annotations"]
@@ -521,18 +565,28 @@ def test_api_errors_say_what_to_do(tmp_path):
         e.body = json.dumps({"kind": "Status", "status": "Failure", "message": message, "code": status})
         return e
 
-    forbidden = kube_error(api_exception(403, "Forbidden", 'jobs.batch is forbidden: User '
-                                         '"system:serviceaccount:airflow:airflow-triggerer" cannot create resource '
-                                         '"jobs" in API group "batch" in the namespace "fsdp-training"'),
-                           "create job llm-0-abc", NS)
+    forbidden = kube_error(
+        api_exception(
+            403,
+            "Forbidden",
+            "jobs.batch is forbidden: User "
+            '"system:serviceaccount:airflow:airflow-triggerer" cannot create resource '
+            '"jobs" in API group "batch" in the namespace "fsdp-training"',
+        ),
+        "create job llm-0-abc",
+        NS,
+    )
     text = str(forbidden)
     assert "identity system:serviceaccount:airflow:airflow-triggerer lacks the grant 'create' on jobs" in text
     assert "API group batch" in text and "deploy/base/rbac.yaml" in text and "access entry" in text
     missing = kube_error(api_exception(404, "Not Found", 'namespaces "fsdp-training" not found'), "create job x", NS)
     assert "namespace fsdp-training does not exist" in str(missing) and "deploy kit" in str(missing)
-    invalid = kube_error(api_exception(422, "Unprocessable Entity", 'Service "7b" is invalid: metadata.name: ...'),
-                         "create service 7b", NS)
-    assert "invalid (422): Service \"7b\" is invalid" in str(invalid)
+    invalid = kube_error(
+        api_exception(422, "Unprocessable Entity", 'Service "7b" is invalid: metadata.name: ...'),
+        "create service 7b",
+        NS,
+    )
+    assert 'invalid (422): Service "7b" is invalid' in str(invalid)
 
 
 def test_an_unreachable_cluster_is_a_backend_error_that_says_so(tmp_path, monkeypatch):
@@ -550,10 +604,16 @@ def test_an_unreachable_cluster_is_a_backend_error_that_says_so(tmp_path, monkey
 def test_a_node_without_registered_gpus_is_not_healthy_capacity(cluster, tmp_path):
     add_gpu_node(cluster, "gpu-0")
     # Joined and Ready, but its device plugin has not registered the GPUs (or the EFA devices) yet.
-    cluster.add_node("gpu-1", labels={"fsdp-resilience/pool": "gpu", "node.kubernetes.io/instance-type": "p5.48xlarge"},
-                     allocatable={"nvidia.com/gpu": 0, "vpc.amazonaws.com/efa": 32})
-    cluster.add_node("gpu-2", labels={"fsdp-resilience/pool": "gpu", "node.kubernetes.io/instance-type": "p5.48xlarge"},
-                     allocatable={"nvidia.com/gpu": 8})
+    cluster.add_node(
+        "gpu-1",
+        labels={"fsdp-resilience/pool": "gpu", "node.kubernetes.io/instance-type": "p5.48xlarge"},
+        allocatable={"nvidia.com/gpu": 0, "vpc.amazonaws.com/efa": 32},
+    )
+    cluster.add_node(
+        "gpu-2",
+        labels={"fsdp-resilience/pool": "gpu", "node.kubernetes.io/instance-type": "p5.48xlarge"},
+        allocatable={"nvidia.com/gpu": 8},
+    )
     capacity = backend_for(tmp_path).capacity()
     assert capacity.total == 3 and capacity.healthy_node_ids == ["gpu-0"]
 
@@ -568,8 +628,10 @@ def test_disrupted_pods_are_replaced_within_a_bound_then_the_launch_fails_replac
     handle = backend.submit(run_config(tmp_path, nodes=1), "0")
     first = cluster.pods(NS, handle.job_name)[0]["spec"]["nodeName"]
     cluster.remove_node(first)  # lost with its node: replaced on another node
-    second = wait_for(lambda: [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
-                      what="the replacement pod")[0]["spec"]["nodeName"]
+    second = wait_for(
+        lambda: [p for p in cluster.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+        what="the replacement pod",
+    )[0]["spec"]["nodeName"]
     assert second != first and backend.status(handle).state == "running"
     cluster.remove_node(second)  # the second disruption is one more than the bound
     status = wait_for(lambda: (s := backend.status(handle)).state == "failed" and s, what="the job to fail")
@@ -601,18 +663,23 @@ def test_a_missing_grant_is_a_backend_error_naming_the_identity_and_the_grant(cl
 
     from control.kube_authz import service_account_user
 
-    rbac = [o for o in yaml.safe_load_all((Path(__file__).resolve().parents[3] / "deploy/base/rbac.yaml").read_text())
-            if o]
+    rbac = [
+        o for o in yaml.safe_load_all((Path(__file__).resolve().parents[3] / "deploy/base/rbac.yaml").read_text()) if o
+    ]
     cluster.load(rbac)
     for i in range(2):
         add_gpu_node(cluster, f"gpu-{i}")
-    triggerer = cluster.kubeconfig(tmp_path / "triggerer", namespace=NS,
-                                   user=service_account_user("airflow", "airflow-triggerer"))
+    triggerer = cluster.kubeconfig(
+        tmp_path / "triggerer", namespace=NS, user=service_account_user("airflow", "airflow-triggerer")
+    )
     monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_TRIGGERER", cluster.airflow_connection(triggerer))
     backend = backend_for(tmp_path, kubernetes_conn_id="kubernetes_triggerer")
-    with pytest.raises(BackendError, match=r"forbidden to (list|create) jobs? .*identity system:serviceaccount:"
-                                           r"airflow:airflow-triggerer lacks the grant '(list|create)' on jobs "
-                                           r"\(API group batch\) in namespace fsdp-training.*deploy/base/rbac.yaml"):
+    with pytest.raises(
+        BackendError,
+        match=r"forbidden to (list|create) jobs? .*identity system:serviceaccount:"
+        r"airflow:airflow-triggerer lacks the grant '(list|create)' on jobs "
+        r"\(API group batch\) in namespace fsdp-training.*deploy/base/rbac.yaml",
+    ):
         backend.submit(run_config(tmp_path), "0")
     assert backend.capacity().total == 2  # what its triggers read, it may
 
@@ -630,8 +697,10 @@ def test_a_launch_on_the_kit_as_the_worker_passes_rbac_admission_and_pod_securit
             add_gpu_node(kube, f"gpu-{i}")
         backend = backend_for(tmp_path, replacement="cordon")
         handle = backend.submit(run_config(tmp_path, run_id="7b-llama"), "0")
-        pods = wait_for(lambda: [p for p in kube.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
-                        what="the pods to run")
+        pods = wait_for(
+            lambda: [p for p in kube.pods(NS, handle.job_name) if p["status"]["phase"] == "Running"],
+            what="the pods to run",
+        )
         assert len(pods) == 2 and backend.status(handle).state == "running"
         bad = pods[0]["spec"]["nodeName"]
         replacement = backend.replace_nodes([bad], reason="rung 1: restarts_exhausted")
@@ -743,8 +812,14 @@ def test_a_lost_node_behind_a_spare_keeps_the_job_running_and_its_pod_comes_back
     assert cluster.job(NS, handle.job_name)["status"]["failed"] == 1  # one disruption of the budget
     # Least privilege: the Job controller made the pod; the backend created and deleted none
     # (replace_nodes' eviction is the pods/eviction subresource the kit grants).
-    assert not [r for r in cluster.requests if r.resource == "pods" and not r.subresource
-                and r.verb in ("create", "delete") and r.user.username.startswith("system:serviceaccount:airflow")]
+    assert not [
+        r
+        for r in cluster.requests
+        if r.resource == "pods"
+        and not r.subresource
+        and r.verb in ("create", "delete")
+        and r.user.username.startswith("system:serviceaccount:airflow")
+    ]
 
 
 def test_a_spare_replacement_with_no_node_to_run_on_is_lost_until_capacity_joins(cluster, tmp_path):

@@ -17,12 +17,26 @@ import threading
 
 import pytest
 
-from control.support import REPO
-from control.fakes.eks_cluster import (NS, TRIGGERER, WORKER, acting_as, add_gpu_node, asg_instances, aws,  # noqa: F401
-                         commit_checkpoint, make_asg, render_kit, start_strict_cluster, wait_for)
-from control.kube_authz import UserInfo
-from control.fakes.eks_cluster import backend_for, run_config
 from fsdp_resilience.training.contract import ExitCode
+
+from control.fakes.eks_cluster import (  # noqa: F401
+    NS,
+    TRIGGERER,
+    WORKER,
+    acting_as,
+    add_gpu_node,
+    asg_instances,
+    aws,
+    backend_for,
+    commit_checkpoint,
+    make_asg,
+    render_kit,
+    run_config,
+    start_strict_cluster,
+    wait_for,
+)
+from control.kube_authz import UserInfo
+from control.support import REPO
 
 sys.path.insert(0, str(REPO / "deploy"))
 render = pytest.importorskip("render")
@@ -31,10 +45,12 @@ AIRFLOW_NAMESPACE = "airflow"
 #: The groups the access entries of docs/deploy-on-eks.md map the worker's and the triggerer's IAM roles to.
 WORKER_GROUP, TRIGGERER_GROUP = "fsdp-airflow-worker", "fsdp-airflow-triggerer"
 #: Airflow outside the cluster, as EKS authenticates an access entry's IAM role.
-WORKER_ROLE = UserInfo("arn:aws:iam::111122223333:role/fsdp-resilience-airflow-worker",
-                       (WORKER_GROUP, "system:authenticated"))
-TRIGGERER_ROLE = UserInfo("arn:aws:iam::111122223333:role/fsdp-resilience-airflow-triggerer",
-                          (TRIGGERER_GROUP, "system:authenticated"))
+WORKER_ROLE = UserInfo(
+    "arn:aws:iam::111122223333:role/fsdp-resilience-airflow-worker", (WORKER_GROUP, "system:authenticated")
+)
+TRIGGERER_ROLE = UserInfo(
+    "arn:aws:iam::111122223333:role/fsdp-resilience-airflow-triggerer", (TRIGGERER_GROUP, "system:authenticated")
+)
 
 Usage = dict[tuple[str, str], set[str]]
 
@@ -75,8 +91,12 @@ def exercise(kube, tmp_path, replacement: str, worker: UserInfo, triggerer: User
         commit_checkpoint(cfg.run_dir, 5, world_size=16)
 
         def fail_the_evaluation():
-            pod = wait_for(lambda: [p for p in kube.pods(NS) if "eval" in p["metadata"]["name"]
-                                    and p["status"]["phase"] == "Running"], what="the eval pod")[0]
+            pod = wait_for(
+                lambda: [
+                    p for p in kube.pods(NS) if "eval" in p["metadata"]["name"] and p["status"]["phase"] == "Running"
+                ],
+                what="the eval pod",
+            )[0]
             kube.terminate_pod(NS, pod["metadata"]["name"], 1)
 
         threading.Thread(target=fail_the_evaluation, daemon=True).start()
@@ -116,17 +136,19 @@ def test_the_kits_rbac_grants_each_identity_exactly_what_it_calls(tmp_path, monk
         exercise(kube, tmp_path, replacement, WORKER, TRIGGERER)
         objects = render_kit(overlay)
         worker_used, triggerer_used = used_by(kube, WORKER), used_by(kube, TRIGGERER)
-        assert_exactly(worker_used, flatten(render.rbac_grants(objects, AIRFLOW_NAMESPACE, "airflow-worker")),
-                       "worker")
-        assert_exactly(triggerer_used, flatten(render.rbac_grants(objects, AIRFLOW_NAMESPACE, "airflow-triggerer")),
-                       "triggerer")
+        assert_exactly(worker_used, flatten(render.rbac_grants(objects, AIRFLOW_NAMESPACE, "airflow-worker")), "worker")
+        assert_exactly(
+            triggerer_used, flatten(render.rbac_grants(objects, AIRFLOW_NAMESPACE, "airflow-triggerer")), "triggerer"
+        )
         # The triggers read a Job, its pods and the pool's nodes, and write nothing.
         assert triggerer_used == {("batch", "jobs"): {"get"}, ("", "pods"): {"list"}, ("", "nodes"): {"list"}}
         # Outside the cluster the groups get the same rights as the service accounts.
-        assert render.group_grants(objects, WORKER_GROUP) == render.rbac_grants(objects, AIRFLOW_NAMESPACE,
-                                                                                 "airflow-worker")
-        assert render.group_grants(objects, TRIGGERER_GROUP) == render.rbac_grants(objects, AIRFLOW_NAMESPACE,
-                                                                                   "airflow-triggerer")
+        assert render.group_grants(objects, WORKER_GROUP) == render.rbac_grants(
+            objects, AIRFLOW_NAMESPACE, "airflow-worker"
+        )
+        assert render.group_grants(objects, TRIGGERER_GROUP) == render.rbac_grants(
+            objects, AIRFLOW_NAMESPACE, "airflow-triggerer"
+        )
         assert not kube.errors, kube.errors
     finally:
         kube.stop()

@@ -44,10 +44,16 @@ from control.support import REPO
 
 
 def test_hook_resolves_paths_through_every_page_of_associations(stub):
-    stub.add_response("describe_data_repository_associations", {"Associations": [DATASETS], "NextToken": "bmV4dA=="},
-                      {"Filters": FS_FILTER, "MaxResults": 25})
-    stub.add_response("describe_data_repository_associations", {"Associations": [RUNS]},
-                      {"Filters": FS_FILTER, "MaxResults": 25, "NextToken": "bmV4dA=="})
+    stub.add_response(
+        "describe_data_repository_associations",
+        {"Associations": [DATASETS], "NextToken": "bmV4dA=="},
+        {"Filters": FS_FILTER, "MaxResults": 25},
+    )
+    stub.add_response(
+        "describe_data_repository_associations",
+        {"Associations": [RUNS]},
+        {"Filters": FS_FILTER, "MaxResults": 25, "NextToken": "bmV4dA=="},
+    )
     assert FsxHook().resolve_path(FS, "s3://bucket/exports/runs/r7") == (RUNS, "/runs/r7")
 
 
@@ -55,8 +61,13 @@ def test_hook_resolves_paths_through_every_page_of_associations(stub):
 
 
 def test_a_missing_file_system_is_named_with_its_region(stub):
-    stub.add_client_error("describe_file_systems", "FileSystemNotFound", "File system not found", 400,
-                          expected_params={"FileSystemIds": [FS]})
+    stub.add_client_error(
+        "describe_file_systems",
+        "FileSystemNotFound",
+        "File system not found",
+        400,
+        expected_params={"FileSystemIds": [FS]},
+    )
     with pytest.raises(FsxStagingError) as e:
         FsxHook().start_task("import", FS, ["s3://bucket/datasets/c4/"])
     assert FS in str(e.value) and REGION in str(e.value) and fsx.FILE_SYSTEM_ID_ENV in str(e.value)
@@ -83,8 +94,9 @@ def test_a_path_no_association_covers_is_refused_listing_the_associations(stub):
 
 def test_an_association_that_is_not_available_is_refused(stub):
     expect_file_system(stub)
-    expect_associations(stub, [{**DATASETS, "Lifecycle": "MISCONFIGURED",
-                                "FailureDetails": {"Message": "bucket policy denies FSx"}}])
+    expect_associations(
+        stub, [{**DATASETS, "Lifecycle": "MISCONFIGURED", "FailureDetails": {"Message": "bucket policy denies FSx"}}]
+    )
     with pytest.raises(FsxStagingError, match="is not AVAILABLE: bucket policy denies FSx"):
         FsxHook().start_task("import", FS, ["s3://bucket/datasets/c4/"])
 
@@ -125,13 +137,25 @@ def test_an_import_is_created_with_the_shapes_fsx_wants(stub):
     expect_associations(stub)
     expect_in_flight(stub, [a_task("SUCCEEDED")])  # an ended task is history, not in flight
     token = fsx.request_token("import", FS, ["s3://bucket/datasets/c4/"], "dag.run.try1")
-    stub.add_response("create_data_repository_task", {"DataRepositoryTask": a_task("PENDING")}, {
-        "Type": "IMPORT_METADATA_FROM_REPOSITORY", "FileSystemId": FS, "Paths": ["s3://bucket/datasets/c4/"],
-        "Report": {"Enabled": True, "Path": "s3://bucket/datasets/reports", "Format": "REPORT_CSV_20191124",
-                   "Scope": "FAILED_FILES_ONLY"},
-        "ClientRequestToken": token})
-    task = FsxHook().start_task("import", FS, ["/datasets/c4/"], report_path="s3://bucket/datasets/reports/",
-                                request_key="dag.run.try1")
+    stub.add_response(
+        "create_data_repository_task",
+        {"DataRepositoryTask": a_task("PENDING")},
+        {
+            "Type": "IMPORT_METADATA_FROM_REPOSITORY",
+            "FileSystemId": FS,
+            "Paths": ["s3://bucket/datasets/c4/"],
+            "Report": {
+                "Enabled": True,
+                "Path": "s3://bucket/datasets/reports",
+                "Format": "REPORT_CSV_20191124",
+                "Scope": "FAILED_FILES_ONLY",
+            },
+            "ClientRequestToken": token,
+        },
+    )
+    task = FsxHook().start_task(
+        "import", FS, ["/datasets/c4/"], report_path="s3://bucket/datasets/reports/", request_key="dag.run.try1"
+    )
     assert task["TaskId"] == TASK
     assert re.fullmatch(r"[A-Za-z0-9_.-]{1,63}", token)
     assert token == fsx.request_token("import", FS, ["s3://bucket/datasets/c4/"], "dag.run.try1")
@@ -142,10 +166,21 @@ def test_an_export_names_paths_relative_to_the_file_system_root(stub):
     expect_file_system(stub)
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response("create_data_repository_task", {"DataRepositoryTask": a_task(
-        "PENDING", type_="EXPORT_TO_REPOSITORY", paths=["runs/r1/checkpoints", "runs/r1/eval.json"])}, {
-        "Type": "EXPORT_TO_REPOSITORY", "FileSystemId": FS, "Paths": ["runs/r1/checkpoints", "runs/r1/eval.json"],
-        "Report": {"Enabled": False}, "ClientRequestToken": ANY})
+    stub.add_response(
+        "create_data_repository_task",
+        {
+            "DataRepositoryTask": a_task(
+                "PENDING", type_="EXPORT_TO_REPOSITORY", paths=["runs/r1/checkpoints", "runs/r1/eval.json"]
+            )
+        },
+        {
+            "Type": "EXPORT_TO_REPOSITORY",
+            "FileSystemId": FS,
+            "Paths": ["runs/r1/checkpoints", "runs/r1/eval.json"],
+            "Report": {"Enabled": False},
+            "ClientRequestToken": ANY,
+        },
+    )
     FsxHook().start_task("export", FS, ["/runs/r1/eval.json", "s3://bucket/exports/runs/r1/checkpoints/"])
 
 
@@ -155,14 +190,21 @@ def test_an_export_names_paths_relative_to_the_file_system_root(stub):
 def run_trigger(trigger):
     async def collect():
         return [event.payload async for event in trigger.run()]
+
     return asyncio.run(collect())
 
 
 def test_the_trigger_waits_for_the_task_and_fires_once_on_success(stub):
     for lifecycle in ("PENDING", "EXECUTING"):
         expect_describe(stub, a_task(lifecycle))
-    expect_describe(stub, a_task("SUCCEEDED", Status={"TotalCount": 9, "SucceededCount": 9, "FailedCount": 0},
-                                 EndTime=datetime(2025, 1, 1, 0, 5, tzinfo=timezone.utc)))
+    expect_describe(
+        stub,
+        a_task(
+            "SUCCEEDED",
+            Status={"TotalCount": 9, "SucceededCount": 9, "FailedCount": 0},
+            EndTime=datetime(2025, 1, 1, 0, 5, tzinfo=timezone.utc),
+        ),
+    )
     events = run_trigger(FsxDataRepositoryTaskTrigger(task_id=TASK, file_system_id=FS, poll_interval_s=0))
     assert len(events) == 1
     assert events[0]["status"] == "success"
@@ -177,8 +219,9 @@ def test_the_trigger_reports_a_failed_task_with_its_reason(stub):
 
 
 def test_the_trigger_round_trips_through_serialize():
-    trigger = FsxDataRepositoryTaskTrigger(task_id=TASK, file_system_id=FS, aws_conn_id="aws_fsx",
-                                           region_name=REGION, poll_interval_s=12.5)
+    trigger = FsxDataRepositoryTaskTrigger(
+        task_id=TASK, file_system_id=FS, aws_conn_id="aws_fsx", region_name=REGION, poll_interval_s=12.5
+    )
     classpath, kwargs = trigger.serialize()
     module, _, name = classpath.rpartition(".")
     again = getattr(importlib.import_module(module), name)(**json.loads(json.dumps(kwargs)))
@@ -189,26 +232,45 @@ def test_the_trigger_round_trips_through_serialize():
 
 
 def context(try_number=1):
-    return {"ti": SimpleNamespace(dag_id="stage_dataset", run_id="manual__1", task_id="import_to_fsx", map_index=-1,
-                                  try_number=try_number)}
+    return {
+        "ti": SimpleNamespace(
+            dag_id="stage_dataset", run_id="manual__1", task_id="import_to_fsx", map_index=-1, try_number=try_number
+        )
+    }
 
 
 def test_the_operator_starts_the_task_then_defers_to_the_trigger(stub):
     expect_file_system(stub)
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response("create_data_repository_task", {"DataRepositoryTask": a_task("PENDING")}, {
-        "Type": "IMPORT_METADATA_FROM_REPOSITORY", "FileSystemId": FS, "Paths": ["s3://bucket/datasets/c4/"],
-        "Report": {"Enabled": False}, "ClientRequestToken": fsx.request_token(
-            "import", FS, ["s3://bucket/datasets/c4/"], "stage_dataset.manual__1.import_to_fsx.-1.1")})
-    op = FsxDataRepositoryTaskOperator(task_id="import_to_fsx", kind="import", file_system_id=FS,
-                                       paths="s3://bucket/datasets/c4/", aws_conn_id="aws_fsx", poll_interval_s=7)
+    stub.add_response(
+        "create_data_repository_task",
+        {"DataRepositoryTask": a_task("PENDING")},
+        {
+            "Type": "IMPORT_METADATA_FROM_REPOSITORY",
+            "FileSystemId": FS,
+            "Paths": ["s3://bucket/datasets/c4/"],
+            "Report": {"Enabled": False},
+            "ClientRequestToken": fsx.request_token(
+                "import", FS, ["s3://bucket/datasets/c4/"], "stage_dataset.manual__1.import_to_fsx.-1.1"
+            ),
+        },
+    )
+    op = FsxDataRepositoryTaskOperator(
+        task_id="import_to_fsx",
+        kind="import",
+        file_system_id=FS,
+        paths="s3://bucket/datasets/c4/",
+        aws_conn_id="aws_fsx",
+        poll_interval_s=7,
+    )
     with pytest.raises(TaskDeferred) as deferred:
         op.execute(context())
     assert deferred.value.method_name == "execute_complete"
     assert deferred.value.trigger.serialize() == (
         "fsdp_resilience.control.triggers.fsx.FsxDataRepositoryTaskTrigger",
-        {"task_id": TASK, "file_system_id": FS, "aws_conn_id": "aws_fsx", "region_name": None, "poll_interval_s": 7})
+        {"task_id": TASK, "file_system_id": FS, "aws_conn_id": "aws_fsx", "region_name": None, "poll_interval_s": 7},
+    )
 
 
 def test_execute_complete_returns_the_summary_or_fails_with_the_message():
@@ -224,15 +286,22 @@ def test_the_operator_polls_in_the_worker_when_not_deferrable(stub):
     expect_associations(stub)
     expect_in_flight(stub, [a_task("EXECUTING")])  # reused: a retry of the try that started it
     expect_describe(stub, a_task("SUCCEEDED", Status={"TotalCount": 2, "SucceededCount": 2, "FailedCount": 0}))
-    op = FsxDataRepositoryTaskOperator(task_id="import_to_fsx", kind="import", file_system_id=FS,
-                                       paths=["s3://bucket/datasets/c4"], deferrable=False, poll_interval_s=0)
+    op = FsxDataRepositoryTaskOperator(
+        task_id="import_to_fsx",
+        kind="import",
+        file_system_id=FS,
+        paths=["s3://bucket/datasets/c4"],
+        deferrable=False,
+        poll_interval_s=0,
+    )
     assert op.execute(context(try_number=2))["lifecycle"] == "SUCCEEDED"
 
 
 def test_a_configuration_error_fails_the_operator_without_retries(stub):
     expect_file_system(stub, "WINDOWS")
-    op = FsxDataRepositoryTaskOperator(task_id="import_to_fsx", kind="import", file_system_id=FS,
-                                       paths=["s3://bucket/datasets/c4"])
+    op = FsxDataRepositoryTaskOperator(
+        task_id="import_to_fsx", kind="import", file_system_id=FS, paths=["s3://bucket/datasets/c4"]
+    )
     with pytest.raises(AirflowFailException, match="not FSx for Lustre"):
         op.execute(context())
 
@@ -245,10 +314,19 @@ def write_dataset(dst: Path) -> None:
     dst.mkdir(parents=True)
     for split, tokens in (("train", 300), ("val", 40)):
         (dst / f"{split}_00000.bin").write_bytes(b"\x01\x00" * tokens)
-    (dst / "index.json").write_text(json.dumps({
-        "format": "byte-tokens-v1", "dtype": "uint16", "vocab_size": 256, "separator": 0,
-        "train": [{"file": "train_00000.bin", "tokens": 300}], "val": [{"file": "val_00000.bin", "tokens": 40}],
-        "sha256": "0" * 64}))
+    (dst / "index.json").write_text(
+        json.dumps(
+            {
+                "format": "byte-tokens-v1",
+                "dtype": "uint16",
+                "vocab_size": 256,
+                "separator": 0,
+                "train": [{"file": "train_00000.bin", "tokens": 300}],
+                "val": [{"file": "val_00000.bin", "tokens": 40}],
+                "sha256": "0" * 64,
+            }
+        )
+    )
 
 
 def test_stage_dataset_imports_an_s3_dataset_into_fsx_and_verifies_it(stub, tmp_path, monkeypatch):
@@ -260,17 +338,30 @@ def test_stage_dataset_imports_an_s3_dataset_into_fsx_and_verifies_it(stub, tmp_
     expect_file_system(stub)  # import_to_fsx
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response("create_data_repository_task", {"DataRepositoryTask": a_task("PENDING")}, {
-        "Type": "IMPORT_METADATA_FROM_REPOSITORY", "FileSystemId": FS, "Paths": ["s3://bucket/datasets/c4/"],
-        "Report": {"Enabled": False}, "ClientRequestToken": ANY})
+    stub.add_response(
+        "create_data_repository_task",
+        {"DataRepositoryTask": a_task("PENDING")},
+        {
+            "Type": "IMPORT_METADATA_FROM_REPOSITORY",
+            "FileSystemId": FS,
+            "Paths": ["s3://bucket/datasets/c4/"],
+            "Report": {"Enabled": False},
+            "ClientRequestToken": ANY,
+        },
+    )
     expect_describe(stub, a_task("SUCCEEDED", Status={"TotalCount": 3, "SucceededCount": 3, "FailedCount": 0}))
     from airflow.dag_processing.dagbag import DagBag
 
     dag = DagBag(dag_folder=str(REPO / "dags" / "stage_dataset.py")).dags["stage_dataset"]
     dr = dag.test(run_conf={"backend": "eks", "source": "s3://bucket/datasets/c4/"})
     states = {ti.task_id: str(ti.state) for ti in dr.get_task_instances()}
-    assert states == {"validate_source": "success", "choose_staging": "success", "prepare_shards": "skipped",
-                      "import_to_fsx": "success", "verify_dataset": "success"}
+    assert states == {
+        "validate_source": "success",
+        "choose_staging": "success",
+        "prepare_shards": "skipped",
+        "import_to_fsx": "success",
+        "verify_dataset": "success",
+    }
     summary = next(ti for ti in dr.get_task_instances() if ti.task_id == "verify_dataset").xcom_pull()
     assert summary["path"] == str(tmp_path / "fsx" / "datasets" / "c4") and summary["fs_path"] == "/datasets/c4"
     assert summary["train_tokens"] == 300 and summary["val_tokens"] == 40

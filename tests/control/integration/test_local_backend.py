@@ -39,8 +39,9 @@ from fsdp_resilience.training.contract import CheckpointCatalog, RunConfig, read
 from control.fakes.stand_in_launcher import script_backend  # noqa: E402
 
 TRAINING_PYTHON = Path(os.environ.get("TRAINING_PYTHON") or REPO / ".venv" / "bin" / "python")
-needs_training = pytest.mark.skipif(not TRAINING_PYTHON.exists(),
-                                    reason=f"no training venv at {TRAINING_PYTHON}: run `make setup`")
+needs_training = pytest.mark.skipif(
+    not TRAINING_PYTHON.exists(), reason=f"no training venv at {TRAINING_PYTHON}: run `make setup`"
+)
 
 #: Short timeouts so drills resolve in seconds on a loaded 2-core machine (as tests/conftest.py).
 FAST = dict(FAST_RUN, model="tiny", checkpoint_interval=2)
@@ -80,22 +81,26 @@ SESSION = f"s{os.getpid()}"
 
 def run_config(tmp_path: Path, dataset: Path, run_id: str, **overrides) -> RunConfig:
     run_id = f"{run_id}-{SESSION}"
-    fields = dict(FAST, run_id=run_id, run_dir=str(tmp_path / "runs" / run_id), dataset_dir=str(dataset),
-                  rdzv_port=free_port())
+    fields = dict(
+        FAST, run_id=run_id, run_dir=str(tmp_path / "runs" / run_id), dataset_dir=str(dataset), rdzv_port=free_port()
+    )
     fields.update(overrides)
     return RunConfig(**fields)
 
 
-def wait_for(backend: LocalProcessBackend, handle: JobHandle, states=("succeeded", "failed"),
-             timeout: float = WAIT_S) -> JobStatus:
+def wait_for(
+    backend: LocalProcessBackend, handle: JobHandle, states=("succeeded", "failed"), timeout: float = WAIT_S
+) -> JobStatus:
     deadline = time.monotonic() + timeout
     while True:
         status = backend.status(handle)
         if status.state in states:
             return status
         if time.monotonic() > deadline:
-            pytest.fail(f"job {handle.job_name} still {status.state} after {timeout}s: {status.message}\n"
-                        f"{backend.logs(handle, tail=40)}")
+            pytest.fail(
+                f"job {handle.job_name} still {status.state} after {timeout}s: {status.message}\n"
+                f"{backend.logs(handle, tail=40)}"
+            )
         time.sleep(0.5)
 
 
@@ -110,8 +115,11 @@ def wait_for_event(run_dir: str, predicate, timeout: float = WAIT_S) -> dict:
 
 
 def launcher_processes(job_name: str) -> list[int]:
-    return [pid for pid in tagged_processes(job_name)
-            if b"fsdp_resilience.training.launch" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return [
+        pid
+        for pid in tagged_processes(job_name)
+        if b"fsdp_resilience.training.launch" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
 
 
 def children_of(pid: int) -> list[int]:
@@ -122,7 +130,7 @@ def children_of(pid: int) -> list[int]:
             stat = (entry / "stat").read_bytes() if entry.name.isdigit() else b""
         except OSError:
             continue
-        if stat and int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+        if stat and int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
             found.append(int(entry.name))
     return found
 
@@ -196,8 +204,10 @@ def test_submit_without_enough_healthy_slots_names_the_capacity(tmp_path):
 
 
 def test_the_control_plane_never_imports_torch():
-    code = ("import sys; sys.path.insert(0, 'plugins'); import fsdp_resilience.control.backends.local, "
-            "fsdp_resilience.control.backends.base; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; sys.path.insert(0, 'plugins'); import fsdp_resilience.control.backends.local, "
+        "fsdp_resilience.control.backends.base; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
 
@@ -261,6 +271,7 @@ def test_cancel_stops_every_process_of_the_job(fake_backend, tmp_path):
     no_data = tmp_path / "no-data"  # the fake launcher reads nothing
     handle = backend.submit(run_config(tmp_path, no_data, "cancelme", nodes=2, procs_per_node=1), launch_id="1")
     record = backend._store.read_job(handle.job_name)
+
     # per node: the shell, its sleep, and the sleep in a session of its own
     def all_started() -> list[int]:
         procs = tagged_processes(handle.job_name)
@@ -273,7 +284,7 @@ def test_cancel_stops_every_process_of_the_job(fake_backend, tmp_path):
     backend.cancel(handle)
     assert tagged_processes(handle.job_name) == []
     for node in record["nodes"]:
-        assert not until_empty(lambda: group_members(node["pgid"]))
+        assert not until_empty(lambda node=node: group_members(node["pgid"]))
     assert not until_empty(lambda: [p for p in procs if process_alive(p)])
     supervisor = backend._store.read_job(handle.job_name)["supervisor"]
     assert not until_empty(lambda: process_alive(supervisor["pid"], supervisor["start_ticks"]))
@@ -333,8 +344,15 @@ def test_a_bad_slot_is_diagnosed_replaced_and_the_run_resumes_on_another(backend
     # A bad machine: rank 1 is killed at step 5 on every in-job restart while it runs on slot-0
     # (attempt null), so with max_restarts=1 the job runs out of restarts. The drill is bound to the
     # slot, as a hardware fault would be: after the relaunch elsewhere it does not fire.
-    cfg = run_config(tmp_path, dataset, "badslot", steps=6, restart_mode="injob", max_restarts=1,
-                     faults=[{"kind": "sigkill", "step": 5, "rank": 1, "attempt": None, "node_id": "slot-0"}])
+    cfg = run_config(
+        tmp_path,
+        dataset,
+        "badslot",
+        steps=6,
+        restart_mode="injob",
+        max_restarts=1,
+        faults=[{"kind": "sigkill", "step": 5, "rank": 1, "attempt": None, "node_id": "slot-0"}],
+    )
     first = backend.submit(cfg, launch_id="1")
     status = wait_for(backend, first)
     assert status.state == "failed", f"{status.message}\n{backend.logs(first, tail=60)}"
@@ -364,8 +382,10 @@ def test_a_bad_slot_is_diagnosed_replaced_and_the_run_resumes_on_another(backend
     resumed = [r for r in events if r["event"] == "train_begin" and r.get("node_id") == "slot-1" and r["rank"] == 0]
     assert resumed[0]["resumed_from"] == newest.checkpoint_id
     first_step = min(r["ts"] for r in events if r["event"] == "step" and r["ts"] > resumed[0]["ts"])
-    print(f"\n[measured] replace -> relaunch submitted: {relaunch_s:.3f}s; "
-          f"replace -> first step of the relaunch: {first_step - t_replace:.1f}s")
+    print(
+        f"\n[measured] replace -> relaunch submitted: {relaunch_s:.3f}s; "
+        f"replace -> first step of the relaunch: {first_step - t_replace:.1f}s"
+    )
 
 
 @needs_training
@@ -406,12 +426,21 @@ def test_a_spare_covers_a_lost_node_and_the_pool_is_refilled_on_healthy_slots(tm
     1 lost while the spare takes its place in-job (no relaunch), then succeeds. Meanwhile the pool is
     refilled: never on a quarantined slot, refused when no healthy slot is free, and a parked spare
     on a slot quarantined later is stopped before it can be promoted."""
-    backend = LocalProcessBackend(tmp_path / "state", slots=6, training_python=str(TRAINING_PYTHON),
-                                  cancel_grace_s=10, max_unhealthy_share=1)
+    backend = LocalProcessBackend(
+        tmp_path / "state", slots=6, training_python=str(TRAINING_PYTHON), cancel_grace_s=10, max_unhealthy_share=1
+    )
     try:
         backend.replace_nodes(["slot-1"], reason="test: bad before the submit")
-        cfg = run_config(tmp_path, dataset, "spare", nodes=2, spare_nodes=1, procs_per_node=1, steps=120,
-                         faults=[{"kind": "node_loss", "step": 5, "node": 1}])
+        cfg = run_config(
+            tmp_path,
+            dataset,
+            "spare",
+            nodes=2,
+            spare_nodes=1,
+            procs_per_node=1,
+            steps=120,
+            faults=[{"kind": "node_loss", "step": 5, "node": 1}],
+        )
         handle = backend.submit(cfg, launch_id="1")
         assert handle.extra["node_ids"] == ["slot-0", "slot-2", "slot-3"]  # slot-1 is quarantined
         record = backend._store.read_job(handle.job_name)
@@ -449,8 +478,9 @@ def test_a_spare_covers_a_lost_node_and_the_pool_is_refilled_on_healthy_slots(tm
         assert not tagged_processes(handle.job_name, 4)
 
         status = wait_for(backend, handle)
-        assert status.state == "succeeded" and status.failure_class == "success", \
+        assert status.state == "succeeded" and status.failure_class == "success", (
             f"{status.message}\n{backend.logs(handle, tail=60)}"
+        )
         states = [n.state for n in status.nodes]
         assert states[:3] == ["succeeded", "lost", "succeeded"] and states[4] == "failed", status
         assert "node 1 (slot-2) lost" in status.message
@@ -488,13 +518,14 @@ def test_two_lost_nodes_with_one_spare_fail_the_job_and_blame_both_slots(backend
     handle = backend.submit(cfg, launch_id="1")
     assert handle.extra["node_ids"] == ["slot-0", "slot-1", "slot-2", "slot-3"]
     for rank in range(3):
-        wait_for_event(cfg.run_dir, lambda r: r["event"] == "train_begin" and r["rank"] == rank)
+        wait_for_event(cfg.run_dir, lambda r, rank=rank: r["event"] == "train_begin" and r["rank"] == rank)
     for node in (1, 2):
         for pid in tagged_processes(handle.job_name, node):
             os.kill(pid, signal.SIGKILL)
     status = wait_for(backend, handle, states=("failed", "succeeded"))
-    assert status.state == "failed" and status.failure_class == "restarts_exhausted", \
+    assert status.state == "failed" and status.failure_class == "restarts_exhausted", (
         f"{status.message}\n{backend.logs(handle, tail=40)}"
+    )
     assert [n.state for n in status.nodes][1:3] == ["lost", "lost"], status
     assert status.message.startswith("node 1 (slot-1) lost") and "node 2 (slot-2) lost" in status.message
     assert "2 node(s) left to train, the launch needs 3" in status.message
@@ -537,22 +568,25 @@ def test_dropped_spares_and_a_covered_loss_fail_nothing_and_parked_spares_are_st
     failure policy stops nobody; a spare that trained in its place counts as a training node; and
     once no node trains any more, the spare still parked is stopped, and the job succeeds."""
     backend = script_backend(tmp_path / "spares", SPARE_STAND_IN, slots=6, cancel_grace_s=2, failure_grace_s=1)
-    cfg = run_config(tmp_path, tmp_path / "no-data", "standin", nodes=2, spare_nodes=4, procs_per_node=1,
-                     restart_mode="injob")
+    cfg = run_config(
+        tmp_path, tmp_path / "no-data", "standin", nodes=2, spare_nodes=4, procs_per_node=1, restart_mode="injob"
+    )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True)
     (run_dir / "unhealthy-4").touch()
     (run_dir / "unhealthy-said-5").touch()
     handle = backend.submit(cfg, launch_id="1")
     try:
-        turned_away = wait_until(lambda: (s := backend.status(handle)).nodes[4].state == "failed"
-                                 and s.nodes[5].state == "failed" and s)
+        turned_away = wait_until(
+            lambda: (s := backend.status(handle)).nodes[4].state == "failed" and s.nodes[5].state == "failed" and s
+        )
         assert turned_away and turned_away.state == "running", turned_away
         # Its final blames restarts: the reason comes from its log. Or its final says why.
         assert turned_away.nodes[4].message.startswith("spare dropped before it trained: ft_launcher gave up")
         assert "Storage path health check failed" in turned_away.nodes[4].message
-        assert turned_away.nodes[5].message == ("spare dropped before it trained: NVRx turned the node away: "
-                                                "Storage path health check failed")
+        assert turned_away.nodes[5].message == (
+            "spare dropped before it trained: NVRx turned the node away: Storage path health check failed"
+        )
         pids = {n["index"]: n["pid"] for n in backend._store.read_job(handle.job_name)["nodes"]}
         os.kill(pids[1], signal.SIGKILL)  # node 1's machine goes
         lost = wait_until(lambda: (s := backend.status(handle)).nodes[1].state == "lost" and s)
@@ -564,8 +598,10 @@ def test_dropped_spares_and_a_covered_loss_fail_nothing_and_parked_spares_are_st
 
         # Spare 2 takes node 1's place (its worker's train_begin), then both training nodes finish.
         with open(run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"event": "train_begin", "launch_id": "1", "node_rank": 2, "rank": 1,
-                                "ts": time.time()}) + "\n")
+            f.write(
+                json.dumps({"event": "train_begin", "launch_id": "1", "node_rank": 2, "rank": 1, "ts": time.time()})
+                + "\n"
+            )
         for i in (0, 2):
             (run_dir / f"done-{i}").touch()
         status = wait_for(backend, handle, timeout=60)

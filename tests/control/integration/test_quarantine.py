@@ -13,14 +13,13 @@ import time
 
 import pytest
 
-from control.support import REPO
-from control.fakes.eks_cluster import NS, TRIGGERER, WORKER, acting_as, add_gpu_node
-from control.fakes.eks_cluster import backend_for
-
 from fsdp_resilience.control import settings
 from fsdp_resilience.control.backends import BackendError, get_backend
 from fsdp_resilience.control.backends.eks import QUARANTINE_ANNOTATION, QUARANTINE_TAINT, RETURN_ANNOTATION
 from fsdp_resilience.control.quarantine import format_return
+
+from control.fakes.eks_cluster import NS, TRIGGERER, WORKER, acting_as, add_gpu_node, backend_for
+from control.support import REPO
 
 
 @pytest.fixture()
@@ -37,8 +36,9 @@ def slots_record(backend) -> dict:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_resilience.control.quarantine", *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.control.quarantine", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,8 +123,11 @@ def test_the_maintenance_dag_lists_returns_named_nodes_with_a_reason_and_expired
     # A fresh DAG per run: dag.test() leaves a run's conf in its tasks' params (seen with Airflow 3.3.2).
     dr = _dag().test(run_conf={"nodes": ["slot-3"], "reason": "reseated the riser card"})
     assert str(dr.state) == "success", states(dr)
-    assert states(dr) == {"list_quarantined": "success", "return_named_nodes": "success",
-                          "return_expired_nodes": "skipped"}  # cool-down 0: off
+    assert states(dr) == {
+        "list_quarantined": "success",
+        "return_named_nodes": "success",
+        "return_expired_nodes": "skipped",
+    }  # cool-down 0: off
     record = slots_record(local)["slot-3"]
     assert record["reason"] == "returned to service: reseated the riser card"
     assert record["returned_by"].startswith("Airflow node_maintenance run ")
@@ -141,7 +144,10 @@ def test_the_maintenance_dag_lists_returns_named_nodes_with_a_reason_and_expired
     monkeypatch.setenv("FSDP_QUARANTINE_COOLDOWN_S", "3600")
     auto = _dag().test()
     assert str(auto.state) == "success" and states(auto) == {
-        "list_quarantined": "success", "return_named_nodes": "skipped", "return_expired_nodes": "success"}
+        "list_quarantined": "success",
+        "return_named_nodes": "skipped",
+        "return_expired_nodes": "success",
+    }
     assert local.quarantined_nodes() == []
     assert slots_record(local)["slot-0"]["reason"].endswith("automatic return after cool-down of 3600s")
 
@@ -151,9 +157,9 @@ def test_the_maintenance_dag_lists_returns_named_nodes_with_a_reason_and_expired
 # --------------------------------------------------------------------------------------------
 
 
-def test_an_eks_node_returns_uncordoned_and_untainted_keeping_other_taints_with_the_return_recorded(cluster, tmp_path,
-                                                                                                     monkeypatch,
-                                                                                                     capsys):
+def test_an_eks_node_returns_uncordoned_and_untainted_keeping_other_taints_with_the_return_recorded(
+    cluster, tmp_path, monkeypatch, capsys
+):
     from fsdp_resilience.control import quarantine
 
     for i in range(5):
@@ -197,7 +203,8 @@ def test_an_eks_node_returns_uncordoned_and_untainted_keeping_other_taints_with_
     import kubernetes
 
     worker = kubernetes.config.new_client_from_config(
-        config_file=str(cluster.kubeconfig(tmp_path / "worker", namespace=NS, user=WORKER)))
+        config_file=str(cluster.kubeconfig(tmp_path / "worker", namespace=NS, user=WORKER))
+    )
     with pytest.raises(kubernetes.client.ApiException) as denied:
         kubernetes.client.CoreV1Api(worker).patch_node("gpu-held", {"spec": {"unschedulable": None}})
     assert denied.value.status == 403 and "may uncordon only a node it quarantined" in str(denied.value.body)

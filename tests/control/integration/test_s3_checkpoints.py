@@ -60,7 +60,12 @@ def test_s3_progress_agrees_with_the_catalog_skipping_torn_checkpoints(s3, tmp_p
     remote = S3CheckpointProgress(uri, aws_conn_id=None).latest()
     assert local.step == 20 and [c.step for c in catalog.torn()] == [30, 40]
     assert (remote.step, remote.checkpoint_id, remote.committed, remote.world_size, remote.committed_at) == (
-        local.step, local.checkpoint_id, True, local.world_size, local.committed_at)
+        local.step,
+        local.checkpoint_id,
+        True,
+        local.world_size,
+        local.committed_at,
+    )
     assert remote.uri == "s3://exports/runs/r1/checkpoints/step_00000020"
 
     # Only torn checkpoints: no progress, on both sides.

@@ -4,8 +4,9 @@ the REST API v2 with a JWT, and through the trigger form in headless Chromium.
 
 One stack for the module, and as few launches as possible: one good training run carries the
 fault drills, the deferred watch and the triggerer restart; a user bug and a diverging run train
-alongside it, and the refused confs run in validate_config while the dataset stages. Without PostgreSQL, psycopg2, Chromium or Playwright the tests skip
-with one line saying what to install; with CI set they fail instead.
+alongside it, and the refused confs run in validate_config while the dataset stages. Without
+PostgreSQL, psycopg2, Chromium or Playwright the tests skip with one line saying what to install;
+with CI set they fail instead.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_resilience.training.contract import CheckpointCatalog, read_events
+
 from control.support.airflow_stack import CHROMIUM, REPO, AirflowStack, missing_for_browser, missing_for_stack, wait_for
 from shared import FAST_RUN
-from fsdp_resilience.training.contract import CheckpointCatalog, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +49,15 @@ def require(missing: str | None) -> None:
 
 def conf(run_name: str, **overrides) -> dict:
     """A short run (as tests/control/test_training_dag.py's base_conf) on this module's dataset."""
-    c = {"run_name": run_name, "dataset": DATASET, "steps": 12, "checkpoint_interval": 3, "max_restarts": 1,
-         "max_node_replacements": 1, "run_config": dict(FAST_RUN)}
+    c = {
+        "run_name": run_name,
+        "dataset": DATASET,
+        "steps": 12,
+        "checkpoint_interval": 3,
+        "max_restarts": 1,
+        "max_node_replacements": 1,
+        "run_config": dict(FAST_RUN),
+    }
     c.update(overrides)
     return c
 
@@ -71,8 +80,11 @@ class _LogTails:
 @pytest.fixture(scope="module")
 def stack(request, tmp_path_factory):
     require(missing_for_stack())
-    require(None if Path(REPO / ".venv" / "bin" / "python").exists() else
-            "the training environment .venv (make setup): the local backend trains with it")
+    require(
+        None
+        if Path(REPO / ".venv" / "bin" / "python").exists()
+        else "the training environment .venv (make setup): the local backend trains with it"
+    )
     stack = AirflowStack(tmp_path_factory.mktemp("airflow-stack"))
     tails = _LogTails(stack)
     request.config.pluginmanager.register(tails)
@@ -88,8 +100,10 @@ def stack(request, tmp_path_factory):
         left = stop_training_jobs(stack)
         ended = stack.stop()
         request.config.pluginmanager.unregister(tails)
-        print(f"\n[deployment] stopped: {ended}; training jobs stopped at teardown: {left or 'none'}; "
-              f"{time.monotonic() - began:.0f}s in all")
+        print(
+            f"\n[deployment] stopped: {ended}; training jobs stopped at teardown: {left or 'none'}; "
+            f"{time.monotonic() - began:.0f}s in all"
+        )
 
 
 def stop_training_jobs(stack: AirflowStack) -> list[str]:
@@ -100,8 +114,9 @@ def stop_training_jobs(stack: AirflowStack) -> list[str]:
     stopped = []
     for path in sorted((stack.runs_root / ".local-backend" / "jobs").glob("*.json")):
         record = json.loads(path.read_text())
-        if stop_job_processes(record, grace_s=10) or any(n.get("stopped_by") is None and n.get("exit_code") is None
-                                                         and n.get("pid") for n in record["nodes"]):
+        if stop_job_processes(record, grace_s=10) or any(
+            n.get("stopped_by") is None and n.get("exit_code") is None and n.get("pid") for n in record["nodes"]
+        ):
             stopped.append(record["job_name"])
     return stopped
 
@@ -182,9 +197,13 @@ FAILING_RUNS = {
     "deploy-userbug": ({"fault_drill": {"kind": "user_bug", "step": 5, "rank": 1}}, "user_error"),
     # rank 1's loss turns NaN at step 5 on every pass: rolled back max_nonfinite_rollbacks times,
     # then the run ends non_finite; no checkpoint holds state from after the NaN.
-    "deploy-diverges": ({"max_node_replacements": 2,
-                         "run_config": {**FAST_RUN, "faults": [{"kind": "nan", "step": 5, "rank": 1, "attempt": None}]}},
-                        "non_finite"),
+    "deploy-diverges": (
+        {
+            "max_node_replacements": 2,
+            "run_config": {**FAST_RUN, "faults": [{"kind": "nan", "step": 5, "rank": 1, "attempt": None}]},
+        },
+        "non_finite",
+    ),
 }
 
 
@@ -213,17 +232,23 @@ def ti_of(stack: AirflowStack, run_id: str, task_id: str) -> dict:
 def good_run(stack, refused_runs) -> GoodRun:
     # refused_runs first: they run in validate_config while the dataset stages (overlap on a
     # 2-core machine, not a dependency).
-    response = stack.trigger(STAGE, {"source": "stdlib", "dataset": DATASET, "max_bytes": 256 * 1024,
-                                     "val_fraction": 0.1})
+    response = stack.trigger(
+        STAGE, {"source": "stdlib", "dataset": DATASET, "max_bytes": 256 * 1024, "val_fraction": 0.1}
+    )
     assert response.status_code in (200, 201), response.text
     stage_run = response.json()["dag_run_id"]
     assert stack.wait_for_run(STAGE, stage_run, STAGE_TIMEOUT_S) == "success", stack.task_states(STAGE, stage_run)
 
     # Two layers of the ladder's bottom: the form's drill (an exception, recovered in-process) and
     # a SIGKILL from run_config's list (recovered in-job, in the same pods).
-    response = stack.trigger(TRAINING, conf(GOOD, fault_drill={"kind": "exception", "step": 4, "rank": 1},
-                                            run_config={**FAST_RUN, "faults": [
-                                                {"kind": "sigkill", "step": 8, "rank": 0}]}))
+    response = stack.trigger(
+        TRAINING,
+        conf(
+            GOOD,
+            fault_drill={"kind": "exception", "step": 4, "rank": 1},
+            run_config={**FAST_RUN, "faults": [{"kind": "sigkill", "step": 8, "rank": 0}]},
+        ),
+    )
     assert response.status_code in (200, 201), response.text
     record = GoodRun(stage_run=stage_run, run_id=response.json()["dag_run_id"])
     # Two runs that must fail without the ladder climbing, alongside it (4 slots; each takes one).
@@ -240,8 +265,13 @@ def good_run(stack, refused_runs) -> GoodRun:
         trigger = ti.get("trigger") or {}
         return ti["state"] == "deferred" and trigger.get("triggerer_id") is not None and trigger
 
-    trigger = wait_for("the watch to be deferred and taken by the triggerer", deferred_and_taken,
-                       timeout_s=TRAIN_TIMEOUT_S, interval_s=1, on_timeout=stack.tails)
+    trigger = wait_for(
+        "the watch to be deferred and taken by the triggerer",
+        deferred_and_taken,
+        timeout_s=TRAIN_TIMEOUT_S,
+        interval_s=1,
+        on_timeout=stack.tails,
+    )
     record.deferred_at = datetime.fromisoformat(trigger["created_date"]).timestamp()
     record.killed_triggerer_job = trigger["triggerer_id"]
 
@@ -280,8 +310,9 @@ def test_a_run_with_a_fault_drill_succeeds_with_one_launch(stack, good_run):
     st = good_run.states
     assert st["launch_training"] == st["watch_checkpoints"] == st["publish"] == "success", st
     # No escalation: every rung skipped, so launch_training was the only launch.
-    assert all(st[f"escalation_{k}.decide"] == "skipped" and st[f"escalation_{k}.relaunch"] == "skipped"
-               for k in (1, 2, 3)), st
+    assert all(
+        st[f"escalation_{k}.decide"] == "skipped" and st[f"escalation_{k}.relaunch"] == "skipped" for k in (1, 2, 3)
+    ), st
     assert stack.xcom(TRAINING, good_run.run_id, "launch_training")["handle"]["launch_id"] == "0"
     events = read_events(stack.runs_root / GOOD / "events.jsonl")
     assert {e.get("launch_id") for e in events if e["event"] == "launch_begin"} == {"0"}
@@ -344,8 +375,12 @@ def test_a_user_bug_or_a_diverging_run_fails_without_replacing_a_node(stack, goo
 # The trigger form in a real browser (Debian's chromium driven by Playwright).
 
 #: The form's sections (dags/fsdp_training.py), each with a field it shows when open.
-FORM_SECTIONS = {"What to train": "Model preset", "Restarts and escalation": "Restart mode",
-                 "Where it runs": "Nodes", "Drills and other settings": "Fault drill"}
+FORM_SECTIONS = {
+    "What to train": "Model preset",
+    "Restarts and escalation": "Restart mode",
+    "Where it runs": "Nodes",
+    "Drills and other settings": "Fault drill",
+}
 
 
 def test_the_trigger_form_submits_with_its_defaults(stack):
@@ -355,9 +390,18 @@ def test_the_trigger_form_submits_with_its_defaults(stack):
     before = {r["dag_run_id"] for r in stack.get(f"/api/v2/dags/{TRAINING}/dagRuns", limit=100)["dag_runs"]}
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+            ],
+        )
         try:
             context = browser.new_context(viewport={"width": 1400, "height": 1800})
             # Logged in as the login page would leave the browser: the JWT in the _token cookie.

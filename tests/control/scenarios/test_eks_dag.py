@@ -20,16 +20,31 @@ from pathlib import Path
 import pytest
 from botocore.stub import ANY
 
-from control.support import make_dataset
-from control.fakes.eks_cluster import LOSE_NODE, NS, PARK, FakeKubelet, add_gpu_node, asg_instances, make_asg, wait_for
-from control.fakes.saved_checkpoints import flip_bytes
-from control.fakes.fsx_stubs import (FS, a_task, expect_associations, expect_describe, expect_file_system,  # noqa: F401
-                      expect_in_flight, stub)
-from control.support.dag_runs import states, trigger, xcom
-from fsdp_resilience.training.contract import (CheckpointCatalog, Event, EventLog, ExitCode, FailureClass, exit_code_for,
-                               final_status, read_events)
-
 from fsdp_resilience.control.backends.eks import QUARANTINE_TAINT
+from fsdp_resilience.training.contract import (
+    CheckpointCatalog,
+    Event,
+    EventLog,
+    ExitCode,
+    FailureClass,
+    exit_code_for,
+    final_status,
+    read_events,
+)
+
+from control.fakes.eks_cluster import LOSE_NODE, NS, PARK, FakeKubelet, add_gpu_node, asg_instances, make_asg, wait_for
+from control.fakes.fsx_stubs import (  # noqa: F401
+    FS,
+    a_task,
+    expect_associations,
+    expect_describe,
+    expect_file_system,
+    expect_in_flight,
+    stub,
+)
+from control.fakes.saved_checkpoints import flip_bytes
+from control.support import make_dataset
+from control.support.dag_runs import states, trigger, xcom
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +52,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def eks_env(tmp_path, monkeypatch, cluster, aws):
     fsx = tmp_path / "fsx"  # FSx for Lustre, as mounted in the Airflow workers and the pods
-    env = {"FSDP_RUNS_ROOT": str(fsx / "runs"), "FSDP_DATA_ROOT": str(fsx / "datasets"),
-           "FSDP_FSX_MOUNT_PATH": str(fsx), "FSDP_EKS_IMAGE": "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp:test",
-           "FSDP_KUBERNETES_CONN_ID": "kubernetes_fake", "FSDP_AWS_CONN_ID": "aws_fake", "FSDP_AWS_REGION": "us-west-2"}
+    env = {
+        "FSDP_RUNS_ROOT": str(fsx / "runs"),
+        "FSDP_DATA_ROOT": str(fsx / "datasets"),
+        "FSDP_FSX_MOUNT_PATH": str(fsx),
+        "FSDP_EKS_IMAGE": "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp:test",
+        "FSDP_KUBERNETES_CONN_ID": "kubernetes_fake",
+        "FSDP_AWS_CONN_ID": "aws_fake",
+        "FSDP_AWS_REGION": "us-west-2",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     make_dataset(fsx / "datasets" / "c4")
@@ -52,12 +73,23 @@ def expect_export(stub, paths: list[str]) -> None:
     expect_file_system(stub)
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response("create_data_repository_task", {"DataRepositoryTask": a_task(
-        "PENDING", "EXPORT_TO_REPOSITORY", paths)}, {
-        "Type": "EXPORT_TO_REPOSITORY", "FileSystemId": FS, "Paths": paths, "Report": {"Enabled": False},
-        "ClientRequestToken": ANY})
-    expect_describe(stub, a_task("SUCCEEDED", "EXPORT_TO_REPOSITORY", paths,
-                                 Status={"TotalCount": 9, "SucceededCount": 9, "FailedCount": 0}))
+    stub.add_response(
+        "create_data_repository_task",
+        {"DataRepositoryTask": a_task("PENDING", "EXPORT_TO_REPOSITORY", paths)},
+        {
+            "Type": "EXPORT_TO_REPOSITORY",
+            "FileSystemId": FS,
+            "Paths": paths,
+            "Report": {"Enabled": False},
+            "ClientRequestToken": ANY,
+        },
+    )
+    expect_describe(
+        stub,
+        a_task(
+            "SUCCEEDED", "EXPORT_TO_REPOSITORY", paths, Status={"TotalCount": 9, "SucceededCount": 9, "FailedCount": 0}
+        ),
+    )
 
 
 def run_records(run: str) -> list[str]:
@@ -82,8 +114,18 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
         return 0
 
     with FakeKubelet(cluster, scenario, fail_at_step=10, asg="gpu-ng") as kubelet:
-        dr = trigger({"run_name": "llm-eks", "backend": "eks", "dataset": "c4", "nodes": 2, "procs_per_node": 2,
-                      "steps": 20, "checkpoint_interval": 5, "max_node_replacements": 1})
+        dr = trigger(
+            {
+                "run_name": "llm-eks",
+                "backend": "eks",
+                "dataset": "c4",
+                "nodes": 2,
+                "procs_per_node": 2,
+                "steps": 20,
+                "checkpoint_interval": 5,
+                "max_node_replacements": 1,
+            }
+        )
     st = states(dr)
     assert str(dr.state) == "success", st
     bad = placed["0"][1]
@@ -115,7 +157,8 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
 
 
 def test_a_checkpoint_that_fails_its_checksum_is_neither_evaluated_nor_exported_nor_published(
-        eks_env, cluster, stub, monkeypatch):
+    eks_env, cluster, stub, monkeypatch
+):
     # The final checkpoint commits, then a few of its bytes flip on FSx (a bad disk, a stray write).
     monkeypatch.setenv("FSDP_FSX_FILE_SYSTEM_ID", FS)
     expect_export(stub, sorted(["runs/flipped/checkpoints/step_00000015", *run_records("flipped")]))
@@ -125,8 +168,18 @@ def test_a_checkpoint_that_fails_its_checksum_is_neither_evaluated_nor_exported_
         flip_bytes(cfg.layout.checkpoint_dir(20) / "__1_0.distcp")
 
     with FakeKubelet(cluster, lambda launch_id, index, node: 0, after_commits=damage) as kubelet:
-        dr = trigger({"run_name": "flipped", "backend": "eks", "dataset": "c4", "nodes": 1, "procs_per_node": 2,
-                      "steps": 20, "checkpoint_interval": 5, "max_node_replacements": 1})
+        dr = trigger(
+            {
+                "run_name": "flipped",
+                "backend": "eks",
+                "dataset": "c4",
+                "nodes": 1,
+                "procs_per_node": 2,
+                "steps": 20,
+                "checkpoint_interval": 5,
+                "max_node_replacements": 1,
+            }
+        )
     st = states(dr)
     assert str(dr.state) == "success", st
     run_dir = eks_env / "runs" / "flipped"
@@ -141,10 +194,14 @@ def test_a_checkpoint_that_fails_its_checksum_is_neither_evaluated_nor_exported_
     assert published["verified"] == "checksums" and "note" not in published
     assert [s["checkpoint_id"] for s in published["skipped"]] == ["step_00000020"]
     # On EKS the control plane never moves checkpoints on FSx: it skips, and says so.
-    assert (run_dir / "checkpoints" / "step_00000020").is_dir() and not (run_dir / "checkpoints" / "quarantine").exists()
+    assert (run_dir / "checkpoints" / "step_00000020").is_dir() and not (
+        run_dir / "checkpoints" / "quarantine"
+    ).exists()
     skips = [r for r in read_events(run_dir / "events.jsonl") if r["event"] == Event.CHECKPOINT_SKIP.value]
     assert {(r["checkpoint_id"], r["role"], r["task"]) for r in skips} == {
-        ("step_00000020", "control-plane", "evaluate"), ("step_00000020", "control-plane", "publish")}
+        ("step_00000020", "control-plane", "evaluate"),
+        ("step_00000020", "control-plane", "publish"),
+    }
     report = Path(xcom(dr, "build_report")["markdown"]).read_text()
     assert "## Checkpoints that failed" in report and report.count("| step_00000020 |") == 1
 
@@ -158,7 +215,8 @@ def test_storage_and_already_running_fail_the_run_without_touching_a_node(eks_en
     run_dir = eks_env / "runs" / "no-replace"
     # What the run's events said before this DAG run: another launcher finished it.
     EventLog(run_dir / "events.jsonl", run_id="no-replace", launch_id="by-hand", node_rank=0).emit(
-        Event.FINAL, failure_class="success", exit_code=0, step=10, message="trained by hand")
+        Event.FINAL, failure_class="success", exit_code=0, step=10, message="trained by hand"
+    )
     status_before = final_status(run_dir)
     code = int(exit_code_for(failure))
 
@@ -166,8 +224,18 @@ def test_storage_and_already_running_fail_the_run_without_touching_a_node(eks_en
         return code if index == nodes - 1 else None  # the last node fails; the others keep training
 
     with FakeKubelet(cluster, scenario, fail_at_step=10, asg=group):
-        dr = trigger({"run_name": "no-replace", "backend": "eks", "dataset": "c4", "nodes": nodes,
-                      "procs_per_node": 2, "steps": 20, "checkpoint_interval": 5, "max_node_replacements": 2})
+        dr = trigger(
+            {
+                "run_name": "no-replace",
+                "backend": "eks",
+                "dataset": "c4",
+                "nodes": nodes,
+                "procs_per_node": 2,
+                "steps": 20,
+                "checkpoint_interval": 5,
+                "max_node_replacements": 2,
+            }
+        )
     st = states(dr)
     assert str(dr.state) == "failed", st
     assert xcom(dr, "watch_checkpoints")["failure_class"] == failure.value
@@ -185,22 +253,33 @@ def test_storage_and_already_running_fail_the_run_without_touching_a_node(eks_en
 
 
 def test_an_image_outside_the_allowlist_fails_validate_config_and_nothing_is_submitted(eks_env, cluster, monkeypatch):
-    from fsdp_resilience.training.contract import ConfigError
-
     from fsdp_resilience.control import ladder
+    from fsdp_resilience.training.contract import ConfigError
 
     add_gpu_node(cluster, "gpu-0")
     repository = "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp"
-    conf = {"run_name": "evil", "backend": "eks", "dataset": "c4", "nodes": 1, "procs_per_node": 2, "steps": 10,
-            "checkpoint_interval": 5, "image": f"{repository}-evil:1"}
+    conf = {
+        "run_name": "evil",
+        "backend": "eks",
+        "dataset": "c4",
+        "nodes": 1,
+        "procs_per_node": 2,
+        "steps": 10,
+        "checkpoint_interval": 5,
+        "image": f"{repository}-evil:1",
+    }
     # The default allowlist is FSDP_EKS_IMAGE's repository, matched by whole path components.
-    with pytest.raises(ConfigError, match=rf"not allowed: images must come from {repository} .*FSDP_EKS_IMAGE_ALLOWLIST"):
+    with pytest.raises(
+        ConfigError, match=rf"not allowed: images must come from {repository} .*FSDP_EKS_IMAGE_ALLOWLIST"
+    ):
         ladder.build_run_config(conf, "manual__1")
-    assert ladder.build_run_config({**conf, "image": f"{repository}:2"}, "manual__1").backend["image_allowlist"] \
-        == [repository]
+    assert ladder.build_run_config({**conf, "image": f"{repository}:2"}, "manual__1").backend["image_allowlist"] == [
+        repository
+    ]
     monkeypatch.setenv("FSDP_EKS_IMAGE_ALLOWLIST", f"{repository}, 123456789012.dkr.ecr.us-west-2.amazonaws.com/eval")
-    assert ladder.build_run_config({**conf, "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/eval/x:1"},
-                                   "manual__1")
+    assert ladder.build_run_config(
+        {**conf, "image": "123456789012.dkr.ecr.us-west-2.amazonaws.com/eval/x:1"}, "manual__1"
+    )
 
     monkeypatch.delenv("FSDP_EKS_IMAGE_ALLOWLIST")
     # What the backend would refuse at submit is refused here too: more processes than GPUs per pod.
@@ -214,7 +293,8 @@ def test_an_image_outside_the_allowlist_fails_validate_config_and_nothing_is_sub
 
 
 def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_pod_rejoins_as_the_spare(
-        eks_env, cluster):
+    eks_env, cluster
+):
     """nodes=2 + 1 spare on EKS. Node 1 stops reporting at step 10 (its pod Terminating, deleted by
     the taint manager): the job stays running with node 1 lost and the spare covering it. While
     node 0 trains on, keep_spare_pool cordons and taints node 1 and has the ASG replace its
@@ -227,8 +307,6 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     import copy
 
     from airflow.dag_processing.dagbag import DagBag
-    from control.support import REPO
-    from control.support.dag_runs import XComs as _XComs, first_event as _first_event
 
     from fsdp_resilience.control import ladder
     from fsdp_resilience.control.backends import JobHandle, get_backend
@@ -236,6 +314,10 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
     from fsdp_resilience.control.task_data import Outcome
     from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
+
+    from control.support import REPO
+    from control.support.dag_runs import XComs as _XComs
+    from control.support.dag_runs import first_event as _first_event
 
     instances = make_asg("gpu-ng-spares", 5)
     for i, instance in enumerate(instances):
@@ -253,17 +335,33 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     def refilled(cfg, launch_id):
         """Node 0 trains on until the pool is whole again: a spare_added record, and index 1's
         recreated pod parked as a spare."""
-        wait_for(lambda: [r for r in read_events(cfg.layout.events) if r["event"] == Event.SPARE_ADDED.value]
-                 and len(seen.get(1, [])) == 2 and len(kubelet.parked.get(launch_id, [])) == 2,
-                 timeout=120, what="the spare pool to be refilled")
+        wait_for(
+            lambda: (
+                [r for r in read_events(cfg.layout.events) if r["event"] == Event.SPARE_ADDED.value]
+                and len(seen.get(1, [])) == 2
+                and len(kubelet.parked.get(launch_id, [])) == 2
+            ),
+            timeout=120,
+            what="the spare pool to be refilled",
+        )
 
-    conf = {"run_name": "spares-eks", "backend": "eks", "dataset": "c4", "nodes": 2, "spare_nodes": 1,
-            "restart_mode": "layered", "procs_per_node": 2, "steps": 20, "checkpoint_interval": 5,
-            "max_node_replacements": 1}
+    conf = {
+        "run_name": "spares-eks",
+        "backend": "eks",
+        "dataset": "c4",
+        "nodes": 2,
+        "spare_nodes": 1,
+        "restart_mode": "layered",
+        "procs_per_node": 2,
+        "steps": 20,
+        "checkpoint_interval": 5,
+        "max_node_replacements": 1,
+    }
     params = copy.deepcopy(DagBag(dag_folder=str(REPO / "dags")).get_dag("fsdp_training").params)
     params.update(conf)
-    with FakeKubelet(cluster, scenario, fail_at_step=10, asg="gpu-ng-spares", ccm=True, midway=refilled,
-                     threaded=True) as kubelet:
+    with FakeKubelet(
+        cluster, scenario, fail_at_step=10, asg="gpu-ng-spares", ccm=True, midway=refilled, threaded=True
+    ) as kubelet:
         run = ladder.build_run_config(params.validate(), "manual__spares")  # validate_config
         launch = ladder.launch(run, launch_no=0)  # launch_training
         watch = CheckpointProgressSensor(task_id="watch_checkpoints", launch=launch)
@@ -287,8 +385,9 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
 
         async def side_by_side():
             watching = TrainingProgressTrigger(**watch._trigger_kwargs(), poll_interval_s=1.0)
-            return await asyncio.wait_for(asyncio.gather(asyncio.create_task(_first_event(watching)), keep_pool()),
-                                          timeout=240)
+            return await asyncio.wait_for(
+                asyncio.gather(asyncio.create_task(_first_event(watching)), keep_pool()), timeout=240
+            )
 
         try:
             outcome, kept = asyncio.run(side_by_side())

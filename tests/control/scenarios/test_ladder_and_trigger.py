@@ -15,9 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from shared import FAST_RUN
-from control.fakes.stand_in_launcher import script_backend
-from control.support import REPO, TRAINING_PYTHON, make_dataset
 from fsdp_resilience.control import ladder
 from fsdp_resilience.control.backends import JobHandle, get_backend
 from fsdp_resilience.control.progress import LaunchChanges, check_progress
@@ -25,6 +22,10 @@ from fsdp_resilience.control.task_data import Launch, Run
 from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
 from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events
+
+from control.fakes.stand_in_launcher import script_backend
+from control.support import REPO, TRAINING_PYTHON, make_dataset
+from shared import FAST_RUN
 
 FAST = FAST_RUN
 
@@ -41,8 +42,9 @@ def launched(tmp_path, monkeypatch):
 
 
 def run_config(name: str, **params) -> dict:
-    return ladder.build_run_config({"run_name": name, "dataset": "python-stdlib", "steps": 12,
-                                    "checkpoint_interval": 2, **params}, dag_run_id=name)
+    return ladder.build_run_config(
+        {"run_name": name, "dataset": "python-stdlib", "steps": 12, "checkpoint_interval": 2, **params}, dag_run_id=name
+    )
 
 
 @pytest.mark.slow
@@ -60,9 +62,11 @@ def test_launching_the_same_run_again_never_starts_a_second_job(launched):
 
 async def _watch(trigger: TrainingProgressTrigger, seconds: float | None):
     """Run the trigger like the triggerer does; stop after ``seconds`` (a triggerer restart)."""
+
     async def first_event():
         async for event in trigger.run():
             return event.payload
+
     task = asyncio.ensure_future(first_event())
     done, _ = await asyncio.wait({task}, timeout=seconds)
     if not done:
@@ -76,13 +80,22 @@ def test_a_restarted_trigger_picks_the_run_up_where_it_was(launched):
     # A hang no restart layer handles (restart_mode none): only the stall clock can end it.
     stall = 60.0  # well past start-up (~20 s here), so only the hang can trip it
     # The healthy rank waits in its collective far longer than the stall timeout.
-    run = run_config("stall-clock", restart_mode="none", stall_timeout_s=int(stall),
-                     run_config={**FAST, "collective_timeout_s": 600.0, "heartbeat_timeout_s": 700.0,
-                                 "faults": [{"kind": "hang", "step": 5, "rank": 1}]})
+    run = run_config(
+        "stall-clock",
+        restart_mode="none",
+        stall_timeout_s=int(stall),
+        run_config={
+            **FAST,
+            "collective_timeout_s": 600.0,
+            "heartbeat_timeout_s": 700.0,
+            "faults": [{"kind": "hang", "step": 5, "rank": 1}],
+        },
+    )
     launch = ladder.launch(run, launch_no=0)
     launched.append(launch)
-    kwargs = {k: getattr(launch, k) for k in ("backend", "handle", "run_dir", "final_step", "stall_timeout_s",
-                                              "launched_at")}
+    kwargs = {
+        k: getattr(launch, k) for k in ("backend", "handle", "run_dir", "final_step", "stall_timeout_s", "launched_at")
+    }
     trigger = TrainingProgressTrigger(**kwargs, poll_interval_s=1.0)
 
     # Wait for the hang; by then the last progress (a committed checkpoint) is on disk.
@@ -120,9 +133,23 @@ def test_a_run_another_launcher_already_trains_is_refused_and_left_alone(launche
     config = tmp_path / "by-hand.json"
     config.write_text(cfg.to_json())
     by_hand = subprocess.Popen(
-        [TRAINING_PYTHON, "-m", "fsdp_resilience.training.launch", "--config", str(config), "--node-rank", "0",
-         "--rdzv-host", "127.0.0.1"], cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, env={**os.environ, "TRAINING_NODE_ID": "by-hand", "TRAINING_LAUNCH_ID": "by-hand"})
+        [
+            TRAINING_PYTHON,
+            "-m",
+            "fsdp_resilience.training.launch",
+            "--config",
+            str(config),
+            "--node-rank",
+            "0",
+            "--rdzv-host",
+            "127.0.0.1",
+        ],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TRAINING_NODE_ID": "by-hand", "TRAINING_LAUNCH_ID": "by-hand"},
+    )
     try:
         deadline = time.time() + 240
         while not read_events(cfg.layout.events, "step") and time.time() < deadline:
@@ -137,8 +164,14 @@ def test_a_run_another_launcher_already_trains_is_refused_and_left_alone(launche
         deadline = time.time() + 120
         while backend.status(handle).state not in ("failed", "succeeded") and time.time() < deadline:
             time.sleep(0.5)
-        progress = check_progress(backend, handle, run_dir=launch.run_dir, final_step=launch.final_step,
-                                  stall_timeout_s=launch.stall_timeout_s, launched_at=launch.launched_at)
+        progress = check_progress(
+            backend,
+            handle,
+            run_dir=launch.run_dir,
+            final_step=launch.final_step,
+            stall_timeout_s=launch.stall_timeout_s,
+            launched_at=launch.launched_at,
+        )
         outcome = progress
         assert outcome.failure_class == "already_running", outcome
         assert backend.status(handle).exit_codes == {0: 73}
@@ -177,8 +210,15 @@ exec sleep 300
 def stand_in(tmp_path):
     """A local backend whose launchers are ``STAND_IN_LAUNCHER``, and a submitted launch of it."""
     backend = script_backend(tmp_path / "stand-in", STAND_IN_LAUNCHER, slots=2, cancel_grace_s=2)
-    cfg = RunConfig(**{**FAST, "run_id": "stand-in", "run_dir": str(tmp_path / "run"),
-                       "dataset_dir": str(tmp_path / "no-data"), "steps": 4})
+    cfg = RunConfig(
+        **{
+            **FAST,
+            "run_id": "stand-in",
+            "run_dir": str(tmp_path / "run"),
+            "dataset_dir": str(tmp_path / "no-data"),
+            "steps": 4,
+        }
+    )
     handle = backend.submit(cfg, launch_id="0")
     yield backend, cfg, handle
     backend.cancel(handle)
@@ -187,9 +227,11 @@ def stand_in(tmp_path):
 async def _fire_after(trigger: TrainingProgressTrigger, act, timeout_s: float):
     """Run the trigger; once it has made its first check and is waiting, ``act()``; return its
     event, or None if it did not fire within ``timeout_s``."""
+
     async def first_event():
         async for event in trigger.run():
             return event.payload
+
     task = asyncio.ensure_future(first_event())
     await asyncio.sleep(1.0)  # the first check (the job is running) is done by now
     assert not task.done(), task.result()
@@ -203,9 +245,15 @@ async def _fire_after(trigger: TrainingProgressTrigger, act, timeout_s: float):
 
 def _trigger_for(backend, cfg, handle) -> TrainingProgressTrigger:
     # A poll interval no test waits out: only the look between polls can fire it.
-    return TrainingProgressTrigger(backend=backend.to_config(), handle=handle.to_dict(), run_dir=cfg.run_dir,
-                                   final_step=cfg.steps, stall_timeout_s=3600.0, launched_at=time.time(),
-                                   poll_interval_s=3600.0)
+    return TrainingProgressTrigger(
+        backend=backend.to_config(),
+        handle=handle.to_dict(),
+        run_dir=cfg.run_dir,
+        final_step=cfg.steps,
+        stall_timeout_s=3600.0,
+        launched_at=time.time(),
+        poll_interval_s=3600.0,
+    )
 
 
 def test_the_watch_sees_a_final_event_between_its_polls(stand_in):
@@ -280,9 +328,18 @@ def spared(tmp_path):
     """A local backend of 4 slots with idle stand-in launchers, and launch 0 of a run of 2 nodes and
     1 spare submitted through the ladder (what launch_training does)."""
     backend = script_backend(tmp_path / "spared", IDLE_LAUNCHER, slots=4, cancel_grace_s=2)
-    cfg = RunConfig(**{**FAST, "run_id": "spared", "run_dir": str(tmp_path / "run"),
-                       "dataset_dir": str(tmp_path / "no-data"), "steps": 4, "nodes": 2, "spare_nodes": 1,
-                       "restart_mode": "injob"})
+    cfg = RunConfig(
+        **{
+            **FAST,
+            "run_id": "spared",
+            "run_dir": str(tmp_path / "run"),
+            "dataset_dir": str(tmp_path / "no-data"),
+            "steps": 4,
+            "nodes": 2,
+            "spare_nodes": 1,
+            "restart_mode": "injob",
+        }
+    )
     run = Run(config=cfg.to_dict(), backend=backend.to_config(), max_node_replacements=1)
     launch = ladder.launch(run, launch_no=0)
     handle = JobHandle.from_dict(launch.handle)
@@ -301,8 +358,13 @@ def _lose(backend, launch, index: int) -> str:
 
 
 def _pool_trigger(backend, launch, handled=()) -> SparePoolTrigger:
-    return SparePoolTrigger(backend=backend.to_config(), handle=launch.handle, run_dir=launch.run_dir,
-                            handled=list(handled), poll_interval_s=3600.0)  # only the look between polls fires it
+    return SparePoolTrigger(
+        backend=backend.to_config(),
+        handle=launch.handle,
+        run_dir=launch.run_dir,
+        handled=list(handled),
+        poll_interval_s=3600.0,
+    )  # only the look between polls fires it
 
 
 def test_the_pool_trigger_fires_on_a_lost_node_not_yet_handled_and_on_the_launchs_end(spared):
@@ -322,8 +384,9 @@ def test_the_pool_trigger_fires_on_a_lost_node_not_yet_handled_and_on_the_launch
     # Handled: the same lost node does not fire it again; the launch's end does.
     key = event["nodes"][0]["key"]
     assert key == f"1@{event['nodes'][0]['node_id']}"  # the index and the machine: one node
-    event = asyncio.run(_fire_after(_pool_trigger(backend, launch, handled=[key]), lambda: backend.cancel(handle),
-                                    timeout_s=60))
+    event = asyncio.run(
+        _fire_after(_pool_trigger(backend, launch, handled=[key]), lambda: backend.cancel(handle), timeout_s=60)
+    )
     assert event is not None and event["status"] == "launch_ended" and event["state"] == "failed", event
     assert event["nodes"] == [] and event["handled"] == [key]
 
@@ -369,8 +432,15 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     assert event["status"] == "launch_ended", event
     summary = keeper.execute_complete(context, event=event)
     assert summary["state"] == "failed" and summary["nodes_handled"] == [f"1@{lost_slot}"]
-    assert summary["spares_added"] == [{"lost_node_id": lost_slot, "lost_node_rank": 1, "quarantined": [lost_slot],
-                                        "node_id": spare["node_id"], "node_rank": 3}]
+    assert summary["spares_added"] == [
+        {
+            "lost_node_id": lost_slot,
+            "lost_node_rank": 1,
+            "quarantined": [lost_slot],
+            "node_id": spare["node_id"],
+            "node_rank": 3,
+        }
+    ]
 
 
 def test_keep_spare_pool_refills_nothing_past_its_budget_and_says_why(spared):
@@ -384,8 +454,9 @@ def test_keep_spare_pool_refills_nothing_past_its_budget_and_says_why(spared):
     while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
         time.sleep(0.1)
     said = []
-    results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch.launched_at - 1,
-                                     log=said.append)
+    results = ladder.keep_spare_pool(
+        run, launch, [n.to_dict() for n in lost], since=launch.launched_at - 1, log=said.append
+    )
     assert [r["refilled"] for r in results] == [False] and "max_node_replacements=1 spent" in results[0]["why"]
     assert any("not refilled" in line and lost_slot in line for line in said), said
     assert backend.capacity().quarantined == []  # a replacement is not done by halves
@@ -395,8 +466,18 @@ def test_keep_spare_pool_refills_nothing_past_its_budget_and_says_why(spared):
 
 def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path):
     backend = script_backend(tmp_path / "full", IDLE_LAUNCHER, slots=3, cancel_grace_s=2)
-    cfg = RunConfig(**{**FAST, "run_id": "full", "run_dir": str(tmp_path / "run"), "dataset_dir": str(tmp_path / "x"),
-                       "steps": 4, "nodes": 2, "spare_nodes": 1, "restart_mode": "injob"})
+    cfg = RunConfig(
+        **{
+            **FAST,
+            "run_id": "full",
+            "run_dir": str(tmp_path / "run"),
+            "dataset_dir": str(tmp_path / "x"),
+            "steps": 4,
+            "nodes": 2,
+            "spare_nodes": 1,
+            "restart_mode": "injob",
+        }
+    )
     run = Run(config=cfg.to_dict(), backend=backend.to_config(), max_node_replacements=2)
     launch = ladder.launch(run, launch_no=0)
     handle = JobHandle.from_dict(launch.handle)
@@ -407,8 +488,9 @@ def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path)
         lost_slot = _lose(backend, launch, 2)  # the spare's machine goes, before it ever trained
         while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
             time.sleep(0.1)
-        results = ladder.keep_spare_pool(run, launch, [n.to_dict() for n in lost], since=launch.launched_at,
-                                         log=lambda _: None)
+        results = ladder.keep_spare_pool(
+            run, launch, [n.to_dict() for n in lost], since=launch.launched_at, log=lambda _: None
+        )
         assert [r["refilled"] for r in results] == [False], results
         assert "no free healthy" in results[0]["why"] and results[0]["quarantined"] == [lost_slot]
         assert backend.capacity().quarantined == [lost_slot]
@@ -425,8 +507,14 @@ def test_a_run_without_spares_skips_its_keepers_and_spares_count_in_capacity(lau
     from fsdp_resilience.training.contract import ConfigError
 
     run = run_config("no-spares")
-    launch = Launch(backend=run.backend, handle={"launch_id": "0", "job_name": "never-submitted"},
-                    run_dir=run.config["run_dir"], final_step=12, stall_timeout_s=60.0, launched_at=0.0)
+    launch = Launch(
+        backend=run.backend,
+        handle={"launch_id": "0", "job_name": "never-submitted"},
+        run_dir=run.config["run_dir"],
+        final_step=12,
+        stall_timeout_s=60.0,
+        launched_at=0.0,
+    )
     with pytest.raises(AirflowSkipException, match="spare_nodes=0"):
         SparePoolKeeper(task_id="keep_spare_pool", launch=launch).execute({"ti": _XComs(validate_config=run)})
     spared = run_config("with-spares", nodes=2, spare_nodes=1, restart_mode="injob")

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from shared import FAST_RUN
-from control.support import REPO, make_dataset
-from control.support.dag_runs import XComs, first_event, states, trigger, xcom
 from fsdp_resilience.control import settings
 from fsdp_resilience.control.backends import JobHandle, get_backend
 from fsdp_resilience.training.contract import CheckpointCatalog, read_events
+
+from control.support import REPO, make_dataset
+from control.support.dag_runs import XComs, first_event, states, trigger, xcom
+from shared import FAST_RUN
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,14 @@ def roots(tmp_path, monkeypatch):
 
 
 def base_conf(run_name: str, **overrides) -> dict:
-    conf = {"run_name": run_name, "steps": 12, "checkpoint_interval": 3, "max_restarts": 1,
-            "max_node_replacements": 1, "run_config": dict(FAST)}
+    conf = {
+        "run_name": run_name,
+        "steps": 12,
+        "checkpoint_interval": 3,
+        "max_restarts": 1,
+        "max_node_replacements": 1,
+        "run_config": dict(FAST),
+    }
     conf.update(overrides)
     return conf
 
@@ -47,8 +54,14 @@ def base_conf(run_name: str, **overrides) -> dict:
 
 def test_restarts_exhausted_replaces_the_slot_and_resumes(roots):
     # A bad node: rank 1 dies at step 7 on every attempt while it runs on slot-0.
-    conf = base_conf("ladder", restart_mode="injob", run_config={**FAST, "faults": [
-        {"kind": "sigkill", "step": 7, "rank": 1, "attempt": None, "node_id": "slot-0"}]})
+    conf = base_conf(
+        "ladder",
+        restart_mode="injob",
+        run_config={
+            **FAST,
+            "faults": [{"kind": "sigkill", "step": 7, "rank": 1, "attempt": None, "node_id": "slot-0"}],
+        },
+    )
     dr = trigger(conf)
     st = states(dr)
     assert str(dr.state) == "success", st
@@ -56,7 +69,9 @@ def test_restarts_exhausted_replaces_the_slot_and_resumes(roots):
     assert st["escalation_2.decide"] == "skipped"
     # No spares: every keeper of a spare pool shows skipped, and the run still ends a success.
     assert {t: s for t, s in st.items() if t.endswith("keep_spare_pool")} == {
-        "keep_spare_pool": "skipped", **{f"escalation_{r}.keep_spare_pool": "skipped" for r in (1, 2, 3)}}
+        "keep_spare_pool": "skipped",
+        **{f"escalation_{r}.keep_spare_pool": "skipped" for r in (1, 2, 3)},
+    }
     run_dir = roots / "ladder"
     events = read_events(run_dir / "events.jsonl")
     escalations = [r for r in events if r["event"] == "escalation"]
@@ -74,9 +89,15 @@ def test_restarts_exhausted_replaces_the_slot_and_resumes(roots):
 def test_a_stall_ends_as_no_progress(roots):
     # restart_mode none and a long collective timeout: nothing inside the job notices the hang,
     # only the watch (or the launcher's own stall watchdog) does.
-    dr = trigger(base_conf("stall", restart_mode="none", max_node_replacements=0, stall_timeout_s=30,
-                           run_config={**FAST, "collective_timeout_s": 600.0,
-                                       "faults": [{"kind": "hang", "step": 5, "rank": 1}]}))
+    dr = trigger(
+        base_conf(
+            "stall",
+            restart_mode="none",
+            max_node_replacements=0,
+            stall_timeout_s=30,
+            run_config={**FAST, "collective_timeout_s": 600.0, "faults": [{"kind": "hang", "step": 5, "rank": 1}]},
+        )
+    )
     st = states(dr)
     assert str(dr.state) == "failed", st
     assert st["resolve_outcome"] == "failed" and st["escalation_1.decide"] == "skipped"
@@ -160,8 +181,15 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
     from fsdp_resilience.control.task_data import Outcome
     from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
-    conf = base_conf("spare", nodes=2, spare_nodes=1, procs_per_node=1, restart_mode="injob", max_restarts=2,
-                     run_config={**FAST, "faults": [{"kind": "node_loss", "step": 5, "node": 1}]})
+    conf = base_conf(
+        "spare",
+        nodes=2,
+        spare_nodes=1,
+        procs_per_node=1,
+        restart_mode="injob",
+        max_restarts=2,
+        run_config={**FAST, "faults": [{"kind": "node_loss", "step": 5, "node": 1}]},
+    )
     from airflow.dag_processing.dagbag import DagBag
 
     params = copy.deepcopy(DagBag(dag_folder=str(REPO / "dags")).get_dag("fsdp_training").params)
@@ -175,9 +203,13 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
         context = {"ti": XComs(validate_config=run, launch_training=launch)}
 
         async def side_by_side():
-            return await asyncio.wait_for(asyncio.gather(
-                first_event(TrainingProgressTrigger(**watch._trigger_kwargs(), poll_interval_s=2.0)),
-                _keep_pool(keeper, context)), timeout=480)
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    first_event(TrainingProgressTrigger(**watch._trigger_kwargs(), poll_interval_s=2.0)),
+                    _keep_pool(keeper, context),
+                ),
+                timeout=480,
+            )
 
         outcome, kept = asyncio.run(side_by_side())
         outcome = Outcome.from_dict(watch.execute_complete(context, outcome))  # the watch's XCom
@@ -218,8 +250,15 @@ def test_with_spares_the_keepers_end_with_their_launch_and_the_run_ends_as_it_sh
     assert sorted(r["node_rank"] for r in events if r["event"] == "launch_begin" and r.get("standby")) == [2]
     assert {r.get("launch_id") for r in events if r["event"] == "launch_begin"} == {"0"}
 
-    bad = trigger(base_conf("spares-bad", **spares, max_restarts=0, max_node_replacements=0, run_config={
-        **FAST, "faults": [{"kind": "sigkill", "step": 4, "rank": 1, "attempt": None}]}))
+    bad = trigger(
+        base_conf(
+            "spares-bad",
+            **spares,
+            max_restarts=0,
+            max_node_replacements=0,
+            run_config={**FAST, "faults": [{"kind": "sigkill", "step": 4, "rank": 1, "attempt": None}]},
+        )
+    )
     st = states(bad)
     assert str(bad.state) == "failed", st
     assert st["resolve_outcome"] == "failed" and st["keep_spare_pool"] == "success", st

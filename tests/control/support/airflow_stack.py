@@ -55,8 +55,10 @@ def missing_for_stack() -> str | None:
     try:
         import psycopg2  # noqa: F401
     except ImportError:
-        return "psycopg2 in .venv-airflow: .venv-airflow/bin/pip install -c requirements/constraints-airflow.txt " \
-               "'.[test-deployment]'"
+        return (
+            "psycopg2 in .venv-airflow: .venv-airflow/bin/pip install -c requirements/constraints-airflow.txt "
+            "'.[test-deployment]'"
+        )
     if os.geteuid() == 0 and shutil.which("runuser") is None:
         return "runuser (util-linux), to run PostgreSQL as the postgres user"
     return None
@@ -69,8 +71,10 @@ def missing_for_browser() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        return "playwright in .venv-airflow: .venv-airflow/bin/pip install -c requirements/constraints-airflow.txt " \
-               "'.[test-deployment]' (no `playwright install`: it drives Debian's chromium)"
+        return (
+            "playwright in .venv-airflow: .venv-airflow/bin/pip install -c requirements/constraints-airflow.txt "
+            "'.[test-deployment]' (no `playwright install`: it drives Debian's chromium)"
+        )
     return None
 
 
@@ -90,8 +94,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0,
-             on_timeout: Callable[[], str] = lambda: "") -> Any:
+def wait_for(
+    what: str,
+    check: Callable[[], Any],
+    timeout_s: float,
+    interval_s: float = 1.0,
+    on_timeout: Callable[[], str] = lambda: "",
+) -> Any:
     """Poll ``check`` until it returns something truthy (returned); StackError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     last = None
@@ -116,8 +125,15 @@ class Process:
         self.name, self.log = name, log
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            self.popen = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self.popen = subprocess.Popen(
+                argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.pid = self.popen.pid
 
     def alive(self) -> bool:
@@ -230,23 +246,68 @@ class Postgres:
             user = pwd.getpwnam("postgres")
             for path in (self.root, self.socket_dir):
                 os.chown(path, user.pw_uid, user.pw_gid)
-        subprocess.run(self._as_postgres([str(self.bin / "initdb"), "-D", str(self.data), "-U", "airflow",
-                                          "--auth=trust", "-E", "UTF8", "--no-sync"]),
-                       check=True, capture_output=True, cwd="/")
-        self.process = Process("postgres", self._as_postgres([
-            str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.socket_dir),
-            "-c", "listen_addresses=", "-c", "fsync=off", "-c", "synchronous_commit=off",
-            "-c", "full_page_writes=off", "-c", "max_connections=200"]), env=dict(os.environ), log=self.log, cwd=Path("/"))
-        wait_for("PostgreSQL to accept connections", self._ready, timeout_s=60,
-                 on_timeout=lambda: self.process.tail())
-        subprocess.run([str(self.bin / "createdb"), "-h", str(self.socket_dir), "-p", str(self.port),
-                        "-U", "airflow", "airflow"], check=True, capture_output=True)
+        subprocess.run(
+            self._as_postgres(
+                [
+                    str(self.bin / "initdb"),
+                    "-D",
+                    str(self.data),
+                    "-U",
+                    "airflow",
+                    "--auth=trust",
+                    "-E",
+                    "UTF8",
+                    "--no-sync",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+            cwd="/",
+        )
+        self.process = Process(
+            "postgres",
+            self._as_postgres(
+                [
+                    str(self.bin / "postgres"),
+                    "-D",
+                    str(self.data),
+                    "-p",
+                    str(self.port),
+                    "-k",
+                    str(self.socket_dir),
+                    "-c",
+                    "listen_addresses=",
+                    "-c",
+                    "fsync=off",
+                    "-c",
+                    "synchronous_commit=off",
+                    "-c",
+                    "full_page_writes=off",
+                    "-c",
+                    "max_connections=200",
+                ]
+            ),
+            env=dict(os.environ),
+            log=self.log,
+            cwd=Path("/"),
+        )
+        wait_for("PostgreSQL to accept connections", self._ready, timeout_s=60, on_timeout=lambda: self.process.tail())
+        subprocess.run(
+            [str(self.bin / "createdb"), "-h", str(self.socket_dir), "-p", str(self.port), "-U", "airflow", "airflow"],
+            check=True,
+            capture_output=True,
+        )
 
     def _ready(self) -> bool:
         if self.process is not None and not self.process.alive():
             raise StackError(f"postgres exited:\n{self.process.tail()}")
-        return subprocess.run([str(self.bin / "pg_isready"), "-q", "-U", "airflow", "-h", str(self.socket_dir), "-p", str(self.port)],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                [str(self.bin / "pg_isready"), "-q", "-U", "airflow", "-h", str(self.socket_dir), "-p", str(self.port)],
+                capture_output=True,
+            ).returncode
+            == 0
+        )
 
     @property
     def url(self) -> str:
@@ -256,8 +317,13 @@ class Postgres:
         """``pg_ctl stop -m fast`` (then SIGTERM, SIGKILL by PID if it hangs); the folder goes too."""
         how = "never started"
         if self.process is not None and self.process.alive():
-            subprocess.run(self._as_postgres([str(self.bin / "pg_ctl"), "stop", "-D", str(self.data), "-m", "fast",
-                                              "-w", "-t", "60"]), capture_output=True, cwd="/")
+            subprocess.run(
+                self._as_postgres(
+                    [str(self.bin / "pg_ctl"), "stop", "-D", str(self.data), "-m", "fast", "-w", "-t", "60"]
+                ),
+                capture_output=True,
+                cwd="/",
+            )
             try:
                 self.process.popen.wait(timeout=30)
                 how = "stopped by pg_ctl stop -m fast"
@@ -302,49 +368,51 @@ class AirflowStack:
         keep = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "USER", "LOGNAME")
         env = {k: os.environ[k] for k in keep if k in os.environ}
         af = "AIRFLOW__"
-        env.update({
-            "AIRFLOW_HOME": str(self.home),
-            f"{af}CORE__DAGS_FOLDER": str(REPO / "dags"),
-            f"{af}CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-            f"{af}CORE__LOAD_EXAMPLES": "False",
-            f"{af}CORE__EXECUTOR": "LocalExecutor",
-            f"{af}DATABASE__SQL_ALCHEMY_CONN": self.postgres.url,
-            # A real login: the admin user's password in a file of ours (POST /auth/token checks it).
-            f"{af}CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
-            f"{af}CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
-            f"{af}API__HOST": "127.0.0.1",
-            f"{af}API__PORT": str(self.api_port),
-            # Without it, task processes send their execution-API calls to localhost:8080.
-            f"{af}API__BASE_URL": self.base_url,
-            f"{af}API__WORKERS": "1",
-            # One secret for all: the scheduler signs the task processes' execution-API tokens, and
-            # the API server checks them.
-            f"{af}API__SECRET_KEY": self.secrets["secret_key"],
-            f"{af}API_AUTH__JWT_SECRET": self.secrets["jwt_secret"],
-            f"{af}LOGGING__BASE_LOG_FOLDER": str(self.logs / "tasks"),
-            f"{af}LOGGING__DAG_PROCESSOR_CHILD_PROCESS_LOG_DIRECTORY": str(self.logs / "dag-processor"),
-            # A 2-core machine shared with others: one parser, a handful of task slots, no
-            # re-parsing of files that do not change during the test.
-            f"{af}CORE__PARALLELISM": "6",
-            f"{af}DAG_PROCESSOR__PARSING_PROCESSES": "1",
-            f"{af}DAG_PROCESSOR__REFRESH_INTERVAL": "600",
-            f"{af}DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
-            f"{af}DAG_PROCESSOR__PRINT_STATS_INTERVAL": "600",
-            f"{af}SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.5",
-            # Slow is not dead on a loaded machine: generous parse and API timeouts.
-            f"{af}CORE__DAGBAG_IMPORT_TIMEOUT": "120",
-            f"{af}DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "180",
-            f"{af}WORKERS__EXECUTION_API_TIMEOUT": "30",
-            # A killed triggerer's triggers go to a live one after this long without a heartbeat
-            # (default 30 s); a live one heartbeats every 5 s.
-            f"{af}TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "20",
-            # What the DAGs need: the local backend's roots and the training environment.
-            "FSDP_RUNS_ROOT": str(self.runs_root),
-            "FSDP_DATA_ROOT": str(self.data_root),
-            "FSDP_SOURCE_ROOT": str(self.source_root),
-            "FSDP_DEFAULT_BACKEND": "local",
-            "TRAINING_PYTHON": str(REPO / ".venv" / "bin" / "python"),
-        })
+        env.update(
+            {
+                "AIRFLOW_HOME": str(self.home),
+                f"{af}CORE__DAGS_FOLDER": str(REPO / "dags"),
+                f"{af}CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+                f"{af}CORE__LOAD_EXAMPLES": "False",
+                f"{af}CORE__EXECUTOR": "LocalExecutor",
+                f"{af}DATABASE__SQL_ALCHEMY_CONN": self.postgres.url,
+                # A real login: the admin user's password in a file of ours (POST /auth/token checks it).
+                f"{af}CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+                f"{af}CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
+                f"{af}API__HOST": "127.0.0.1",
+                f"{af}API__PORT": str(self.api_port),
+                # Without it, task processes send their execution-API calls to localhost:8080.
+                f"{af}API__BASE_URL": self.base_url,
+                f"{af}API__WORKERS": "1",
+                # One secret for all: the scheduler signs the task processes' execution-API tokens, and
+                # the API server checks them.
+                f"{af}API__SECRET_KEY": self.secrets["secret_key"],
+                f"{af}API_AUTH__JWT_SECRET": self.secrets["jwt_secret"],
+                f"{af}LOGGING__BASE_LOG_FOLDER": str(self.logs / "tasks"),
+                f"{af}LOGGING__DAG_PROCESSOR_CHILD_PROCESS_LOG_DIRECTORY": str(self.logs / "dag-processor"),
+                # A 2-core machine shared with others: one parser, a handful of task slots, no
+                # re-parsing of files that do not change during the test.
+                f"{af}CORE__PARALLELISM": "6",
+                f"{af}DAG_PROCESSOR__PARSING_PROCESSES": "1",
+                f"{af}DAG_PROCESSOR__REFRESH_INTERVAL": "600",
+                f"{af}DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
+                f"{af}DAG_PROCESSOR__PRINT_STATS_INTERVAL": "600",
+                f"{af}SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.5",
+                # Slow is not dead on a loaded machine: generous parse and API timeouts.
+                f"{af}CORE__DAGBAG_IMPORT_TIMEOUT": "120",
+                f"{af}DAG_PROCESSOR__DAG_FILE_PROCESSOR_TIMEOUT": "180",
+                f"{af}WORKERS__EXECUTION_API_TIMEOUT": "30",
+                # A killed triggerer's triggers go to a live one after this long without a heartbeat
+                # (default 30 s); a live one heartbeats every 5 s.
+                f"{af}TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "20",
+                # What the DAGs need: the local backend's roots and the training environment.
+                "FSDP_RUNS_ROOT": str(self.runs_root),
+                "FSDP_DATA_ROOT": str(self.data_root),
+                "FSDP_SOURCE_ROOT": str(self.source_root),
+                "FSDP_DEFAULT_BACKEND": "local",
+                "TRAINING_PYTHON": str(REPO / ".venv" / "bin" / "python"),
+            }
+        )
         env.update(self.extra_env)
         return env
 
@@ -355,8 +423,9 @@ class AirflowStack:
             path.mkdir(parents=True, exist_ok=True)
         (self.home / "passwords.json").write_text(json.dumps({"admin": self.password}))
         self.postgres.start()
-        migrate = subprocess.run([str(AIRFLOW), "db", "migrate"], env=self.env(), cwd=self.root,
-                                 capture_output=True, text=True)
+        migrate = subprocess.run(
+            [str(AIRFLOW), "db", "migrate"], env=self.env(), cwd=self.root, capture_output=True, text=True
+        )
         (self.logs / "db-migrate.log").write_text(migrate.stdout + migrate.stderr)
         if migrate.returncode != 0:
             raise StackError(f"airflow db migrate failed:\n{(migrate.stdout + migrate.stderr)[-4000:]}")
@@ -364,8 +433,13 @@ class AirflowStack:
             self.start_component(name)
         wait_for("the API server", self._api_up, timeout_s=180, on_timeout=self.tails)
         self.login()
-        wait_for("scheduler, triggerer and dag-processor heartbeats", self._healthy, timeout_s=180,
-                 interval_s=2, on_timeout=self.tails)
+        wait_for(
+            "scheduler, triggerer and dag-processor heartbeats",
+            self._healthy,
+            timeout_s=180,
+            interval_s=2,
+            on_timeout=self.tails,
+        )
 
     def start_component(self, name: str) -> Process:
         n = self.restarts.get(name, 0)
@@ -425,20 +499,24 @@ class AirflowStack:
             if not proc.alive():
                 raise StackError(f"{name} exited:\n{proc.tail()}")
         health = self.get("/api/v2/monitor/health")
-        return all((health.get(part) or {}).get("status") == "healthy"
-                   for part in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
+        return all(
+            (health.get(part) or {}).get("status") == "healthy"
+            for part in ("metadatabase", "scheduler", "triggerer", "dag_processor")
+        )
 
     def login(self) -> str:
         """A JWT the way a client gets one: POST /auth/token with the user's password."""
         import httpx
 
-        response = httpx.post(f"{self.base_url}/auth/token", json={"username": "admin", "password": self.password},
-                              timeout=60)
+        response = httpx.post(
+            f"{self.base_url}/auth/token", json={"username": "admin", "password": self.password}, timeout=60
+        )
         if response.status_code != 201:
             raise StackError(f"POST /auth/token answered {response.status_code}: {response.text}")
         self.token = response.json()["access_token"]
-        self._client = httpx.Client(base_url=self.base_url, timeout=60,
-                                    headers={"Authorization": f"Bearer {self.token}"})
+        self._client = httpx.Client(
+            base_url=self.base_url, timeout=60, headers={"Authorization": f"Bearer {self.token}"}
+        )
         return self.token
 
     def request(self, method: str, path: str, **kwargs: Any):
@@ -458,6 +536,7 @@ class AirflowStack:
 
     def wait_for_dags(self, *dag_ids: str, timeout_s: float = 240) -> None:
         """Until the dag-processor has parsed and serialized each DAG, and none has import errors."""
+
         def parsed() -> bool:
             errors = self.get("/api/v2/importErrors")
             if errors["total_entries"]:
@@ -481,10 +560,13 @@ class AirflowStack:
 
     def wait_for_run(self, dag_id: str, run_id: str, timeout_s: float) -> str:
         """Until the run ends; its final state."""
-        return wait_for(f"{dag_id} run {run_id} to end",
-                        lambda: (s := self.run_state(dag_id, run_id)) in ("success", "failed") and s,
-                        timeout_s=timeout_s, interval_s=2,
-                        on_timeout=lambda: f"task states: {self.task_states(dag_id, run_id)}\n{self.tails()}")
+        return wait_for(
+            f"{dag_id} run {run_id} to end",
+            lambda: (s := self.run_state(dag_id, run_id)) in ("success", "failed") and s,
+            timeout_s=timeout_s,
+            interval_s=2,
+            on_timeout=lambda: f"task states: {self.task_states(dag_id, run_id)}\n{self.tails()}",
+        )
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str | None]:
         tis = self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances", limit=100)["task_instances"]
@@ -498,8 +580,9 @@ class AirflowStack:
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
         """A task's log as the UI shows it (its lines' events, joined)."""
-        log = self.get(f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}",
-                       full_content="true")
+        log = self.get(
+            f"/api/v2/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}", full_content="true"
+        )
         content = log.get("content")
         if not isinstance(content, list):
             return str(content)

@@ -23,8 +23,9 @@ def xcom(dag_run, task_id: str):
     from airflow.utils.session import create_session
 
     with create_session() as session:
-        row = session.scalars(XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id,
-                                                 task_ids=task_id, key="return_value")).first()
+        row = session.scalars(
+            XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id, task_ids=task_id, key="return_value")
+        ).first()
         return XComModel.deserialize_value(row) if row is not None else None
 
 

@@ -39,11 +39,23 @@ def test_job_names_are_deterministic_dns_labels():
 
 def test_results_survive_json_for_xcom_and_triggers():
     handle = JobHandle("local", "r", "1", job_name_for("r", "1"), {"state_dir": "/s", "node_ids": ["slot-0"]})
-    status = JobStatus("failed", "restarts_exhausted", {0: 75, 1: None}, "node 1 lost",
-                       [NodeStatus(0, "slot-0", "failed", "restarts_exhausted", 75, "gave up"),
-                        NodeStatus(1, "slot-1", "lost", "restarts_exhausted", None, "node lost")])
-    values = [handle, status, Diagnosis("restarts_exhausted", ["slot-1"], True, ["node lost"]),
-              Replacement(["slot-1"], [], "quarantined"), Capacity(4, 3, ["slot-1"], ["slot-0", "slot-2", "slot-3"])]
+    status = JobStatus(
+        "failed",
+        "restarts_exhausted",
+        {0: 75, 1: None},
+        "node 1 lost",
+        [
+            NodeStatus(0, "slot-0", "failed", "restarts_exhausted", 75, "gave up"),
+            NodeStatus(1, "slot-1", "lost", "restarts_exhausted", None, "node lost"),
+        ],
+    )
+    values = [
+        handle,
+        status,
+        Diagnosis("restarts_exhausted", ["slot-1"], True, ["node lost"]),
+        Replacement(["slot-1"], [], "quarantined"),
+        Capacity(4, 3, ["slot-1"], ["slot-0", "slot-2", "slot-3"]),
+    ]
     for value in values:
         again = type(value).from_dict(json.loads(json.dumps(value.to_dict())))
         assert again == value

@@ -18,8 +18,9 @@ def test_an_inprocess_restart_is_broken_down_into_its_phases(tmp_path):
     assert fault["kind"] == "exception" and fault["step"] == 13
     [trial] = restart_trials(events)
     assert trial["layer"] == "inprocess" and trial["resumed_step"] == 11
-    assert trial["parts"] == pytest.approx({"detect": 0.01, "tear_down": 3.0, "rendezvous_restore": 0.5,
-                                            "first_step": STEP_S})
+    assert trial["parts"] == pytest.approx(
+        {"detect": 0.01, "tear_down": 3.0, "rendezvous_restore": 0.5, "first_step": STEP_S}
+    )
     assert trial["measured_s"] == pytest.approx(sum(trial["parts"].values()))
     [row] = group_trials([trial], "layered")
     assert row["kind"] == "exception" and row["layer"] == "inprocess" and row["latency_s"]["n"] == 1

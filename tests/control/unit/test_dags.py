@@ -31,15 +31,19 @@ print(json.dumps({"seconds": seconds, "airflow_import": airflow_import, "dags": 
 
 
 def test_dags_parse_without_torch_and_fast():
-    out = subprocess.run([sys.executable, "-c", PARSE, str(REPO / "dags")], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", PARSE, str(REPO / "dags")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["errors"] == {}
     assert {"fsdp_training", "stage_dataset"} <= set(result["dags"])
-    assert "fsdp_resilience.control.backends.local" in result["modules"] and "fsdp_resilience.control.report" in result["modules"]
-    MEASURED.append(f"DAG parse of dags/ with torch blocked: {result['seconds']:.2f}s "
-                    f"(after {result['airflow_import']:.2f}s importing Airflow)")
+    assert (
+        "fsdp_resilience.control.backends.local" in result["modules"]
+        and "fsdp_resilience.control.report" in result["modules"]
+    )
+    MEASURED.append(
+        f"DAG parse of dags/ with torch blocked: {result['seconds']:.2f}s "
+        f"(after {result['airflow_import']:.2f}s importing Airflow)"
+    )
 
 
 def test_no_control_plane_file_imports_torch():
@@ -72,10 +76,25 @@ def test_every_param_has_a_type_bounds_and_a_description(dag_id):
 def test_the_training_graph_reads_top_to_bottom():
     dag = _dag("fsdp_training")
     assert dag.schedule is None  # no schedule unless FSDP_TRAINING_SCHEDULE says so
-    order = ["validate_config", "stage_data", "launch_training", "watch_checkpoints",
-             "escalation_1.decide", "escalation_1.diagnose_and_replace", "escalation_1.wait_for_capacity",
-             "escalation_1.relaunch", "escalation_1.watch", "escalation_2.decide", "escalation_3.watch",
-             "resolve_outcome", "evaluate", "build_report", "plan_export", "export_to_s3", "publish"]
+    order = [
+        "validate_config",
+        "stage_data",
+        "launch_training",
+        "watch_checkpoints",
+        "escalation_1.decide",
+        "escalation_1.diagnose_and_replace",
+        "escalation_1.wait_for_capacity",
+        "escalation_1.relaunch",
+        "escalation_1.watch",
+        "escalation_2.decide",
+        "escalation_3.watch",
+        "resolve_outcome",
+        "evaluate",
+        "build_report",
+        "plan_export",
+        "export_to_s3",
+        "publish",
+    ]
     for upstream, downstream in zip(order, order[1:]):
         assert upstream in dag.get_task(downstream).get_flat_relative_ids(upstream=True), (upstream, downstream)
     # One line at the default zoom: tasks pull the run config themselves, so no bundle of edges
@@ -83,9 +102,10 @@ def test_the_training_graph_reads_top_to_bottom():
     # and beside it the keeper of its spare pool, a leaf nothing waits for).
     fan_out = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks if len(t.downstream_task_ids) > 1}
     assert fan_out == {
-        "plan_export": ["export_to_s3", "publish"], "launch_training": ["keep_spare_pool", "watch_checkpoints"],
-        **{f"escalation_{r}.relaunch": [f"escalation_{r}.keep_spare_pool", f"escalation_{r}.watch"]
-           for r in (1, 2, 3)}}, fan_out
+        "plan_export": ["export_to_s3", "publish"],
+        "launch_training": ["keep_spare_pool", "watch_checkpoints"],
+        **{f"escalation_{r}.relaunch": [f"escalation_{r}.keep_spare_pool", f"escalation_{r}.watch"] for r in (1, 2, 3)},
+    }, fan_out
     keepers = [t for t in dag.tasks if t.task_id.endswith("keep_spare_pool")]
     assert len(keepers) == 4 and all(not t.downstream_task_ids for t in keepers)
     # The rungs read only the watches: a rung waits for the watch before it, never for a keeper.
@@ -118,12 +138,25 @@ def test_the_training_form_submits_with_its_defaults_and_reads_in_sections():
     assert sections == ["What to train", "Restarts and escalation", "Where it runs", "Drills and other settings"]
 
 
-@pytest.mark.parametrize("conf", [
-    {"nodes": 0}, {"nodes": -1}, {"model": "70b-unknown"}, {"dataset": "../x"}, {"dataset": "/etc"},
-    {"run_name": "Bad_Name"}, {"run_config": {"run_dir": "/tmp/x"}}, {"run_config": {"run_id": "other"}},
-    {"run_config": {"dataset_dir": "/etc"}}, {"run_config": {"rdzv_port": 22}}, {"backend": "slurm"},
-    {"spare_nodes": -1}, {"spare_nodes": 9}, {"spare_nodes": "1"},
-])
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"nodes": 0},
+        {"nodes": -1},
+        {"model": "70b-unknown"},
+        {"dataset": "../x"},
+        {"dataset": "/etc"},
+        {"run_name": "Bad_Name"},
+        {"run_config": {"run_dir": "/tmp/x"}},
+        {"run_config": {"run_id": "other"}},
+        {"run_config": {"dataset_dir": "/etc"}},
+        {"run_config": {"rdzv_port": 22}},
+        {"backend": "slurm"},
+        {"spare_nodes": -1},
+        {"spare_nodes": 9},
+        {"spare_nodes": "1"},
+    ],
+)
 def test_the_form_schema_refuses_what_it_can_express(conf):
     from airflow.sdk.exceptions import ParamValidationError
 
@@ -152,9 +185,13 @@ def test_stage_dataset_stages_a_folder_under_the_source_root_and_announces_it(tm
     # source root (absolute, by "..", by a symlink), a dataset name that is a symlink out.
     (sources / "escape").symlink_to(tmp_path)
     (tmp_path / "data" / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    for conf in ({"source": "missing", "dataset": "nothing"}, {"source": str(tmp_path), "dataset": "abs"},
-                 {"source": "../", "dataset": "dotdot"}, {"source": "escape", "dataset": "symlinked"},
-                 {"source": "text", "dataset": "linked"}):
+    for conf in (
+        {"source": "missing", "dataset": "nothing"},
+        {"source": str(tmp_path), "dataset": "abs"},
+        {"source": "../", "dataset": "dotdot"},
+        {"source": "escape", "dataset": "symlinked"},
+        {"source": "text", "dataset": "linked"},
+    ):
         bad = dag.test(run_conf=conf)
         states = {ti.task_id: str(ti.state) for ti in bad.get_task_instances()}
         assert str(bad.state) == "failed" and states["validate_source"] == "failed", (conf, states)

@@ -1,5 +1,6 @@
 """The docs hold together: every relative link and anchor in README.md and docs/**/*.md resolves,
 every repository path they name in backticks exists, and the README stays short."""
+
 from __future__ import annotations
 
 import re
@@ -113,8 +114,11 @@ def test_relative_links_and_anchors_resolve(doc: Path):
 
 @pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
 def test_repository_paths_named_exist(doc: Path):
-    missing = [f"{doc.relative_to(REPO)}:{number}: `{name}`" for number, name in backticked_paths(doc)
-               if name not in WRITTEN_BY_COMMANDS and not (REPO / name.rstrip("/")).exists()]
+    missing = [
+        f"{doc.relative_to(REPO)}:{number}: `{name}`"
+        for number, name in backticked_paths(doc)
+        if name not in WRITTEN_BY_COMMANDS and not (REPO / name.rstrip("/")).exists()
+    ]
     assert not missing, "paths named in the docs that do not exist:\n" + "\n".join(missing)
 
 
@@ -124,9 +128,13 @@ def test_readme_is_short():
 
 
 def test_slug_matches_github():
-    assert slug("Run Airflow as it is deployed, and trigger a run from the form") == \
-        "run-airflow-as-it-is-deployed-and-trigger-a-run-from-the-form"
-    assert slug("`make gpu-check`: the training plane on a CUDA machine") == \
-        "make-gpu-check-the-training-plane-on-a-cuda-machine"
+    assert (
+        slug("Run Airflow as it is deployed, and trigger a run from the form")
+        == "run-airflow-as-it-is-deployed-and-trigger-a-run-from-the-form"
+    )
+    assert (
+        slug("`make gpu-check`: the training plane on a CUDA machine")
+        == "make-gpu-check-the-training-plane-on-a-cuda-machine"
+    )
     assert slug("4a. Install Airflow in the cluster") == "4a-install-airflow-in-the-cluster"
     assert slug("Timeouts, in order") == "timeouts-in-order"

@@ -48,29 +48,50 @@ def status_body(message: str) -> bytes:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("error, expected", [
-    (ConnectionRefusedError("refused"), r"cannot reach the Kubernetes API to do x: ConnectionRefusedError.*"
-                                        r"FSDP_KUBERNETES_CONN_ID"),
-    (ApiError(0, "no status"), r"cannot reach the Kubernetes API"),
-    (ApiError(401, "Unauthorized", status_body("bad token")), r"refused the credentials to do x \(401.*bad token"),
-    (ApiError(403, "Forbidden", status_body(
-        'jobs.batch "j" is forbidden: User "system:serviceaccount:airflow:airflow-worker" cannot delete resource '
-        '"jobs" in API group "batch" in the namespace "fsdp-training"')),
-     r"forbidden to do x: identity system:serviceaccount:airflow:airflow-worker lacks the grant 'delete' on jobs "
-     r"\(API group batch\) in namespace fsdp-training.*deploy/base/rbac.yaml"),
-    (ApiError(403, "Forbidden", status_body('User "u" cannot list resource "nodes" in API group ""')),
-     r"lacks the grant 'list' on nodes \(API group core\) \(cluster-wide\)"),
-    (ApiError(403, "Forbidden", status_body("denied by ValidatingAdmissionPolicy")),
-     r"refused by RBAC or an admission policy.*denied by ValidatingAdmissionPolicy"),
-    (ApiError(404, "Not Found", status_body('namespaces "team-a" not found')),
-     r"namespace team-a does not exist.*FSDP_EKS_NAMESPACE"),
-    (ApiError(404, "Not Found", status_body('jobs.batch "j" not found')), r"not found \(404.*right cluster"),
-    (ApiError(409, "Conflict", status_body("the object has been modified")), r"conflict \(409.*retry the task"),
-    (ApiError(422, "Unprocessable", status_body("spec.x: Invalid")), r"rejected the request to do x as invalid"),
-    (ApiError(429, "Too Many Requests", b"slow down"), r"could not do x now \(429: slow down\).*later"),
-    (ApiError(503, "Unavailable"), r"could not do x now \(503: Unavailable\)"),
-    (ApiError(418, "Teapot", "short and stout"), r"cannot do x: 418 Teapot: short and stout"),
-])
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (
+            ConnectionRefusedError("refused"),
+            r"cannot reach the Kubernetes API to do x: ConnectionRefusedError.*"
+            r"FSDP_KUBERNETES_CONN_ID",
+        ),
+        (ApiError(0, "no status"), r"cannot reach the Kubernetes API"),
+        (ApiError(401, "Unauthorized", status_body("bad token")), r"refused the credentials to do x \(401.*bad token"),
+        (
+            ApiError(
+                403,
+                "Forbidden",
+                status_body(
+                    'jobs.batch "j" is forbidden: User "system:serviceaccount:airflow:airflow-worker" cannot delete '
+                    "resource "
+                    '"jobs" in API group "batch" in the namespace "fsdp-training"'
+                ),
+            ),
+            r"forbidden to do x: identity system:serviceaccount:airflow:airflow-worker lacks the grant 'delete' on "
+            r"jobs "
+            r"\(API group batch\) in namespace fsdp-training.*deploy/base/rbac.yaml",
+        ),
+        (
+            ApiError(403, "Forbidden", status_body('User "u" cannot list resource "nodes" in API group ""')),
+            r"lacks the grant 'list' on nodes \(API group core\) \(cluster-wide\)",
+        ),
+        (
+            ApiError(403, "Forbidden", status_body("denied by ValidatingAdmissionPolicy")),
+            r"refused by RBAC or an admission policy.*denied by ValidatingAdmissionPolicy",
+        ),
+        (
+            ApiError(404, "Not Found", status_body('namespaces "team-a" not found')),
+            r"namespace team-a does not exist.*FSDP_EKS_NAMESPACE",
+        ),
+        (ApiError(404, "Not Found", status_body('jobs.batch "j" not found')), r"not found \(404.*right cluster"),
+        (ApiError(409, "Conflict", status_body("the object has been modified")), r"conflict \(409.*retry the task"),
+        (ApiError(422, "Unprocessable", status_body("spec.x: Invalid")), r"rejected the request to do x as invalid"),
+        (ApiError(429, "Too Many Requests", b"slow down"), r"could not do x now \(429: slow down\).*later"),
+        (ApiError(503, "Unavailable"), r"could not do x now \(503: Unavailable\)"),
+        (ApiError(418, "Teapot", "short and stout"), r"cannot do x: 418 Teapot: short and stout"),
+    ],
+)
 def test_kube_error_says_what_failed_and_what_to_do(error, expected):
     e = kube_error(error, "do x", "team-a")
     assert isinstance(e, BackendError)
@@ -89,8 +110,7 @@ def kube(permissive_cluster):  # noqa: F811
 
 
 def launch_job(launch_id: str = "0") -> dict:
-    cfg = RunConfig(run_id="llm", run_dir="/fsx/runs/llm", dataset_dir="/fsx/datasets/c4", nodes=2,
-                    procs_per_node=8)
+    cfg = RunConfig(run_id="llm", run_dir="/fsx/runs/llm", dataset_dir="/fsx/datasets/c4", nodes=2, procs_per_node=8)
     return training_job(cfg, launch_id, PodTemplateSettings(image="example.com/fsdp-training:test", namespace=NS))
 
 
@@ -107,8 +127,12 @@ def test_a_create_is_idempotent_and_a_missing_object_reads_as_none(kube, permiss
     again = kube.create_job(body)  # a retried task: 409, and the existing Job back
     assert first["metadata"]["uid"] == again["metadata"]["uid"]
     assert [j["metadata"]["name"] for j in kube.list_jobs(f"{LABEL_JOB}!=x")] == [name]
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
-               "spec": {"clusterIP": "None", "selector": {LABEL_JOB: name}, "ports": [{"port": 29500}]}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name},
+        "spec": {"clusterIP": "None", "selector": {LABEL_JOB: name}, "ports": [{"port": 29500}]},
+    }
     assert kube.ensure_service(service)["metadata"]["uid"] == kube.ensure_service(service)["metadata"]["uid"]
     assert len([r for r in permissive_cluster.requests if r.resource == "services" and r.verb == "create"]) == 1
     assert kube.get_service_account("nobody") is None and kube.get_claim("nothing") is None
@@ -153,7 +177,8 @@ def test_return_node_undoes_only_our_quarantine(kube, permissive_cluster):  # no
     assert kube.return_node("gpu-0", "fixed", "ops") == "returned"
     returned = permissive_cluster.node("gpu-0")
     assert not returned["spec"].get("unschedulable") and QUARANTINE_TAINT not in {
-        t["key"] for t in returned["spec"].get("taints", [])}
+        t["key"] for t in returned["spec"].get("taints", [])
+    }
     note = json.loads(returned["metadata"]["annotations"][RETURN_ANNOTATION])
     assert note["by"] == "ops" and note["reason"] == "fixed" and note["quarantine"].endswith("bad GPU")
     assert QUARANTINE_ANNOTATION not in returned["metadata"]["annotations"]
@@ -169,7 +194,8 @@ def test_evictions_logs_and_nodeclaims(kube, permissive_cluster):  # noqa: F811
     pods = kube.list_pods(f"{LABEL_JOB}={name}")
     assert sorted(p["spec"]["nodeName"] for p in pods) == ["gpu-0", "gpu-1"]
     assert kube.evict_pods_on("gpu-0", f"{LABEL_JOB}={name}") == [
-        p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == "gpu-0"]
+        p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == "gpu-0"
+    ]
     assert kube.evict_pods_on("gpu-7", f"{LABEL_JOB}={name}") == []
     assert kube.pod_log("no-such-pod", 10).startswith("(no log: 404")
     permissive_cluster.add_nodeclaim("claim-a", "gpu-1")

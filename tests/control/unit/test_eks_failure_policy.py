@@ -23,8 +23,9 @@ def test_the_training_policy_counts_disruptions_first_then_fails_the_job_on_the_
     disruption, *fail_rules = training_pod_failure_policy()["rules"]
     assert disruption == COUNT_DISRUPTION  # first match wins: a disrupted pod never fails the Job at once
     assert [r["onExitCodes"]["values"] for r in fail_rules] == [
-        sorted(int(c) for c in codes) for codes in (USER_ERROR_EXIT_CODES, ALREADY_RUNNING_EXIT_CODES,
-                                                    GAVE_UP_EXIT_CODES)]
+        sorted(int(c) for c in codes)
+        for codes in (USER_ERROR_EXIT_CODES, ALREADY_RUNNING_EXIT_CODES, GAVE_UP_EXIT_CODES)
+    ]
     for rule in fail_rules:
         assert rule["action"] == "FailJob"
         assert rule["onExitCodes"]["containerName"] == CONTAINER and rule["onExitCodes"]["operator"] == "In"
@@ -34,8 +35,10 @@ def test_the_training_policy_counts_disruptions_first_then_fails_the_job_on_the_
 def test_the_evaluation_policy_fails_on_any_failing_exit_code_but_retries_a_disruption():
     disruption, fail = evaluation_pod_failure_policy()["rules"]
     assert disruption == COUNT_DISRUPTION
-    assert fail == {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn",
-                                                         "values": [0]}}
+    assert fail == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]},
+    }
 
 
 def test_each_call_returns_a_policy_of_its_own():

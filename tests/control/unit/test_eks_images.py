@@ -11,25 +11,28 @@ REPO_PREFIX = "123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training"
 DIGEST = "sha256:" + "ab" * 32
 
 
-@pytest.mark.parametrize("image, allowed", [
-    (f"{REPO_PREFIX}:1.0", True),
-    (f"{REPO_PREFIX}@{DIGEST}", True),
-    (f"{REPO_PREFIX}:1.0@{DIGEST}", True),
-    (REPO_PREFIX, True),
-    (f"{REPO_PREFIX}/nightly:2", True),  # a repository under it: whole components
-    (f"{REPO_PREFIX}-evil:1", False),
-    (f"{REPO_PREFIX}evil:1", False),
-    (f"{REPO_PREFIX}@evil", False),  # not a digest
-    (f"{REPO_PREFIX}:1 ", False),
-    (f"{REPO_PREFIX}:1\n", False),
-    (f"{REPO_PREFIX}:ünï", False),
-    (f"{REPO_PREFIX}:../x", False),
-    ("123456789012.dkr.ecr.us-west-2.amazonaws.com/other:1", False),
-    ("123456789012.dkr.ecr.us-west-2.amazonaws.com.evil.io/fsdp-training:1", False),
-    ("evil.io/123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1", False),
-    ("fsdp-training:1", False),
-    ("", False),
-])
+@pytest.mark.parametrize(
+    "image, allowed",
+    [
+        (f"{REPO_PREFIX}:1.0", True),
+        (f"{REPO_PREFIX}@{DIGEST}", True),
+        (f"{REPO_PREFIX}:1.0@{DIGEST}", True),
+        (REPO_PREFIX, True),
+        (f"{REPO_PREFIX}/nightly:2", True),  # a repository under it: whole components
+        (f"{REPO_PREFIX}-evil:1", False),
+        (f"{REPO_PREFIX}evil:1", False),
+        (f"{REPO_PREFIX}@evil", False),  # not a digest
+        (f"{REPO_PREFIX}:1 ", False),
+        (f"{REPO_PREFIX}:1\n", False),
+        (f"{REPO_PREFIX}:ünï", False),
+        (f"{REPO_PREFIX}:../x", False),
+        ("123456789012.dkr.ecr.us-west-2.amazonaws.com/other:1", False),
+        ("123456789012.dkr.ecr.us-west-2.amazonaws.com.evil.io/fsdp-training:1", False),
+        ("evil.io/123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1", False),
+        ("fsdp-training:1", False),
+        ("", False),
+    ],
+)
 def test_image_allowlist_matches_whole_path_components(image, allowed):
     assert image_allowed(image, [REPO_PREFIX]) is allowed
     assert image_allowed(image, [REPO_PREFIX + "/"]) is allowed  # a trailing '/' changes nothing

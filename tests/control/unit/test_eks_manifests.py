@@ -49,7 +49,8 @@ from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSetting
 from fsdp_resilience.training.contract import ExitCode, FailureClass, RunConfig, failure_class_for_exit  # noqa: E402
 
 kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="kubernetes-validate is missing: pip install '.[test-eks]'")
+    "kubernetes_validate", reason="kubernetes-validate is missing: pip install '.[test-eks]'"
+)
 
 TRAINING_PYTHON = Path(os.environ.get("TRAINING_PYTHON") or REPO / ".venv" / "bin" / "python")
 K8S_VERSIONS = (OLDEST_SUPPORTED_K8S, NEWEST_SUPPORTED_K8S)
@@ -62,8 +63,13 @@ LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 def make_cfg(**overrides) -> RunConfig:
-    values = dict(run_id="llama-8b-resilience", run_dir="/fsx/runs/llama-8b-resilience",
-                  dataset_dir="/fsx/datasets/fineweb", nodes=4, procs_per_node=8)
+    values = dict(
+        run_id="llama-8b-resilience",
+        run_dir="/fsx/runs/llama-8b-resilience",
+        dataset_dir="/fsx/datasets/fineweb",
+        nodes=4,
+        procs_per_node=8,
+    )
     values.update(overrides)
     return RunConfig(**values)
 
@@ -108,12 +114,24 @@ def all_labels(obj: dict) -> list[dict[str, str]]:
 # A spread of settings: every optional branch of the builders, each validated against the schemas.
 SETTINGS_VARIANTS = {
     "p5-defaults": {},
-    "cpu-cluster": dict(gpus_per_node=0, efa_per_node=0, node_selector={}, tolerations=[], instance_type=None,
-                        cpu="8", memory="32Gi"),
-    "hugepages-priority": dict(hugepages_2mi="5120Mi", memory="1800Gi", cpu="180", priority_class="training-high",
-                               env={"NCCL_DEBUG": "INFO", "NCCL_NVLS_ENABLE": "0"}),
-    "burstable-no-ipc-lock": dict(guaranteed_qos=False, cpu=None, memory=None, efa_ipc_lock=False,
-                                  instance_type="g6e.48xlarge", gpus_per_node=None),
+    "cpu-cluster": dict(
+        gpus_per_node=0, efa_per_node=0, node_selector={}, tolerations=[], instance_type=None, cpu="8", memory="32Gi"
+    ),
+    "hugepages-priority": dict(
+        hugepages_2mi="5120Mi",
+        memory="1800Gi",
+        cpu="180",
+        priority_class="training-high",
+        env={"NCCL_DEBUG": "INFO", "NCCL_NVLS_ENABLE": "0"},
+    ),
+    "burstable-no-ipc-lock": dict(
+        guaranteed_qos=False,
+        cpu=None,
+        memory=None,
+        efa_ipc_lock=False,
+        instance_type="g6e.48xlarge",
+        gpus_per_node=None,
+    ),
 }
 
 
@@ -121,12 +139,16 @@ def all_objects(settings: PodTemplateSettings) -> list[dict]:
     cfg = make_cfg()
     job = training_job(cfg, "try-1", settings, airflow_run_id=AIRFLOW_RUN_ID)
     owner = {"metadata": {"name": job["metadata"]["name"], "uid": "0b7c6a4e-4a43-4c6e-9a43-1c2f3e4d5a6b"}}
-    return [job, rendezvous_service(cfg, "try-1", settings),
-            rendezvous_service(cfg, "try-1", settings, owner=owner, airflow_run_id=AIRFLOW_RUN_ID),
-            rendezvous_network_policy(cfg, "try-1", settings),
-            rendezvous_network_policy(cfg, "try-1", settings, owner=owner, airflow_run_id=AIRFLOW_RUN_ID),
-            evaluation_job(cfg, settings), evaluation_job(cfg, settings, airflow_run_id=AIRFLOW_RUN_ID),
-            evaluation_job(cfg, settings, checkpoint_id="step_00000040", airflow_run_id=AIRFLOW_RUN_ID)]
+    return [
+        job,
+        rendezvous_service(cfg, "try-1", settings),
+        rendezvous_service(cfg, "try-1", settings, owner=owner, airflow_run_id=AIRFLOW_RUN_ID),
+        rendezvous_network_policy(cfg, "try-1", settings),
+        rendezvous_network_policy(cfg, "try-1", settings, owner=owner, airflow_run_id=AIRFLOW_RUN_ID),
+        evaluation_job(cfg, settings),
+        evaluation_job(cfg, settings, airflow_run_id=AIRFLOW_RUN_ID),
+        evaluation_job(cfg, settings, checkpoint_id="step_00000040", airflow_run_id=AIRFLOW_RUN_ID),
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,8 +170,12 @@ def test_the_supported_range_starts_where_the_kits_admission_policies_exist():
     exit-code rules have no onPodConditions, which that schema requires)."""
     major, minor = (int(x) for x in OLDEST_SUPPORTED_K8S.split("."))
     assert (major, minor) == (1, 30) and NEWEST_SUPPORTED_K8S == "1.33"
-    policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
-              "metadata": {"name": "node-writes"}, "spec": {"validations": [{"expression": "true"}]}}
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": "node-writes"},
+        "spec": {"validations": [{"expression": "true"}]},
+    }
     validate(policy, OLDEST_SUPPORTED_K8S)
     with pytest.raises(kubernetes_validate.utils.SchemaNotFoundError):
         validate(policy, f"{major}.{minor - 1}")
@@ -159,13 +185,18 @@ def test_the_supported_range_starts_where_the_kits_admission_policies_exist():
         validate(job, f"{major}.{minor - 2}")
 
 
-@pytest.mark.parametrize("mutate, where", [
-    (lambda j: container_of(j).__setitem__("imagePullPolicyy", "Always"), "imagePullPolicyy"),
-    (lambda j: j["spec"].__setitem__("completionsMode", "Indexed"), "completionsMode"),
-    (lambda j: j["spec"]["template"]["spec"].__setitem__("subDomain", "x"), "subDomain"),
-    (lambda j: j["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"].__setitem__("container", CONTAINER),
-     "container"),
-])
+@pytest.mark.parametrize(
+    "mutate, where",
+    [
+        (lambda j: container_of(j).__setitem__("imagePullPolicyy", "Always"), "imagePullPolicyy"),
+        (lambda j: j["spec"].__setitem__("completionsMode", "Indexed"), "completionsMode"),
+        (lambda j: j["spec"]["template"]["spec"].__setitem__("subDomain", "x"), "subDomain"),
+        (
+            lambda j: j["spec"]["podFailurePolicy"]["rules"][1]["onExitCodes"].__setitem__("container", CONTAINER),
+            "container",
+        ),
+    ],
+)
 def test_strict_validation_rejects_a_misspelt_field(mutate, where):
     """Proves the validation above is live: strict mode rejects what a cluster would drop."""
     job = training_job(make_cfg(), "try-1", make_settings())
@@ -239,10 +270,15 @@ def test_training_env_carries_the_run_contract():
     # The launcher rebuilds exactly this config from the env; no file is shipped.
     assert RunConfig.from_json(env["TRAINING_RUN_CONFIG"]["value"]) == cfg
     assert env["TRAINING_LAUNCH_ID"]["value"] == "try-1"
-    assert env["TRAINING_NODE_ID"] == {"name": "TRAINING_NODE_ID",
-                                       "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
-    assert env["TRAINING_RDZV_HOST"]["value"] == rendezvous_host(name, settings.namespace) \
+    assert env["TRAINING_NODE_ID"] == {
+        "name": "TRAINING_NODE_ID",
+        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+    }
+    assert (
+        env["TRAINING_RDZV_HOST"]["value"]
+        == rendezvous_host(name, settings.namespace)
         == f"{name}-0.{name}.{settings.namespace}.svc"
+    )
     assert env["PYTHONUNBUFFERED"]["value"] == "1"
 
 
@@ -276,11 +312,21 @@ def test_more_processes_than_gpus_is_refused():
     training_job(make_cfg(procs_per_node=16), "try-1", make_settings(gpus_per_node=0, efa_per_node=0))  # CPU
 
 
-@pytest.mark.parametrize("instance_type, rdma", [
-    ("p4d.24xlarge", True), ("p4de.24xlarge", True), ("p5.48xlarge", True), ("p5e.48xlarge", True),
-    ("p5en.48xlarge", True), ("p6-b200.48xlarge", True), ("g6e.48xlarge", False), ("g5.48xlarge", False),
-    ("p3dn.24xlarge", False), (None, False),
-])
+@pytest.mark.parametrize(
+    "instance_type, rdma",
+    [
+        ("p4d.24xlarge", True),
+        ("p4de.24xlarge", True),
+        ("p5.48xlarge", True),
+        ("p5e.48xlarge", True),
+        ("p5en.48xlarge", True),
+        ("p6-b200.48xlarge", True),
+        ("g6e.48xlarge", False),
+        ("g5.48xlarge", False),
+        ("p3dn.24xlarge", False),
+        (None, False),
+    ],
+)
 def test_device_rdma_only_on_instance_types_that_have_it(instance_type, rdma):
     settings = make_settings(instance_type=instance_type)
     job = training_job(make_cfg(), "try-1", settings)
@@ -306,24 +352,36 @@ def test_no_gpus_means_no_gpu_request_and_no_nccl_env():
     resources = container_of(job)["resources"]
     assert resources["requests"] == resources["limits"] == {"cpu": "180", "memory": "1800Gi"}  # no devices
     assert not set(env_of(job)) & set(NCCL_ENV)
-    burstable = training_job(make_cfg(), "try-1", make_settings(gpus_per_node=0, efa_per_node=0, cpu=None,
-                                                                  memory=None, guaranteed_qos=False))
+    burstable = training_job(
+        make_cfg(), "try-1", make_settings(gpus_per_node=0, efa_per_node=0, cpu=None, memory=None, guaranteed_qos=False)
+    )
     assert "resources" not in container_of(burstable)  # nothing requested at all
 
 
 def test_training_pods_are_guaranteed_by_default_sized_for_p5():
     resources = container_of(training_job(make_cfg(), "try-1", make_settings()))["resources"]
     # QoS Guaranteed: every request equals its limit, cpu and memory included.
-    assert resources["requests"] == resources["limits"] == {
-        "nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "cpu": "180", "memory": "1800Gi"}
+    assert (
+        resources["requests"]
+        == resources["limits"]
+        == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "cpu": "180", "memory": "1800Gi"}
+    )
 
 
 def test_explicit_gpu_count_hugepages_cpu_and_memory():
     settings = make_settings(gpus_per_node=4, hugepages_2mi="5120Mi", cpu="96", memory="1000Gi")
     resources = container_of(training_job(make_cfg(procs_per_node=4), "try-1", settings))["resources"]
-    assert resources["requests"] == resources["limits"] == {
-        "nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "32", "hugepages-2Mi": "5120Mi", "cpu": "96",
-        "memory": "1000Gi"}
+    assert (
+        resources["requests"]
+        == resources["limits"]
+        == {
+            "nvidia.com/gpu": "4",
+            "vpc.amazonaws.com/efa": "32",
+            "hugepages-2Mi": "5120Mi",
+            "cpu": "96",
+            "memory": "1000Gi",
+        }
+    )
     # Burstable on request: no CPU limit (never throttled below what the node has free).
     burstable = make_settings(gpus_per_node=4, cpu="96", memory="1000Gi", guaranteed_qos=False)
     resources = container_of(training_job(make_cfg(procs_per_node=4), "try-1", burstable))["resources"]
@@ -368,8 +426,17 @@ def restricted_violations(pod: dict) -> list[str]:
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         if pod.get(key):
             problems.append(key)
-    allowed = {"persistentVolumeClaim", "emptyDir", "configMap", "secret", "projected", "downwardAPI", "csi",
-               "ephemeral", "name"}
+    allowed = {
+        "persistentVolumeClaim",
+        "emptyDir",
+        "configMap",
+        "secret",
+        "projected",
+        "downwardAPI",
+        "csi",
+        "ephemeral",
+        "name",
+    }
     for volume in pod.get("volumes") or []:
         if set(volume) - allowed:
             problems.append(f"volume {volume['name']}: {sorted(set(volume) - allowed)}")
@@ -380,8 +447,12 @@ def restricted_violations(pod: dict) -> list[str]:
 def test_every_pod_runs_non_root_with_seccomp_and_no_privilege_escalation(variant):
     settings = make_settings(**SETTINGS_VARIANTS[variant])
     for pod in pod_specs(settings):
-        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
-                                          "seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
         (c,) = pod["containers"]
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
@@ -446,8 +517,9 @@ def test_pod_failure_policy_fails_the_job_on_exactly_the_contracts_final_exit_co
     for code in (137, 143, 3):
         assert job_controller_action(policy, code) == "Count"
     # The FailJob rules name exactly the contract's final codes, and only the trainer container.
-    final_codes = {int(c) for c in ExitCode
-                   if failure_class_for_exit(c) not in (FailureClass.SUCCESS, FailureClass.UNKNOWN)}
+    final_codes = {
+        int(c) for c in ExitCode if failure_class_for_exit(c) not in (FailureClass.SUCCESS, FailureClass.UNKNOWN)
+    }
     fail_rules = [r for r in policy["rules"] if r["action"] == "FailJob"]
     assert {v for r in fail_rules for v in r["onExitCodes"]["values"]} == final_codes
     assert {r["onExitCodes"]["containerName"] for r in fail_rules} == {CONTAINER}
@@ -473,8 +545,10 @@ def test_a_disrupted_pod_never_fails_the_job_at_once_and_is_replaced_within_a_bo
     for code in (1, 137, int(ExitCode.RESTARTS_EXHAUSTED), int(ExitCode.USER_ERROR)):
         assert job_controller_action(policy, code, ("DisruptionTarget",)) == "Count"
     assert job["spec"]["backoffLimit"] == 5
-    assert training_job(make_cfg(), "try-1", make_settings(backoff_limit=0, max_pod_disruptions=0))[
-        "spec"]["backoffLimit"] == 0
+    assert (
+        training_job(make_cfg(), "try-1", make_settings(backoff_limit=0, max_pod_disruptions=0))["spec"]["backoffLimit"]
+        == 0
+    )
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -506,14 +580,17 @@ def test_a_job_with_hot_spares_runs_a_pod_per_node_and_spare_and_validates_stric
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("run_id, launch_id", [
-    ("a" * 63, "try-1"),
-    ("r-" + "x" * 59 + "9", "relaunch-" + "y" * 150),
-    ("7", "Try #3 / replaced ip-10-0-1-23.us-west-2.compute.internal"),
-    ("run", "___"),
-    ("7b-llama", "0"),
-    ("0" * 63, "eval-step_00000040"),
-])
+@pytest.mark.parametrize(
+    "run_id, launch_id",
+    [
+        ("a" * 63, "try-1"),
+        ("r-" + "x" * 59 + "9", "relaunch-" + "y" * 150),
+        ("7", "Try #3 / replaced ip-10-0-1-23.us-west-2.compute.internal"),
+        ("run", "___"),
+        ("7b-llama", "0"),
+        ("0" * 63, "eval-step_00000040"),
+    ],
+)
 def test_names_are_dns_1035_labels_of_at_most_52_chars_for_odd_ids(run_id, launch_id):
     cfg = make_cfg(run_id=run_id, run_dir=f"/fsx/runs/{run_id}")
     settings = make_settings()
@@ -525,8 +602,12 @@ def test_names_are_dns_1035_labels_of_at_most_52_chars_for_odd_ids(run_id, launc
     for n in (name, service["metadata"]["name"], policy["metadata"]["name"], evaluation["metadata"]["name"]):
         # A Service name must start with a letter (DNS-1035); a digit-first run id gets "r-".
         assert len(n) <= JOB_NAME_MAX and DNS1035_LABEL.match(n) and DNS1123_LABEL.match(n), n
-    assert service["metadata"]["name"] == policy["metadata"]["name"] == \
-        job["spec"]["template"]["spec"]["subdomain"] == name
+    assert (
+        service["metadata"]["name"]
+        == policy["metadata"]["name"]
+        == job["spec"]["template"]["spec"]["subdomain"]
+        == name
+    )
     # The highest pod hostname <job>-<index> is a DNS label too.
     assert len(f"{name}-{cfg.nodes - 1}") <= 63 and len(f"{name}-1023") <= 63
     for labels in all_labels(job) + all_labels(service) + all_labels(evaluation):
@@ -556,8 +637,13 @@ def test_labels_of_the_training_job_and_its_pods():
     cfg = make_cfg()
     job = training_job(cfg, "try-1", make_settings(), airflow_run_id=AIRFLOW_RUN_ID)
     meta_labels, pod_labels = all_labels(job)
-    expected = {**MANAGED_BY, LABEL_COMPONENT: "training", LABEL_RUN: cfg.run_id, LABEL_LAUNCH: "try-1",
-                LABEL_AIRFLOW_RUN: label_value(AIRFLOW_RUN_ID)}
+    expected = {
+        **MANAGED_BY,
+        LABEL_COMPONENT: "training",
+        LABEL_RUN: cfg.run_id,
+        LABEL_LAUNCH: "try-1",
+        LABEL_AIRFLOW_RUN: label_value(AIRFLOW_RUN_ID),
+    }
     assert meta_labels == expected
     assert pod_labels == {**expected, LABEL_JOB: job["metadata"]["name"]}
     # Label values cannot hold the Airflow run id; the annotations keep it exactly.
@@ -568,10 +654,20 @@ def test_labels_of_the_training_job_and_its_pods():
     assert LABEL_AIRFLOW_RUN not in without["metadata"]["annotations"]
 
 
-@pytest.mark.parametrize("text", [
-    AIRFLOW_RUN_ID, "scheduled__2026-01-01T00:00:00+00:00", "", "-", "a" * 64, "x" * 300,
-    "dataset_triggered__2026-11-30T07:35:43+00:00_" + "z" * 40, "ünïcødé run", "ends-with-dot.",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        AIRFLOW_RUN_ID,
+        "scheduled__2026-01-01T00:00:00+00:00",
+        "",
+        "-",
+        "a" * 64,
+        "x" * 300,
+        "dataset_triggered__2026-11-30T07:35:43+00:00_" + "z" * 40,
+        "ünïcødé run",
+        "ends-with-dot.",
+    ],
+)
 def test_label_value_is_valid_deterministic_and_hashed_when_changed(text):
     value = label_value(text)
     assert 1 <= len(value) <= 63 and LABEL_VALUE.match(value), value
@@ -591,11 +687,12 @@ def test_label_value_keeps_valid_values_and_separates_ids_that_clean_alike():
 def test_objects_are_deterministic():
     cfg, settings = make_cfg(), make_settings(hugepages_2mi="5120Mi", memory="900Gi")
     first = [json.dumps(o, sort_keys=False) for o in all_objects(settings)]
-    again = [json.dumps(o, sort_keys=False) for o in all_objects(make_settings(hugepages_2mi="5120Mi",
-                                                                              memory="900Gi"))]
+    again = [json.dumps(o, sort_keys=False) for o in all_objects(make_settings(hugepages_2mi="5120Mi", memory="900Gi"))]
     assert first == again
-    assert training_job(cfg, "try-1", settings)["metadata"]["name"] != \
-        training_job(cfg, "try-2", settings)["metadata"]["name"]
+    assert (
+        training_job(cfg, "try-1", settings)["metadata"]["name"]
+        != training_job(cfg, "try-2", settings)["metadata"]["name"]
+    )
 
 
 def test_builders_do_not_share_mutable_state_with_settings():
@@ -634,12 +731,22 @@ def test_rendezvous_service_selects_the_jobs_pods_before_they_are_ready():
 def test_rendezvous_service_is_owned_by_the_created_job():
     cfg, settings = make_cfg(), make_settings()
     name = job_name_for(cfg.run_id, "try-1")
-    created = {"apiVersion": "batch/v1", "kind": "Job",
-               "metadata": {"name": name, "namespace": settings.namespace, "uid": "uid-1234"}}
+    created = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": settings.namespace, "uid": "uid-1234"},
+    }
     service = rendezvous_service(cfg, "try-1", settings, owner=created)
-    assert service["metadata"]["ownerReferences"] == [{
-        "apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": "uid-1234",
-        "controller": True, "blockOwnerDeletion": False}]
+    assert service["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": name,
+            "uid": "uid-1234",
+            "controller": True,
+            "blockOwnerDeletion": False,
+        }
+    ]
     # The client's model object (what create_namespaced_job returns) works too.
     from kubernetes.client import V1Job, V1ObjectMeta
 
@@ -647,11 +754,14 @@ def test_rendezvous_service_is_owned_by_the_created_job():
     assert from_model["metadata"]["ownerReferences"][0]["uid"] == "u-9"
 
 
-@pytest.mark.parametrize("owner, message", [
-    ({"metadata": {"name": "some-other-job", "uid": "u"}}, "this launch's Job"),
-    ({"metadata": {"name": "x"}}, "metadata.uid"),
-    ({}, "metadata.name"),
-])
+@pytest.mark.parametrize(
+    "owner, message",
+    [
+        ({"metadata": {"name": "some-other-job", "uid": "u"}}, "this launch's Job"),
+        ({"metadata": {"name": "x"}}, "metadata.uid"),
+        ({}, "metadata.name"),
+    ],
+)
 def test_rendezvous_service_rejects_a_wrong_owner(owner, message):
     cfg = make_cfg()
     if owner.get("metadata", {}).get("name") == "x":
@@ -678,8 +788,11 @@ def test_evaluation_job_is_one_pod_one_gpu_no_efa():
     c = container_of(job)
     assert c["command"] == ["python", "-m", "fsdp_resilience.training.evaluate", "--config", f"{cfg.run_dir}/run.json"]
     # One GPU's share of the node, Guaranteed; no EFA, so none of the huge pages EFA needs.
-    assert c["resources"]["limits"] == c["resources"]["requests"] == {"nvidia.com/gpu": "1", "cpu": "22",
-                                                                      "memory": "225Gi"}
+    assert (
+        c["resources"]["limits"]
+        == c["resources"]["requests"]
+        == {"nvidia.com/gpu": "1", "cpu": "22", "memory": "225Gi"}
+    )
     assert "add" not in c["securityContext"]["capabilities"]
     assert not [k for k in env_of(job) if k.startswith("FI_")]
     assert "TRAINING_RUN_CONFIG" not in env_of(job)
@@ -700,8 +813,15 @@ def test_evaluation_job_of_a_named_checkpoint():
     job = evaluation_job(cfg, make_settings(), checkpoint_id="step_00000040")
     assert job["metadata"]["name"] == job_name_for(cfg.run_id, "eval-step_00000040")
     assert job["spec"]["template"]["metadata"]["labels"][LABEL_JOB] == job["metadata"]["name"]
-    assert container_of(job)["command"] == ["python", "-m", "fsdp_resilience.training.evaluate", "--config",
-                                            f"{cfg.run_dir}/run.json", "--checkpoint", "step_00000040"]
+    assert container_of(job)["command"] == [
+        "python",
+        "-m",
+        "fsdp_resilience.training.evaluate",
+        "--config",
+        f"{cfg.run_dir}/run.json",
+        "--checkpoint",
+        "step_00000040",
+    ]
     with pytest.raises(ValueError, match="not a checkpoint folder name"):
         evaluation_job(cfg, make_settings(), checkpoint_id="../../etc")
 
@@ -727,8 +847,11 @@ def test_network_policy_admits_only_the_same_launchs_pods():
     assert policy["metadata"]["name"] == name and policy["metadata"]["namespace"] == settings.namespace
     assert policy["metadata"]["labels"] == job["metadata"]["labels"]
     launch_pods = {"matchLabels": {LABEL_JOB: name}}
-    assert policy["spec"] == {"podSelector": launch_pods, "policyTypes": ["Ingress"],
-                              "ingress": [{"from": [{"podSelector": launch_pods}]}]}  # every port, only from them
+    assert policy["spec"] == {
+        "podSelector": launch_pods,
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": launch_pods}]}],
+    }  # every port, only from them
     pod_labels = job["spec"]["template"]["metadata"]["labels"]
     assert pod_labels[LABEL_JOB] == name  # the launch's pods are what it selects
     other = rendezvous_network_policy(cfg, "try-2", settings)
@@ -746,17 +869,19 @@ def test_network_policy_admits_only_the_same_launchs_pods():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, path", [
-    ("run_dir", "/home/ubuntu/runs/r"),
-    ("run_dir", "/fsx/../etc/runs/r"),
-    ("run_dir", "runs/r"),
-    ("dataset_dir", "/data/fineweb"),
-    ("dataset_dir", "/fsxdata/fineweb"),
-])
+@pytest.mark.parametrize(
+    "field, path",
+    [
+        ("run_dir", "/home/ubuntu/runs/r"),
+        ("run_dir", "/fsx/../etc/runs/r"),
+        ("run_dir", "runs/r"),
+        ("dataset_dir", "/data/fineweb"),
+        ("dataset_dir", "/fsxdata/fineweb"),
+    ],
+)
 def test_paths_outside_the_fsx_mount_are_rejected(field, path):
     cfg = make_cfg(**{field: path})
-    for build in (lambda: training_job(cfg, "try-1", make_settings()),
-                  lambda: evaluation_job(cfg, make_settings())):
+    for build in (lambda: training_job(cfg, "try-1", make_settings()), lambda: evaluation_job(cfg, make_settings())):
         with pytest.raises(ValueError, match=rf"{field}=.*outside the shared file system.*under /fsx/"):
             build()
 
@@ -771,8 +896,11 @@ def test_paths_under_another_mount_are_accepted():
 def test_every_builder_validates_the_settings():
     settings = make_settings(image="")
     cfg = make_cfg()
-    for build in (lambda: training_job(cfg, "try-1", settings), lambda: rendezvous_service(cfg, "try-1", settings),
-                  lambda: evaluation_job(cfg, settings)):
+    for build in (
+        lambda: training_job(cfg, "try-1", settings),
+        lambda: rendezvous_service(cfg, "try-1", settings),
+        lambda: evaluation_job(cfg, settings),
+    ):
         with pytest.raises(ValueError, match="image"):
             build()
 
@@ -809,18 +937,26 @@ def test_training_launch_builds_its_command_from_the_pod_env(tmp_path):
     mount = tmp_path / "fsx"
     dataset = mount / "datasets" / "d"
     dataset.mkdir(parents=True)
-    (dataset / "index.json").write_text(json.dumps(
-        {"format": "byte-tokens-v1", "dtype": "uint16", "train": ["train_0.bin"], "val": ["val_0.bin"]}))
-    cfg = make_cfg(nodes=2, procs_per_node=2, run_dir=str(mount / "runs" / "r"), dataset_dir=str(dataset),
-                   rdzv_port=29533)
+    (dataset / "index.json").write_text(
+        json.dumps({"format": "byte-tokens-v1", "dtype": "uint16", "train": ["train_0.bin"], "val": ["val_0.bin"]})
+    )
+    cfg = make_cfg(
+        nodes=2, procs_per_node=2, run_dir=str(mount / "runs" / "r"), dataset_dir=str(dataset), rdzv_port=29533
+    )
     job = training_job(cfg, "try-1", make_settings(fsx_mount_path=str(mount), gpus_per_node=0, efa_per_node=0))
     name = job["metadata"]["name"]
     command = container_of(job)["command"]
     assert command[0] == "python"
     for index in (0, 1):  # node 0 first: the other nodes wait for its copy of run.json
         env = {"PATH": os.environ.get("PATH", ""), **pod_environment(job, index, f"ip-10-0-0-{index}")}
-        result = subprocess.run([str(TRAINING_PYTHON), *command[1:], "--dry-run"], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [str(TRAINING_PYTHON), *command[1:], "--dry-run"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr
         assert f"--rdzv-endpoint={name}-0.{name}.fsdp-training.svc:29533" in result.stdout
         assert "--nnodes=2" in result.stdout and "--nproc-per-node=2" in result.stdout

@@ -36,21 +36,38 @@ from fsdp_resilience.control.backends.eks.status import timestamp
 DEVICES = {GPU_RESOURCE: 8, EFA_RESOURCE: 32}
 
 
-def make_node(name: str, *, ready: str = "True", conditions: dict | None = None, gpus: str = "8", efa: str = "32",
-              unschedulable: bool = False, taints: list | None = None, annotations: dict | None = None,
-              instance: str | None = "i-0123456789abcdef0") -> dict:
+def make_node(
+    name: str,
+    *,
+    ready: str = "True",
+    conditions: dict | None = None,
+    gpus: str = "8",
+    efa: str = "32",
+    unschedulable: bool = False,
+    taints: list | None = None,
+    annotations: dict | None = None,
+    instance: str | None = "i-0123456789abcdef0",
+) -> dict:
     conds = [{"type": "Ready", "status": ready, "reason": "KubeletReady"}]
-    conds += [{"type": t, "status": s, "reason": f"{t}Reason", "message": f"{t} says so"}
-              for t, s in (conditions or {}).items()]
+    conds += [
+        {"type": t, "status": s, "reason": f"{t}Reason", "message": f"{t} says so"}
+        for t, s in (conditions or {}).items()
+    ]
     spec: dict = {"providerID": f"aws:///us-west-2a/{instance}" if instance else "", "taints": list(taints or [])}
     if unschedulable:
         spec["unschedulable"] = True
-    return {"metadata": {"name": name, "annotations": dict(annotations or {})}, "spec": spec,
-            "status": {"conditions": conds, "allocatable": {GPU_RESOURCE: gpus, EFA_RESOURCE: efa}}}
+    return {
+        "metadata": {"name": name, "annotations": dict(annotations or {})},
+        "spec": spec,
+        "status": {"conditions": conds, "allocatable": {GPU_RESOURCE: gpus, EFA_RESOURCE: efa}},
+    }
 
 
-QUARANTINED = dict(unschedulable=True, taints=[{"key": QUARANTINE_TAINT, "value": "restarts", "effect": "NoSchedule"}],
-                   annotations={QUARANTINE_ANNOTATION: "2026-12-01T06:00:00Z restarts exhausted on node 1"})
+QUARANTINED = dict(
+    unschedulable=True,
+    taints=[{"key": QUARANTINE_TAINT, "value": "restarts", "effect": "NoSchedule"}],
+    annotations={QUARANTINE_ANNOTATION: "2026-12-01T06:00:00Z restarts exhausted on node 1"},
+)
 
 
 class StubKube:
@@ -137,7 +154,9 @@ def test_instance_id_of_reads_the_provider_id():
 def test_devices_needed_are_the_pods_requests():
     assert devices_needed(PodTemplateSettings(image="x")) == DEVICES
     assert devices_needed(PodTemplateSettings(image="x", gpus_per_node=None, efa_per_node=0)) == {
-        GPU_RESOURCE: 1, EFA_RESOURCE: 0}
+        GPU_RESOURCE: 1,
+        EFA_RESOURCE: 0,
+    }
 
 
 def test_a_node_is_healthy_capacity_only_in_service_ready_and_with_its_devices_registered():
@@ -158,12 +177,17 @@ def test_pool_capacity_counts_healthy_and_out_of_service_nodes():
 def test_quarantine_report_lists_our_quarantines_oldest_first():
     older = make_node("z", **{**QUARANTINED, "annotations": {QUARANTINE_ANNOTATION: "2026-11-30T00:00:00Z old"}})
     no_time = make_node("b", taints=QUARANTINED["taints"], instance=None)
-    report = quarantine_report([make_node("a", **QUARANTINED), make_node("free"), no_time, older,
-                                make_node("hand", unschedulable=True)])
+    report = quarantine_report(
+        [make_node("a", **QUARANTINED), make_node("free"), no_time, older, make_node("hand", unschedulable=True)]
+    )
     assert [q["node_id"] for q in report] == ["z", "a", "b"]
-    assert report[1] == {"node_id": "a", "reason": "restarts exhausted on node 1",
-                         "since": timestamp("2026-12-01T06:00:00Z"), "ready": True,
-                         "instance_id": "i-0123456789abcdef0"}
+    assert report[1] == {
+        "node_id": "a",
+        "reason": "restarts exhausted on node 1",
+        "since": timestamp("2026-12-01T06:00:00Z"),
+        "ready": True,
+        "instance_id": "i-0123456789abcdef0",
+    }
     assert report[2]["since"] is None and report[2]["instance_id"] is None
 
 
@@ -193,8 +217,12 @@ def test_cordon_leaves_the_replacement_to_a_human():
 
 
 def test_karpenter_deletes_the_nodes_claims_and_refuses_a_node_without_one():
-    kube = StubKube(claims=[{"metadata": {"name": "c1"}, "status": {"nodeName": "a"}},
-                            {"metadata": {"name": "c2"}, "status": {"nodeName": "b"}}])
+    kube = StubKube(
+        claims=[
+            {"metadata": {"name": "c1"}, "status": {"nodeName": "a"}},
+            {"metadata": {"name": "c2"}, "status": {"nodeName": "b"}},
+        ]
+    )
     assert "c1" in replace_instance(kube, make_node("a"), "karpenter", lambda: None)
     assert kube.calls == [("delete_nodeclaim", "c1")]
     with pytest.raises(BackendError, match="no Karpenter NodeClaim has status.nodeName=z"):
@@ -216,21 +244,45 @@ def test_asg_terminates_the_instance_keeping_desired_capacity_only_in_a_tagged_g
 def test_replace_pool_nodes_quarantines_evicts_and_replaces_within_the_unhealthy_share():
     pool = [make_node(f"gpu-{i}", instance=f"i-0000000000000000{i}") for i in range(10)]
     kube, asg = StubKube(), StubAutoscaling()
-    result = replace_pool_nodes(kube, pool, ["gpu-1", "gpu-2", "gpu-x"], "restarts exhausted", replacement="asg",
-                                max_unhealthy_share=0.2, autoscaling=lambda: asg)
+    result = replace_pool_nodes(
+        kube,
+        pool,
+        ["gpu-1", "gpu-2", "gpu-x"],
+        "restarts exhausted",
+        replacement="asg",
+        max_unhealthy_share=0.2,
+        autoscaling=lambda: asg,
+    )
     assert result.replaced == ["gpu-1", "gpu-2"] and result.refused == ["gpu-x"]
-    assert [c[:2] for c in kube.calls] == [("quarantine", "gpu-1"), ("evict", "gpu-1"),
-                                           ("quarantine", "gpu-2"), ("evict", "gpu-2")]
+    assert [c[:2] for c in kube.calls] == [
+        ("quarantine", "gpu-1"),
+        ("evict", "gpu-1"),
+        ("quarantine", "gpu-2"),
+        ("evict", "gpu-2"),
+    ]
     assert len(asg.terminated) == 2 and f"tainted {QUARANTINE_TAINT}" in result.reason
-    too_many = replace_pool_nodes(StubKube(), pool, ["gpu-1", "gpu-2", "gpu-3"], "why", replacement="asg",
-                                  max_unhealthy_share=0.2, autoscaling=lambda: pytest.fail("nothing replaced"))
+    too_many = replace_pool_nodes(
+        StubKube(),
+        pool,
+        ["gpu-1", "gpu-2", "gpu-3"],
+        "why",
+        replacement="asg",
+        max_unhealthy_share=0.2,
+        autoscaling=lambda: pytest.fail("nothing replaced"),
+    )
     assert too_many.replaced == [] and "max_unhealthy_share" in too_many.reason
 
 
 def test_a_node_that_cannot_be_replaced_stays_quarantined_and_is_refused():
     kube = StubKube()
-    result = replace_pool_nodes(kube, [make_node(f"gpu-{i}") for i in range(4)], ["gpu-0"], "why",
-                                replacement="asg", max_unhealthy_share=1.0,
-                                autoscaling=lambda: StubAutoscaling(tags={}))
+    result = replace_pool_nodes(
+        kube,
+        [make_node(f"gpu-{i}") for i in range(4)],
+        ["gpu-0"],
+        "why",
+        replacement="asg",
+        max_unhealthy_share=1.0,
+        autoscaling=lambda: StubAutoscaling(tags={}),
+    )
     assert result.replaced == [] and result.refused == ["gpu-0"]
     assert ("quarantine", "gpu-0", "why") in kube.calls and "cordoned and tainted, but not replaced" in result.reason

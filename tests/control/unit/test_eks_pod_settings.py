@@ -15,8 +15,13 @@ from fsdp_resilience.training.contract import RunConfig
 
 
 def make_cfg(**overrides) -> RunConfig:
-    values = dict(run_id="llama-8b-resilience", run_dir="/fsx/runs/llama-8b-resilience",
-                  dataset_dir="/fsx/datasets/fineweb", nodes=4, procs_per_node=8)
+    values = dict(
+        run_id="llama-8b-resilience",
+        run_dir="/fsx/runs/llama-8b-resilience",
+        dataset_dir="/fsx/datasets/fineweb",
+        nodes=4,
+        procs_per_node=8,
+    )
     values.update(overrides)
     return RunConfig(**values)
 
@@ -27,39 +32,42 @@ def make_settings(**overrides) -> PodTemplateSettings:
     return PodTemplateSettings(**values)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(image=""), r"image=''.*container image"),
-    (dict(image="repo/img: 1"), r"image="),
-    (dict(namespace="Training_NS"), r"namespace=.*namespace name"),
-    (dict(service_account="SA"), r"service_account=.*object name"),
-    (dict(fsx_claim=""), r"fsx_claim="),
-    (dict(fsx_mount_path="fsx"), r"fsx_mount_path=.*absolute path"),
-    (dict(fsx_mount_path="/"), r"fsx_mount_path="),
-    (dict(fsx_mount_path="/dev"), r"fsx_mount_path=.*/dev/shm"),
-    (dict(node_selector={"pool": "gpu nodes"}), r"node_selector="),
-    (dict(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exist"}]), r"tolerations=.*operator"),
-    (dict(tolerations=[{"key": "k", "efect": "NoSchedule"}]), r"unknown toleration field.*efect"),
-    (dict(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]), r"Exists takes no value"),
-    (dict(gpus_per_node=-1), r"gpus_per_node=-1"),
-    (dict(efa_per_node=True), r"efa_per_node=True"),
-    (dict(hugepages_2mi="5120Mi", memory=None, guaranteed_qos=False), r"hugepages_2mi=.*needs memory"),
-    (dict(memory=None), r"guaranteed_qos=True needs cpu and memory"),
-    (dict(instance_type="p5"), r"instance_type=.*EC2 instance type"),
-    (dict(efa_ipc_lock="yes"), r"efa_ipc_lock=.*true or false"),
-    (dict(run_as_user=0), r"run_as_user=0.*non-root"),
-    (dict(max_pod_disruptions=-1), r"max_pod_disruptions="),
-    (dict(eval_memory="lots"), r"eval_memory=.*quantity"),
-    (dict(shm_size="lots"), r"shm_size=.*quantity"),
-    (dict(memory="1TB"), r"memory=.*quantity"),
-    (dict(backoff_limit=-1), r"backoff_limit="),
-    (dict(active_deadline_s=0), r"active_deadline_s="),
-    (dict(termination_grace_s=1.5), r"termination_grace_s="),
-    (dict(priority_class="High Priority"), r"priority_class="),
-    (dict(image_pull_policy="Sometimes"), r"image_pull_policy=.*IfNotPresent"),
-    (dict(env={"NCCL_DEBUG": 1}), r"env=.*values must be strings"),
-    (dict(env={"BAD=NAME": "x"}), r"env=.*invalid variable name"),
-    (dict(env={"TRAINING_RUN_CONFIG": "{}"}), r"env=.*TRAINING_RUN_CONFIG.*remove it"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(image=""), r"image=''.*container image"),
+        (dict(image="repo/img: 1"), r"image="),
+        (dict(namespace="Training_NS"), r"namespace=.*namespace name"),
+        (dict(service_account="SA"), r"service_account=.*object name"),
+        (dict(fsx_claim=""), r"fsx_claim="),
+        (dict(fsx_mount_path="fsx"), r"fsx_mount_path=.*absolute path"),
+        (dict(fsx_mount_path="/"), r"fsx_mount_path="),
+        (dict(fsx_mount_path="/dev"), r"fsx_mount_path=.*/dev/shm"),
+        (dict(node_selector={"pool": "gpu nodes"}), r"node_selector="),
+        (dict(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exist"}]), r"tolerations=.*operator"),
+        (dict(tolerations=[{"key": "k", "efect": "NoSchedule"}]), r"unknown toleration field.*efect"),
+        (dict(tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]), r"Exists takes no value"),
+        (dict(gpus_per_node=-1), r"gpus_per_node=-1"),
+        (dict(efa_per_node=True), r"efa_per_node=True"),
+        (dict(hugepages_2mi="5120Mi", memory=None, guaranteed_qos=False), r"hugepages_2mi=.*needs memory"),
+        (dict(memory=None), r"guaranteed_qos=True needs cpu and memory"),
+        (dict(instance_type="p5"), r"instance_type=.*EC2 instance type"),
+        (dict(efa_ipc_lock="yes"), r"efa_ipc_lock=.*true or false"),
+        (dict(run_as_user=0), r"run_as_user=0.*non-root"),
+        (dict(max_pod_disruptions=-1), r"max_pod_disruptions="),
+        (dict(eval_memory="lots"), r"eval_memory=.*quantity"),
+        (dict(shm_size="lots"), r"shm_size=.*quantity"),
+        (dict(memory="1TB"), r"memory=.*quantity"),
+        (dict(backoff_limit=-1), r"backoff_limit="),
+        (dict(active_deadline_s=0), r"active_deadline_s="),
+        (dict(termination_grace_s=1.5), r"termination_grace_s="),
+        (dict(priority_class="High Priority"), r"priority_class="),
+        (dict(image_pull_policy="Sometimes"), r"image_pull_policy=.*IfNotPresent"),
+        (dict(env={"NCCL_DEBUG": 1}), r"env=.*values must be strings"),
+        (dict(env={"BAD=NAME": "x"}), r"env=.*invalid variable name"),
+        (dict(env={"TRAINING_RUN_CONFIG": "{}"}), r"env=.*TRAINING_RUN_CONFIG.*remove it"),
+    ],
+)
 def test_settings_validate_names_the_field_and_what_to_do(overrides, message):
     settings = make_settings(**overrides)  # constructing does not validate: a watcher needs no image
     with pytest.raises(ValueError, match=message):
@@ -102,10 +110,17 @@ def test_the_pods_node_selector_adds_the_instance_type_unless_the_pool_is_mixed(
     assert "x" not in selector  # a copy
 
 
-@pytest.mark.parametrize("instance_type, rdma", [
-    ("p5.48xlarge", True), ("p4d.24xlarge", True), ("p6-b200.48xlarge", True),
-    ("g6e.48xlarge", False), ("g5.48xlarge", False), (None, False),
-])
+@pytest.mark.parametrize(
+    "instance_type, rdma",
+    [
+        ("p5.48xlarge", True),
+        ("p4d.24xlarge", True),
+        ("p6-b200.48xlarge", True),
+        ("g6e.48xlarge", False),
+        ("g5.48xlarge", False),
+        (None, False),
+    ],
+)
 def test_device_rdma_follows_the_instance_family(instance_type, rdma):
     assert make_settings(instance_type=instance_type).device_rdma() is rdma
 

@@ -21,30 +21,65 @@ def make_job(failed: int = 0) -> dict:
     status = {"startTime": "2026-12-01T06:00:00Z", "conditions": []}
     if failed:
         status["failed"] = failed
-    return {"metadata": {"name": "job-a", "annotations": {}},
-            "spec": {"completions": 3, "backoffLimit": 5, "template": {"spec": {"containers": [
-                {"name": CONTAINER, "env": [{"name": "TRAINING_RUN_CONFIG", "value": CFG.to_json()}]}]}}},
-            "status": status}
+    return {
+        "metadata": {"name": "job-a", "annotations": {}},
+        "spec": {
+            "completions": 3,
+            "backoffLimit": 5,
+            "template": {
+                "spec": {
+                    "containers": [
+                        {"name": CONTAINER, "env": [{"name": "TRAINING_RUN_CONFIG", "value": CFG.to_json()}]}
+                    ]
+                }
+            },
+        },
+        "status": status,
+    }
 
 
-def make_pod(index: int, phase: str = "Running", node: str | None = None, *, name: str | None = None,
-             created: str = "2026-12-01T06:00:01Z", lost: bool = False, unschedulable: bool = False) -> dict:
+def make_pod(
+    index: int,
+    phase: str = "Running",
+    node: str | None = None,
+    *,
+    name: str | None = None,
+    created: str = "2026-12-01T06:00:01Z",
+    lost: bool = False,
+    unschedulable: bool = False,
+) -> dict:
     conditions = []
     if lost:
         conditions.append({"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager"})
     if unschedulable:
-        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                           "message": "0/2 nodes are available"})
-    return {"metadata": {"name": name or f"job-a-{index}", "labels": {INDEX: str(index)}, "creationTimestamp": created,
-                         **({"deletionTimestamp": "2026-12-01T07:00:00Z"} if lost else {})},
-            "spec": {"nodeName": node if node is not None else f"gpu-{index}"},
-            "status": {"phase": phase, "conditions": conditions, "containerStatuses": [{"name": CONTAINER}]}}
+        conditions.append(
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes are available"}
+        )
+    return {
+        "metadata": {
+            "name": name or f"job-a-{index}",
+            "labels": {INDEX: str(index)},
+            "creationTimestamp": created,
+            **({"deletionTimestamp": "2026-12-01T07:00:00Z"} if lost else {}),
+        },
+        "spec": {"nodeName": node if node is not None else f"gpu-{index}"},
+        "status": {"phase": phase, "conditions": conditions, "containerStatuses": [{"name": CONTAINER}]},
+    }
 
 
 def spare(job: dict, pods: list[dict], kube_nodes: dict | None = None, replacement: str = "asg"):
     status = job_status(job, pods)
-    return spare_status("job-a", job, pods, status, kube_nodes or {}, "spare pool refill", replacement=replacement,
-                        namespace="fsdp-training", pool_selector=POOL)
+    return spare_status(
+        "job-a",
+        job,
+        pods,
+        status,
+        kube_nodes or {},
+        "spare pool refill",
+        replacement=replacement,
+        namespace="fsdp-training",
+        pool_selector=POOL,
+    )
 
 
 def quarantined(name: str) -> dict:

@@ -28,39 +28,78 @@ from fsdp_resilience.training.contract import ExitCode, FailureClass, RunConfig
 INDEX = "batch.kubernetes.io/job-completion-index"
 
 
-def make_job(name: str = "job-a", *, completions: int = 2, cfg: RunConfig | None = None, conditions=(),
-             suspend: bool = False, failed: int = 0, annotations: dict | None = None,
-             start: str = "2026-12-01T06:00:00Z") -> dict:
+def make_job(
+    name: str = "job-a",
+    *,
+    completions: int = 2,
+    cfg: RunConfig | None = None,
+    conditions=(),
+    suspend: bool = False,
+    failed: int = 0,
+    annotations: dict | None = None,
+    start: str = "2026-12-01T06:00:00Z",
+) -> dict:
     env = [{"name": CONFIG_ENV, "value": cfg.to_json()}] if cfg else []
-    status: dict = {"startTime": start, "conditions": [{"type": t, "status": "True", "reason": r, "message": m}
-                                                        for t, r, m in conditions]}
+    status: dict = {
+        "startTime": start,
+        "conditions": [{"type": t, "status": "True", "reason": r, "message": m} for t, r, m in conditions],
+    }
     if failed:
         status["failed"] = failed
-    return {"metadata": {"name": name, "annotations": dict(annotations or {})},
-            "spec": {"completions": completions, "suspend": suspend, "backoffLimit": 5,
-                     "template": {"spec": {"containers": [{"name": CONTAINER, "env": env}]}}},
-            "status": status}
+    return {
+        "metadata": {"name": name, "annotations": dict(annotations or {})},
+        "spec": {
+            "completions": completions,
+            "suspend": suspend,
+            "backoffLimit": 5,
+            "template": {"spec": {"containers": [{"name": CONTAINER, "env": env}]}},
+        },
+        "status": status,
+    }
 
 
-def make_pod(index: int, phase: str = "Running", *, node: str | None = "gpu-0", name: str | None = None,
-             exit_code: int | None = None, reason: str | None = None, disrupted: bool = False,
-             deleting: bool = False, created: str = "2026-12-01T06:00:01Z", unschedulable: str | None = None) -> dict:
+def make_pod(
+    index: int,
+    phase: str = "Running",
+    *,
+    node: str | None = "gpu-0",
+    name: str | None = None,
+    exit_code: int | None = None,
+    reason: str | None = None,
+    disrupted: bool = False,
+    deleting: bool = False,
+    created: str = "2026-12-01T06:00:01Z",
+    unschedulable: str | None = None,
+) -> dict:
     conditions = []
     if disrupted:
-        conditions.append({"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager",
-                           "message": "Taint manager: deleting due to NoExecute taint"})
+        conditions.append(
+            {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "DeletionByTaintManager",
+                "message": "Taint manager: deleting due to NoExecute taint",
+            }
+        )
     if unschedulable:
-        conditions.append({"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                           "message": unschedulable})
+        conditions.append(
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unschedulable}
+        )
     container: dict = {"name": CONTAINER, "state": {}}
     if exit_code is not None or reason:
         container["state"]["terminated"] = {"exitCode": exit_code, "reason": reason or "Error"}
-    meta: dict = {"name": name or f"job-a-{index}-x{index}", "labels": {INDEX: str(index)},
-                  "creationTimestamp": created}
+    meta: dict = {
+        "name": name or f"job-a-{index}-x{index}",
+        "labels": {INDEX: str(index)},
+        "creationTimestamp": created,
+    }
     if deleting:
         meta["deletionTimestamp"] = "2026-12-01T07:00:00Z"
-    return {"metadata": meta, "spec": {"nodeName": node},
-            "status": {"phase": phase, "conditions": conditions, "containerStatuses": [container]}}
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": node},
+        "status": {"phase": phase, "conditions": conditions, "containerStatuses": [container]},
+    }
 
 
 def cfg(nodes: int = 2, spares: int = 0) -> RunConfig:
@@ -96,11 +135,14 @@ def test_a_pod_that_exited_fails_with_the_contracts_class_for_its_code(code):
     assert node.failure_class == failure_class_for_exit(code).value and f"exited {code}" in node.message
 
 
-@pytest.mark.parametrize("pod", [
-    make_pod(0, "Failed", exit_code=137, reason="OOMKilled"),
-    make_pod(0, "Failed", exit_code=int(ExitCode.USER_ERROR), disrupted=True),  # killed from outside
-    make_pod(0, "Failed", reason="Evicted"),
-])
+@pytest.mark.parametrize(
+    "pod",
+    [
+        make_pod(0, "Failed", exit_code=137, reason="OOMKilled"),
+        make_pod(0, "Failed", exit_code=int(ExitCode.USER_ERROR), disrupted=True),  # killed from outside
+        make_pod(0, "Failed", reason="Evicted"),
+    ],
+)
 def test_a_pod_taken_away_is_a_lost_node_whose_restarts_ran_out(pod):
     node = node_from_pod(0, pod, None)
     assert node.state == LOST and node.failure_class == FailureClass.RESTARTS_EXHAUSTED.value
@@ -145,8 +187,9 @@ def test_recreated_indexes_are_pods_created_after_the_job_started_once_a_pod_fai
 def test_every_node_running_is_a_running_job_and_a_complete_job_succeeded():
     status = job_status(make_job(cfg=cfg()), [make_pod(0, node="gpu-0"), make_pod(1, node="gpu-1")])
     assert status.state == "running" and [n.node_id for n in status.nodes] == ["gpu-0", "gpu-1"]
-    done = job_status(make_job(conditions=[("Complete", "", "")]),
-                      [make_pod(i, "Succeeded", exit_code=0) for i in range(2)])
+    done = job_status(
+        make_job(conditions=[("Complete", "", "")]), [make_pod(i, "Succeeded", exit_code=0) for i in range(2)]
+    )
     assert done.state == "succeeded" and done.exit_codes == {0: 0, 1: 0}
 
 
@@ -169,8 +212,7 @@ def test_a_suspended_job_is_pending_until_submit_resumes_it():
 
 
 def test_a_lost_node_with_a_spare_behind_it_keeps_the_job_running():
-    pods = [make_pod(0, node="gpu-0"), make_pod(1, "Failed", reason="Evicted", node="gpu-1"),
-            make_pod(2, node="gpu-2")]
+    pods = [make_pod(0, node="gpu-0"), make_pod(1, "Failed", reason="Evicted", node="gpu-1"), make_pod(2, node="gpu-2")]
     status = job_status(make_job(completions=3, cfg=cfg(nodes=2, spares=1)), pods)
     assert status.state == "running" and status.nodes[1].state == LOST
     assert "a spare covers it" in status.nodes[1].message
@@ -184,11 +226,14 @@ def test_losing_node_0_fails_the_job_even_with_a_spare():
 
 
 def test_a_lost_nodes_replacement_that_cannot_be_scheduled_is_still_lost_unless_karpenter_brings_a_node():
-    pods = [make_pod(0, node="gpu-0"),
-            make_pod(1, "Failed", reason="Evicted", node="gpu-1", name="old", created="2026-12-01T06:00:01Z"),
-            make_pod(1, "Pending", node=None, name="new", created="2026-12-01T06:30:00Z",
-                     unschedulable="0/2 nodes are available"),
-            make_pod(2, node="gpu-2")]
+    pods = [
+        make_pod(0, node="gpu-0"),
+        make_pod(1, "Failed", reason="Evicted", node="gpu-1", name="old", created="2026-12-01T06:00:01Z"),
+        make_pod(
+            1, "Pending", node=None, name="new", created="2026-12-01T06:30:00Z", unschedulable="0/2 nodes are available"
+        ),
+        make_pod(2, node="gpu-2"),
+    ]
     job = make_job(completions=3, cfg=cfg(nodes=2, spares=1), failed=1)
     lost = job_status(job, pods).nodes[1]
     assert lost.state == LOST and lost.node_id == "gpu-1" and "cannot be scheduled" in lost.message
@@ -197,8 +242,11 @@ def test_a_lost_nodes_replacement_that_cannot_be_scheduled_is_still_lost_unless_
 
 
 def test_a_cancelled_job_failed_with_its_verdict_and_keeps_the_nodes_it_ran_on():
-    verdict = {"failure_class": FailureClass.NO_PROGRESS.value, "message": "no checkpoint for 600s",
-               "nodes": {"0": "gpu-0", "1": "gpu-1"}}
+    verdict = {
+        "failure_class": FailureClass.NO_PROGRESS.value,
+        "message": "no checkpoint for 600s",
+        "nodes": {"0": "gpu-0", "1": "gpu-1"},
+    }
     job = make_job(annotations={CANCEL_ANNOTATION: json.dumps(verdict)}, suspend=True)
     status = job_status(job, [])
     assert status.state == "failed" and status.failure_class == FailureClass.NO_PROGRESS.value

@@ -11,28 +11,41 @@ import pytest
 
 from fsdp_resilience.control import ladder
 from fsdp_resilience.control.backends import JobStatus, NodeStatus
-
 from fsdp_resilience.control.backends.evidence import blame_from_events
 from fsdp_resilience.control.task_data import Outcome, Run
 from fsdp_resilience.training.contract import (
+    FINAL_FAILURES,
+    REPLACEABLE_FAILURES,
     Event,
     EventLog,
     ExitCode,
-    FINAL_FAILURES,
     FailureClass,
-    REPLACEABLE_FAILURES,
     failure_class_for_exit,
     most_telling_failure,
     what_to_do,
 )
 
-NEVER_RETRIED = (FailureClass.USER_ERROR, FailureClass.STORAGE_ERROR, FailureClass.NON_FINITE,
-                 FailureClass.ALREADY_RUNNING, FailureClass.UNKNOWN)
+NEVER_RETRIED = (
+    FailureClass.USER_ERROR,
+    FailureClass.STORAGE_ERROR,
+    FailureClass.NON_FINITE,
+    FailureClass.ALREADY_RUNNING,
+    FailureClass.UNKNOWN,
+)
 
 
 def outcome(failure: FailureClass, message: str = "node 0 (slot-0) failed") -> Outcome:
-    return Outcome(outcome="failed", failure_class=failure.value, message=message, step=0, checkpoint_id=None,
-                   launch_id="0", handle={}, job_state="failed", last_progress_at=0.0)
+    return Outcome(
+        outcome="failed",
+        failure_class=failure.value,
+        message=message,
+        step=0,
+        checkpoint_id=None,
+        launch_id="0",
+        handle={},
+        job_state="failed",
+        last_progress_at=0.0,
+    )
 
 
 @pytest.mark.parametrize("failure", NEVER_RETRIED)
@@ -85,8 +98,13 @@ def test_the_most_telling_class_of_a_job_never_hides_a_class_that_must_not_be_re
 def test_faults_that_point_at_a_file_or_the_data_blame_no_node(tmp_path):
     """A restore that failed on a checkpoint's content, a full disk, a NaN: another machine reads
     the same files and fails the same way. Only faults of the machine blame its node."""
-    status = JobStatus("failed", "restarts_exhausted", {0: 75, 1: 75}, "restarts exhausted", [
-        NodeStatus(0, "slot-0", "failed", "restarts_exhausted", 75), NodeStatus(1, "slot-1", "failed", "unknown")])
+    status = JobStatus(
+        "failed",
+        "restarts_exhausted",
+        {0: 75, 1: 75},
+        "restarts exhausted",
+        [NodeStatus(0, "slot-0", "failed", "restarts_exhausted", 75), NodeStatus(1, "slot-1", "failed", "unknown")],
+    )
 
     def blame(*faults: dict) -> tuple[list[str], list[str]]:
         run_dir = tmp_path / f"run-{len(list(tmp_path.iterdir()))}"
@@ -96,14 +114,32 @@ def test_faults_that_point_at_a_file_or_the_data_blame_no_node(tmp_path):
             log.emit(fault.pop("event", Event.FAULT_DETECTED), **fault)
         return blame_from_events(run_dir, "0", status, ["slot-0", "slot-1"])
 
-    bad, why = blame({"node_id": "slot-1", "kind": "restore", "failure_class": "checkpoint", "step": 10,
-                      "error": "step_00000010/__1_0.distcp fails its crc32c check"},
-                     {"node_id": "slot-1", "kind": "OSError", "failure_class": "storage_error", "step": 10,
-                      "error": "[Errno 28] No space left on device"})
+    bad, why = blame(
+        {
+            "node_id": "slot-1",
+            "kind": "restore",
+            "failure_class": "checkpoint",
+            "step": 10,
+            "error": "step_00000010/__1_0.distcp fails its crc32c check",
+        },
+        {
+            "node_id": "slot-1",
+            "kind": "OSError",
+            "failure_class": "storage_error",
+            "step": 10,
+            "error": "[Errno 28] No space left on device",
+        },
+    )
     assert bad == [] and "checkpoint, storage_error, not at a machine" in why[0]
-    bad, _ = blame({"node_id": "slot-1", "kind": "restore", "failure_class": "checkpoint", "error": "missing"},
-                   {"node_id": "slot-0", "kind": "RuntimeError", "failure_class": "restarts_exhausted",
-                    "error": "CUDA error: an illegal memory access"})
+    bad, _ = blame(
+        {"node_id": "slot-1", "kind": "restore", "failure_class": "checkpoint", "error": "missing"},
+        {
+            "node_id": "slot-0",
+            "kind": "RuntimeError",
+            "failure_class": "restarts_exhausted",
+            "error": "CUDA error: an illegal memory access",
+        },
+    )
     assert bad == ["slot-0"]
     # A drill that fakes diverging data blames no machine (the launcher that reported is all that
     # is left to go on); one that kills a rank blames its node.

@@ -29,15 +29,25 @@ JOB = f"unit-processes-{os.getpid()}"
 
 
 def start_tagged(node: int, seconds: int = 60, *command: str) -> subprocess.Popen:
-    return subprocess.Popen(list(command) or ["sleep", str(seconds)], env={**os.environ, JOB_TAG_ENV: f"{JOB}/{node}"},
-                            start_new_session=True)
+    return subprocess.Popen(
+        list(command) or ["sleep", str(seconds)],
+        env={**os.environ, JOB_TAG_ENV: f"{JOB}/{node}"},
+        start_new_session=True,
+    )
 
 
 def record_of(*procs: subprocess.Popen) -> dict:
-    return {"job_name": JOB, "error": None, "created_at": time.time(), "start_timeout_s": 60.0,
-            "supervisor": {"pid": None, "start_ticks": None},
-            "nodes": [{"index": i, "pid": p.pid, "start_ticks": process_start_ticks(p.pid), "exit_code": None}
-                      for i, p in enumerate(procs)]}
+    return {
+        "job_name": JOB,
+        "error": None,
+        "created_at": time.time(),
+        "start_timeout_s": 60.0,
+        "supervisor": {"pid": None, "start_ticks": None},
+        "nodes": [
+            {"index": i, "pid": p.pid, "start_ticks": process_start_ticks(p.pid), "exit_code": None}
+            for i, p in enumerate(procs)
+        ],
+    }
 
 
 def test_liveness_knows_the_process_we_started_from_a_reused_pid():
@@ -45,7 +55,7 @@ def test_liveness_knows_the_process_we_started_from_a_reused_pid():
     state, pgid, ticks = proc_stat(me)
     assert state in "RS" and pgid == os.getpgid(me) and ticks == process_start_ticks(me)
     assert process_alive(me) and process_alive(me, ticks) and not process_alive(me, ticks + 1)
-    assert not process_alive(None) and proc_stat(2 ** 22 + 1) is None  # above pid_max's ceiling
+    assert not process_alive(None) and proc_stat(2**22 + 1) is None  # above pid_max's ceiling
 
 
 def test_a_zombie_is_not_alive():
@@ -80,8 +90,9 @@ def test_a_job_is_stopped_by_its_tag_and_its_process_groups():
 
 
 def test_a_job_that_ignores_sigterm_gets_sigkill():
-    stubborn = start_tagged(0, 0, sys.executable, "-c",
-                            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
+    stubborn = start_tagged(
+        0, 0, sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    )
     try:
         deadline = time.monotonic() + 10
         while not tagged_processes(JOB) and time.monotonic() < deadline:
@@ -95,8 +106,13 @@ def test_a_job_that_ignores_sigterm_gets_sigkill():
 
 
 def test_job_active_while_its_supervisor_starts_it_and_not_after_an_error():
-    record = {"error": None, "created_at": time.time(), "start_timeout_s": 60.0,
-              "supervisor": {"pid": None, "start_ticks": None}, "nodes": [{"pid": None, "exit_code": None}]}
+    record = {
+        "error": None,
+        "created_at": time.time(),
+        "start_timeout_s": 60.0,
+        "supervisor": {"pid": None, "start_ticks": None},
+        "nodes": [{"pid": None, "exit_code": None}],
+    }
     assert job_active(record)  # submitted, supervisor not yet up
     record["created_at"] -= 121
     assert not job_active(record)  # the supervisor never came

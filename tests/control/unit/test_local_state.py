@@ -61,23 +61,55 @@ def test_tail_lines_reads_the_end_of_a_log(tmp_path):
 
 def test_a_new_job_record_holds_what_the_supervisor_starts(tmp_path):
     store = StateStore(tmp_path / "state")
-    cfg = RunConfig(run_id="r", run_dir=str(tmp_path / "runs" / "r"), dataset_dir=str(tmp_path / "data"),
-                    nodes=2, spare_nodes=1)
-    record = new_job_record(store, cfg, "try/1", "r-try-1-abc", ["slot-0", "slot-2", "slot-3"], "/py",
-                            cwd=tmp_path, failure_grace_s=30.0, cancel_grace_s=20.0, start_timeout_s=60.0)
+    cfg = RunConfig(
+        run_id="r", run_dir=str(tmp_path / "runs" / "r"), dataset_dir=str(tmp_path / "data"), nodes=2, spare_nodes=1
+    )
+    record = new_job_record(
+        store,
+        cfg,
+        "try/1",
+        "r-try-1-abc",
+        ["slot-0", "slot-2", "slot-3"],
+        "/py",
+        cwd=tmp_path,
+        failure_grace_s=30.0,
+        cancel_grace_s=20.0,
+        start_timeout_s=60.0,
+    )
     assert record["version"] == RECORD_VERSION and record["train_nodes"] == 2 and record["cwd"] == str(tmp_path)
     assert record["config_path"].endswith("try_1-abc.json")  # a launch id unsafe in a file name, kept unique
     assert record["supervisor"]["log_path"] == str(store.jobs_dir / "r-try-1-abc.supervisor.log")
     assert [(n["index"], n["node_id"], n["standby"]) for n in record["nodes"]] == [
-        (0, "slot-0", False), (1, "slot-2", False), (2, "slot-3", True)]
+        (0, "slot-0", False),
+        (1, "slot-2", False),
+        (2, "slot-3", True),
+    ]
     assert record["cancel"] is None and record["error"] is None
 
 
 def test_a_node_entry_runs_the_launcher_tagged_with_its_job(tmp_path):
-    node = node_entry("/venv/bin/python", "job", "1", "/run/launches/1.json", str(tmp_path), 3, "slot-3",
-                      standby=True, added_reason="refill")
-    assert node["command"] == ["/venv/bin/python", "-m", "fsdp_resilience.training.launch", "--config",
-                               "/run/launches/1.json", "--node-rank", "3", "--rdzv-host", "127.0.0.1"]
+    node = node_entry(
+        "/venv/bin/python",
+        "job",
+        "1",
+        "/run/launches/1.json",
+        str(tmp_path),
+        3,
+        "slot-3",
+        standby=True,
+        added_reason="refill",
+    )
+    assert node["command"] == [
+        "/venv/bin/python",
+        "-m",
+        "fsdp_resilience.training.launch",
+        "--config",
+        "/run/launches/1.json",
+        "--node-rank",
+        "3",
+        "--rdzv-host",
+        "127.0.0.1",
+    ]
     assert node["env"] == {LAUNCH_ID_ENV: "1", NODE_ID_ENV: "slot-3", "PYTHONUNBUFFERED": "1", JOB_TAG_ENV: "job/3"}
     assert node["log_path"] == str(tmp_path / "logs" / "job-node3.log")
     assert node["added_reason"] == "refill" and node["pid"] is None and node["exit_code"] is None

@@ -21,19 +21,37 @@ GONE = {"pid": ME, "start_ticks": -1}  # this pid, another start: the process we
 
 
 def node(index: int, standby: bool = False, **fields) -> dict:
-    entry = {"index": index, "node_id": f"slot-{index}", "standby": standby, "log_path": f"/nonexistent/n{index}.log",
-             "pid": None, "start_ticks": None, "exit_code": None, "ended_at": None, "stopped_by": None,
-             "start_error": None}
+    entry = {
+        "index": index,
+        "node_id": f"slot-{index}",
+        "standby": standby,
+        "log_path": f"/nonexistent/n{index}.log",
+        "pid": None,
+        "start_ticks": None,
+        "exit_code": None,
+        "ended_at": None,
+        "stopped_by": None,
+        "start_error": None,
+    }
     entry.update(fields)
     return entry
 
 
 def make_record(tmp_path: Path, nodes: list[dict], train_nodes: int | None = None, **fields) -> tuple[StateStore, dict]:
     store = StateStore(tmp_path / "state")
-    record = {"job_name": "job", "run_id": "r", "launch_id": "1", "run_dir": str(tmp_path / "run"),
-              "train_nodes": len(nodes) if train_nodes is None else train_nodes, "created_at": time.time(),
-              "start_timeout_s": 60.0, "cancel": None, "error": None, "nodes": nodes,
-              "supervisor": {"pid": None, "start_ticks": None, "log_path": "/nonexistent/supervisor.log"}}
+    record = {
+        "job_name": "job",
+        "run_id": "r",
+        "launch_id": "1",
+        "run_dir": str(tmp_path / "run"),
+        "train_nodes": len(nodes) if train_nodes is None else train_nodes,
+        "created_at": time.time(),
+        "start_timeout_s": 60.0,
+        "cancel": None,
+        "error": None,
+        "nodes": nodes,
+        "supervisor": {"pid": None, "start_ticks": None, "log_path": "/nonexistent/supervisor.log"},
+    }
     record.update(fields)
     store.write_job(record)
     return store, record
@@ -48,8 +66,13 @@ def write_events(tmp_path: Path, *events: dict) -> None:
 
 
 def final(rank: int, failure_class: str = "success", exit_code: int = 0, message: str = "done") -> dict:
-    return {"event": "final", "node_rank": rank, "failure_class": failure_class, "exit_code": exit_code,
-            "message": message}
+    return {
+        "event": "final",
+        "node_rank": rank,
+        "failure_class": failure_class,
+        "exit_code": exit_code,
+        "message": message,
+    }
 
 
 def test_every_node_reporting_success_is_a_succeeded_job(tmp_path):
@@ -92,15 +115,15 @@ def test_a_node_we_stopped_is_not_lost(tmp_path):
 
 
 def test_a_spare_covers_a_lost_node(tmp_path):
-    store, record = make_record(tmp_path, [node(0, **GONE, exit_code=-9), node(1, standby=True, **ALIVE)],
-                                train_nodes=1)
+    store, record = make_record(
+        tmp_path, [node(0, **GONE, exit_code=-9), node(1, standby=True, **ALIVE)], train_nodes=1
+    )
     status = judge_job(store, record)
     assert status.state == "running" and "a spare covers it" in status.message
 
 
 def test_a_dropped_spare_fails_nothing_by_itself(tmp_path):
-    store, record = make_record(tmp_path, [node(0, **ALIVE), node(1, standby=True, **GONE, exit_code=1)],
-                                train_nodes=1)
+    store, record = make_record(tmp_path, [node(0, **ALIVE), node(1, standby=True, **GONE, exit_code=1)], train_nodes=1)
     write_events(tmp_path, final(1, "unknown", 1, DROPPED_SPARE + "health check failed"))
     status = judge_job(store, record)
     assert status.state == "running"
@@ -122,8 +145,9 @@ def test_a_job_that_failed_to_start_fails_every_node(tmp_path):
 
 def test_promotion_is_pending_until_membership_is_recorded_after_the_loss(tmp_path):
     lost_at = time.time() - 10
-    store, record = make_record(tmp_path, [node(0, **GONE, exit_code=-9, ended_at=lost_at),
-                                           node(1, standby=True, **ALIVE)], train_nodes=1)
+    store, record = make_record(
+        tmp_path, [node(0, **GONE, exit_code=-9, ended_at=lost_at), node(1, standby=True, **ALIVE)], train_nodes=1
+    )
     status = judge_job(store, record)
     assert not promotion_pending(record, judge_job(*make_record(tmp_path, [node(0, **ALIVE)])))  # none lost
     assert not promotion_pending(record, status)  # the lost node never trained: nobody's place to take

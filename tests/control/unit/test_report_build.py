@@ -37,12 +37,21 @@ def test_report_of_a_run_still_going_or_not_started(tmp_path):
 
 def test_cli_prints_the_report_path(tmp_path):
     run = inprocess_run(tmp_path / "cli")
-    done = subprocess.run([sys.executable, "-m", "fsdp_resilience.control.report", str(run.layout.root)],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.control.report", str(run.layout.root)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(run.layout.root / "report" / "report.md")
-    missing = subprocess.run([sys.executable, "-m", "fsdp_resilience.control.report", str(tmp_path / "nope")],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.control.report", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
@@ -50,8 +59,11 @@ def test_cli_prints_the_report_path(tmp_path):
 
 
 def _real_runs() -> list[Path]:
-    return sorted(p.parent for p in (REPO / "runs").glob("*/events.jsonl")
-                  if any(r.get("event") == Event.STEP.value for r in read_events(p)))
+    return sorted(
+        p.parent
+        for p in (REPO / "runs").glob("*/events.jsonl")
+        if any(r.get("event") == Event.STEP.value for r in read_events(p))
+    )
 
 
 @pytest.mark.skipif(not _real_runs(), reason="no real run under runs/ (make demo writes one)")

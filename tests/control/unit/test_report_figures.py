@@ -47,9 +47,11 @@ def test_figures_of_a_run_with_nothing_logged_say_so(tmp_path):
 
 
 def test_import_needs_neither_torch_nor_matplotlib():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import fsdp_resilience.control.report.build\n"
-            "import fsdp_resilience.control.report.figures\n"
-            "assert 'matplotlib' not in sys.modules, 'matplotlib is imported eagerly'\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import fsdp_resilience.control.report.build\n"
+        "import fsdp_resilience.control.report.figures\n"
+        "assert 'matplotlib' not in sys.modules, 'matplotlib is imported eagerly'\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

@@ -133,4 +133,3 @@ def test_goodput_of_nothing_or_of_a_partial_log(tmp_path):
     accounting = goodput(read_events(run.layout.events))
     assert accounting["wall_s"] == pytest.approx(4.0 + 5 * STEP_S)
     assert_adds_up(accounting)
-

@@ -65,8 +65,12 @@ def test_report_shows_which_node_left_which_spare_joined_and_the_refill(tmp_path
     assert "| injob | 1 |" in text and "## Launches" not in text  # one launch, recovered in-job
     # The spare events change no goodput category: the same accounting without them.
     events = read_events(run.layout.events)
-    without = [r for r in events if r["event"] not in ("spare_promoted", "spare_added")
-               and not (r["event"] == "launch_begin" and r.get("standby"))]
+    without = [
+        r
+        for r in events
+        if r["event"] not in ("spare_promoted", "spare_added")
+        and not (r["event"] == "launch_begin" and r.get("standby"))
+    ]
     assert goodput(events) == goodput(without)
     clean = assert_report_files(build_report(clean_run(tmp_path / "clean").layout.root))
     assert "| spares promoted / added | none |" in clean and "## Hot spares" not in clean
@@ -92,13 +96,27 @@ def test_report_lists_quarantined_skipped_and_stale_checkpoints(tmp_path):
     [info] = [c for c in catalog.committed() if c.step == STEPS]
     moved = catalog.quarantine(info, "__1_0.distcp fails its crc32c check", rank=1)
     rank1 = run.rank0.bind(rank=1)
-    run.emit(rank1, Event.CHECKPOINT_QUARANTINED, after=0.5, checkpoint_id=info.checkpoint_id, step=STEPS,
-             reason="__1_0.distcp fails its crc32c check", moved_to=str(moved))
+    run.emit(
+        rank1,
+        Event.CHECKPOINT_QUARANTINED,
+        after=0.5,
+        checkpoint_id=info.checkpoint_id,
+        step=STEPS,
+        reason="__1_0.distcp fails its crc32c check",
+        moved_to=str(moved),
+    )
     for _ in range(2):  # every rank logs the same skip: one row
-        run.emit(run.rank0, Event.CHECKPOINT_SKIP, after=0.1, checkpoint_id="step_00000030", step=30,
-                 reason="torn: no commit marker")
-    run.emit(run.rank0, Event.CHECKPOINT_STALE, after=0.1, checkpoint_id="step_00000010", step=10,
-             same_as="step_00000000")
+        run.emit(
+            run.rank0,
+            Event.CHECKPOINT_SKIP,
+            after=0.1,
+            checkpoint_id="step_00000030",
+            step=30,
+            reason="torn: no commit marker",
+        )
+    run.emit(
+        run.rank0, Event.CHECKPOINT_STALE, after=0.1, checkpoint_id="step_00000010", step=10, same_as="step_00000000"
+    )
     run.final()
     text = assert_report_files(build_report(run.layout.root))
     assert "## Checkpoints that failed" in text
@@ -110,10 +128,13 @@ def test_report_lists_quarantined_skipped_and_stale_checkpoints(tmp_path):
     assert "| newest committed checkpoint | step_00000010 (step 10) |" in text
 
 
-@pytest.mark.parametrize("failure_class, exit_code, advice", [
-    ("storage_error", 74, "free space on it or fix its mount"),
-    ("non_finite", 65, "Lower lr (or grad_clip), or check the data"),
-])
+@pytest.mark.parametrize(
+    "failure_class, exit_code, advice",
+    [
+        ("storage_error", 74, "free space on it or fix its mount"),
+        ("non_finite", 65, "Lower lr (or grad_clip), or check the data"),
+    ],
+)
 def test_report_says_what_to_do_after_a_storage_or_non_finite_end(tmp_path, failure_class, exit_code, advice):
     run = SimulatedRun(tmp_path / failure_class, failure_class.replace("_", "-"))
     run.launch()

@@ -10,14 +10,32 @@ import pytest
 
 from fsdp_resilience.control.task_data import Launch, Outcome, Run, TaskDataError
 
-RUN = Run(config={"run_id": "r1", "run_dir": "/runs/r1", "nodes": 2, "spare_nodes": 1},
-          backend={"name": "local", "state_dir": "/var/lib/fsdp"}, max_node_replacements=2, airflow_run_id="manual__1")
-LAUNCH = Launch(backend=RUN.backend, handle={"backend": "local", "run_id": "r1", "launch_id": "1", "job_name": "r1-1",
-                                             "extra": {"submitted_at": 1.5}},
-                run_dir="/runs/r1", final_step=60, stall_timeout_s=1800.0, launched_at=1.5)
-OUTCOME = Outcome(outcome="failed", failure_class="restarts_exhausted", message="node 1 gave up", step=20,
-                  checkpoint_id="step_00000020", launch_id="1", handle=LAUNCH.handle, job_state="failed",
-                  last_progress_at=12.0, nodes=[{"index": 1, "node_id": "slot-1", "state": "failed"}])
+RUN = Run(
+    config={"run_id": "r1", "run_dir": "/runs/r1", "nodes": 2, "spare_nodes": 1},
+    backend={"name": "local", "state_dir": "/var/lib/fsdp"},
+    max_node_replacements=2,
+    airflow_run_id="manual__1",
+)
+LAUNCH = Launch(
+    backend=RUN.backend,
+    handle={"backend": "local", "run_id": "r1", "launch_id": "1", "job_name": "r1-1", "extra": {"submitted_at": 1.5}},
+    run_dir="/runs/r1",
+    final_step=60,
+    stall_timeout_s=1800.0,
+    launched_at=1.5,
+)
+OUTCOME = Outcome(
+    outcome="failed",
+    failure_class="restarts_exhausted",
+    message="node 1 gave up",
+    step=20,
+    checkpoint_id="step_00000020",
+    launch_id="1",
+    handle=LAUNCH.handle,
+    job_state="failed",
+    last_progress_at=12.0,
+    nodes=[{"index": 1, "node_id": "slot-1", "state": "failed"}],
+)
 
 
 @pytest.mark.parametrize("data", [RUN, LAUNCH, OUTCOME], ids=lambda d: type(d).__name__)
@@ -38,8 +56,9 @@ def test_optional_fields_may_be_left_out():
 
 
 def test_a_dict_that_is_not_the_task_data_says_which_keys_do_not_fit():
-    with pytest.raises(TaskDataError,
-                       match=r"not Run task data: missing backend, max_node_replacements \(keys: airflow_run_id"):
+    with pytest.raises(
+        TaskDataError, match=r"not Run task data: missing backend, max_node_replacements \(keys: airflow_run_id"
+    ):
         Run.from_dict({"config": {}})
     with pytest.raises(TaskDataError, match="not Launch task data: unknown status"):
         Launch.from_dict({**LAUNCH.to_dict(), "status": "success"})

@@ -54,12 +54,19 @@ class StandIn:
 
 
 #: A backend whose job state and node pool are ``StandIn``'s.
-StandInBackend = type("StandInBackend", (TrainingBackend,), {
-    **{name: _not_here for name in TrainingBackend.__abstractmethods__},
-    "__module__": __name__, "name": "trigger-events", "__init__": lambda self: None,
-    "status": lambda self, handle: StandIn.status, "capacity": lambda self: StandIn.capacity,
-    "to_config": lambda self: {"name": "trigger-events"},
-})
+StandInBackend = type(
+    "StandInBackend",
+    (TrainingBackend,),
+    {
+        **{name: _not_here for name in TrainingBackend.__abstractmethods__},
+        "__module__": __name__,
+        "name": "trigger-events",
+        "__init__": lambda self: None,
+        "status": lambda self, handle: StandIn.status,
+        "capacity": lambda self: StandIn.capacity,
+        "to_config": lambda self: {"name": "trigger-events"},
+    },
+)
 BACKEND = {"name": "trigger-events"}
 HANDLE = JobHandle(backend="trigger-events", run_id="r1", launch_id="0", job_name="r1-0").to_dict()
 
@@ -74,6 +81,7 @@ def stand_in(monkeypatch):
 def events(trigger) -> list[dict[str, Any]]:
     async def collect():
         return [event.payload async for event in trigger.run()]
+
     return asyncio.run(asyncio.wait_for(collect(), timeout=30))
 
 
@@ -93,18 +101,30 @@ def assert_round_trips(trigger, classpath: str) -> None:
 
 
 def progress_trigger(tmp_path, **kw) -> TrainingProgressTrigger:
-    return TrainingProgressTrigger(backend=BACKEND, handle=HANDLE, run_dir=str(tmp_path / "r1"), final_step=10,
-                                   poll_interval_s=0.01, change_tick_s=0, **kw)
+    return TrainingProgressTrigger(
+        backend=BACKEND,
+        handle=HANDLE,
+        run_dir=str(tmp_path / "r1"),
+        final_step=10,
+        poll_interval_s=0.01,
+        change_tick_s=0,
+        **kw,
+    )
 
 
 def test_the_progress_trigger_fires_success_or_failure_with_what_the_watch_saw(tmp_path):
-    assert_round_trips(progress_trigger(tmp_path, stall_timeout_s=60, launched_at=time.time()),
-                       "fsdp_resilience.control.triggers.training_progress.TrainingProgressTrigger")
+    assert_round_trips(
+        progress_trigger(tmp_path, stall_timeout_s=60, launched_at=time.time()),
+        "fsdp_resilience.control.triggers.training_progress.TrainingProgressTrigger",
+    )
     StandIn.status = JobStatus(state="failed", failure_class="restarts_exhausted", message="node 1 gave up")
     [event] = events(progress_trigger(tmp_path, stall_timeout_s=60, launched_at=time.time()))
     assert_shape(event, FAILURE)
-    assert (event["outcome"], event["failure_class"], event["message"]) == ("failed", "restarts_exhausted",
-                                                                            "node 1 gave up")
+    assert (event["outcome"], event["failure_class"], event["message"]) == (
+        "failed",
+        "restarts_exhausted",
+        "node 1 gave up",
+    )
     StandIn.status = JobStatus(state="running")
     [event] = events(progress_trigger(tmp_path, stall_timeout_s=0.01, launched_at=time.time() - 60))
     assert_shape(event, FAILURE)
@@ -121,8 +141,14 @@ def test_the_progress_trigger_fires_success_or_failure_with_what_the_watch_saw(t
 
 def test_the_spare_pool_trigger_fires_nodes_out_of_job_or_launch_ended(tmp_path):
     def trigger(handled=()):
-        return SparePoolTrigger(backend=BACKEND, handle=HANDLE, run_dir=str(tmp_path / "r1"), handled=list(handled),
-                                poll_interval_s=0.01, change_tick_s=0)
+        return SparePoolTrigger(
+            backend=BACKEND,
+            handle=HANDLE,
+            run_dir=str(tmp_path / "r1"),
+            handled=list(handled),
+            poll_interval_s=0.01,
+            change_tick_s=0,
+        )
 
     assert_round_trips(trigger(), "fsdp_resilience.control.triggers.spare_pool.SparePoolTrigger")
     lost = NodeStatus(index=1, node_id="slot-1", state="lost", message="node lost")
@@ -138,8 +164,9 @@ def test_the_spare_pool_trigger_fires_nodes_out_of_job_or_launch_ended(tmp_path)
 
 def test_the_capacity_trigger_fires_success_or_timeout_with_the_capacity_seen():
     def trigger(timeout_s):
-        return NodeCapacityTrigger(backend=BACKEND, nodes=2, timeout_s=timeout_s, started_at=time.time(),
-                                   poll_interval_s=0.01)
+        return NodeCapacityTrigger(
+            backend=BACKEND, nodes=2, timeout_s=timeout_s, started_at=time.time(), poll_interval_s=0.01
+        )
 
     assert_round_trips(trigger(5), "fsdp_resilience.control.triggers.node_capacity.NodeCapacityTrigger")
     [event] = events(trigger(5))

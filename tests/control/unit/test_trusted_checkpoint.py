@@ -16,8 +16,9 @@ from fsdp_resilience.control import ladder, settings
 from fsdp_resilience.control.report.build import build_report
 from fsdp_resilience.control.task_data import Run
 from fsdp_resilience.control.trusted_checkpoint import CHECKSUMS, SIZES, NoTrustedCheckpoint
-from control.fakes.saved_checkpoints import flip_bytes, save_checkpoint
 from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, Event, read_events
+
+from control.fakes.saved_checkpoints import flip_bytes, save_checkpoint
 
 
 @pytest.fixture()
@@ -63,11 +64,15 @@ def test_publish_skips_flipped_bytes_and_a_missing_shard_and_quarantines_them_on
     assert [c.step for c in catalog.committed()] == [10, 20]
     quarantined = catalog.quarantined()
     assert [(q["checkpoint_id"], q["by"]) for q in quarantined] == [
-        ("step_00000040", "control plane (publish)"), ("step_00000030", "control plane (publish)")]
+        ("step_00000040", "control plane (publish)"),
+        ("step_00000030", "control plane (publish)"),
+    ]
     assert all(Path(s["quarantined_to"]).is_dir() for s in published["skipped"])
     events = read_events(run_dir / "events.jsonl", Event.CHECKPOINT_QUARANTINED)
     assert [(r["checkpoint_id"], r["role"], r["task"]) for r in events] == [
-        ("step_00000040", "control-plane", "publish"), ("step_00000030", "control-plane", "publish")]
+        ("step_00000040", "control-plane", "publish"),
+        ("step_00000030", "control-plane", "publish"),
+    ]
     assert all(r["reason"] and r["moved_to"] for r in events)
 
     # Publishing again finds the same one at once: nothing left to skip.
@@ -150,11 +155,13 @@ def test_without_the_mount_the_s3_export_is_checked_by_its_marker_and_sizes(runs
     (written / "checkpoints" / "step_00000030").rename(written / "checkpoints" / "step_00000035")  # keep 30's
     save_checkpoint(written, 30)
     for f in sorted(p for p in written.rglob("*") if p.is_file()):
-        client.put_object(Bucket="trusted", Key=f"exports/runs/exported/{f.relative_to(written).as_posix()}",
-                          Body=f.read_bytes())
+        client.put_object(
+            Bucket="trusted", Key=f"exports/runs/exported/{f.relative_to(written).as_posix()}", Body=f.read_bytes()
+        )
     # In S3: step 40 is complete but its bytes flipped; a shard of step 30 was cut short.
-    client.put_object(Bucket="trusted", Key="exports/runs/exported/checkpoints/step_00000030/__1_0.distcp",
-                      Body=b"short")
+    client.put_object(
+        Bucket="trusted", Key="exports/runs/exported/checkpoints/step_00000030/__1_0.distcp", Body=b"short"
+    )
 
     choice = ladder.trusted_checkpoint(run, task="publish")
     # Sizes cannot see flipped bytes: the pods' checksums at load do. They do see a short shard.
@@ -166,7 +173,8 @@ def test_without_the_mount_the_s3_export_is_checked_by_its_marker_and_sizes(runs
     assert [(s["checkpoint_id"], s["reason"]) for s in choice.skipped] == [
         ("step_00000040", ".metadata is missing"),
         ("step_00000035", "__0_0.distcp is missing"),
-        ("step_00000030", "__1_0.distcp is 5 bytes, the commit recorded 256")]
+        ("step_00000030", "__1_0.distcp is 5 bytes, the commit recorded 256"),
+    ]
     assert not Path(run.config["run_dir"]).exists()  # nothing was written anywhere
 
     monkeypatch.delenv("FSDP_CHECKPOINTS_S3")
@@ -185,8 +193,9 @@ def test_the_export_takes_the_run_records_and_the_verified_checkpoint_only(runs_
     for folder in ("report", "logs"):
         (run_dir / folder).mkdir()
     plan, why = ladder.export_plan(run, {"checkpoint_id": "step_00000020"})
-    assert plan["paths"] == [f"/runs/export/{name}" for name in ("eval.json", "events.jsonl", "logs", "report",
-                                                                 "run.json")] + ["/runs/export/checkpoints/step_00000020"]
+    assert plan["paths"] == [
+        f"/runs/export/{name}" for name in ("eval.json", "events.jsonl", "logs", "report", "run.json")
+    ] + ["/runs/export/checkpoints/step_00000020"]
     assert "no other checkpoint" in why and plan["file_system_id"] == "fs-0123456789abcdef0"
     with pytest.raises(ladder.EscalationError, match="names no checkpoint"):
         ladder.export_plan(run, {})

@@ -97,8 +97,9 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     events = EventLog(layout.events, rank=rank)
     # Built before the process group, as train.py does: the writer boots while we set up.
     ckpt = AsyncCheckpointer(run_dir, rank=rank, world_size=2, events=events, keep=KEEP)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     ckpt.rebind()
     mesh = init_device_mesh("cpu", (2,))
 
@@ -144,8 +145,11 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     committed_a = ckpt.wait()
     fresh_model = sharded_model(1)
     fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
-    fresh = app_state(fresh_model, fresh_optimizer,
-                      {"step": -1, "sampler": {"epoch": -1, "position": -1}, "rng": torch.zeros_like(trainer["rng"])})
+    fresh = app_state(
+        fresh_model,
+        fresh_optimizer,
+        {"step": -1, "sampler": {"epoch": -1, "position": -1}, "rng": torch.zeros_like(trainer["rng"])},
+    )
     loaded = load_latest(run_dir, fresh)
     restored_trainer = restore_app_state(fresh_model, fresh_optimizer, fresh)
     # What the model and optimizer objects now hold, read back through their own state dicts.
@@ -170,16 +174,25 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     while time.monotonic() < deadline:
         polled = ckpt.poll()
         step_dir = layout.checkpoint_dir(4)
-        seen.append({"polled": [c.step for c in polled], "marker": (step_dir / COMMIT_MARKER).exists(),
-                     "metadata": (step_dir / ".metadata").exists(), "own_shard": (step_dir / "__0_0.distcp").exists(),
-                     "latest": layout.latest_pointer.read_text().strip()})
+        seen.append(
+            {
+                "polled": [c.step for c in polled],
+                "marker": (step_dir / COMMIT_MARKER).exists(),
+                "metadata": (step_dir / ".metadata").exists(),
+                "own_shard": (step_dir / "__0_0.distcp").exists(),
+                "latest": layout.latest_pointer.read_text().strip(),
+            }
+        )
         time.sleep(0.1)
     if frozen_pid:
         os.kill(frozen_pid, signal.SIGCONT)
     committed_b = ckpt.wait()
-    results["B"] = {"while_frozen": seen, "committed": [c.step for c in committed_b],
-                    "marker_after": (layout.checkpoint_dir(4) / COMMIT_MARKER).exists(),
-                    "latest_after": layout.latest_pointer.read_text().strip()}
+    results["B"] = {
+        "while_frozen": seen,
+        "committed": [c.step for c in committed_b],
+        "marker_after": (layout.checkpoint_dir(4) / COMMIT_MARKER).exists(),
+        "latest_after": layout.latest_pointer.read_text().strip(),
+    }
 
     # C. The writer is killed mid-save: every rank raises within bounded time, the step stays
     # torn, and a later save commits with the replacement writer.
@@ -195,17 +208,25 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     except CheckpointWriterError as e:
         error = {"message": str(e), "step": e.step, "failed_ranks": list(e.failed_ranks)}
     raised_after_s = time.monotonic() - began
-    torn_6 = {"marker": (layout.checkpoint_dir(6) / COMMIT_MARKER).exists(),
-              "metadata": (layout.checkpoint_dir(6) / ".metadata").exists()}
+    torn_6 = {
+        "marker": (layout.checkpoint_dir(6) / COMMIT_MARKER).exists(),
+        "metadata": (layout.checkpoint_dir(6) / ".metadata").exists(),
+    }
     train(1)
     began = time.monotonic()
     ckpt.save(8, app_state(model, optimizer, trainer_state(8)))
     recovery_blocking_s = time.monotonic() - began
     committed_c = ckpt.wait()
-    results["C"] = {"error": error, "raised_after_s": raised_after_s, "torn_6": torn_6,
-                    "old_pid": killed_pid, "new_pids": ckpt.writer_pids(),
-                    "recovery_blocking_s": recovery_blocking_s,
-                    "committed_after": [c.step for c in committed_c], "committed": committed_steps()}
+    results["C"] = {
+        "error": error,
+        "raised_after_s": raised_after_s,
+        "torn_6": torn_6,
+        "old_pid": killed_pid,
+        "new_pids": ckpt.writer_pids(),
+        "recovery_blocking_s": recovery_blocking_s,
+        "committed_after": [c.step for c in committed_c],
+        "committed": committed_steps(),
+    }
 
     # W. The write itself fails on rank 1 (its folder became a file): every rank raises, the
     # writer process stays, nothing is committed.
@@ -229,8 +250,12 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         layout.checkpoint_dir(9).unlink()
-    results["W"] = {"error": error, "writer_before": writer_before, "writer_after": ckpt.writer_pids(),
-                    "committed": committed_steps()}
+    results["W"] = {
+        "error": error,
+        "writer_before": writer_before,
+        "writer_after": ckpt.writer_pids(),
+        "committed": committed_steps(),
+    }
 
     # D. An in-process restart: abandon what is in flight, bind the new group, save again.
     train(1)
@@ -240,14 +265,21 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     new_group = dist.new_group(ranks=[0, 1], backend="gloo")
     ckpt.rebind(new_group)
     time.sleep(0.5)  # the abandoned write runs on; it must never be committed
-    torn_10 = {"marker": (layout.checkpoint_dir(10) / COMMIT_MARKER).exists(),
-               "metadata": (layout.checkpoint_dir(10) / ".metadata").exists()}
+    torn_10 = {
+        "marker": (layout.checkpoint_dir(10) / COMMIT_MARKER).exists(),
+        "metadata": (layout.checkpoint_dir(10) / ".metadata").exists(),
+    }
     dist.barrier(group=new_group)
     train(1)
     ckpt.save(12, app_state(model, optimizer, trainer_state(12)))
     committed_d = ckpt.wait()
-    results["D"] = {"abandoned": abandoned, "torn_10": torn_10, "committed": [c.step for c in committed_d],
-                    "writer_before": writer_before, "writer_after": ckpt.writer_pids()}
+    results["D"] = {
+        "abandoned": abandoned,
+        "torn_10": torn_10,
+        "committed": [c.step for c in committed_d],
+        "writer_before": writer_before,
+        "writer_after": ckpt.writer_pids(),
+    }
 
     # E. Blocking time: async (3 saves) vs sync dcp.save (3 saves) of the same state. After two
     # saves planned alike (12, 14) the plan is cached: 16 reuses it. 18's state has another
@@ -275,15 +307,20 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
         info = next(c for c in CheckpointCatalog(run_dir).committed() if c.step == step)
         load_checkpoint(info, fresh, process_group=new_group)
         restored_trainer = restore_app_state(fresh_model, fresh_optimizer, fresh)
-        reloaded_e[step] = _mismatches(expected_e[step], _flat(app_state(fresh_model, fresh_optimizer,
-                                                                         restored_trainer)))
+        reloaded_e[step] = _mismatches(
+            expected_e[step], _flat(app_state(fresh_model, fresh_optimizer, restored_trainer))
+        )
     sync_ckpt = AsyncCheckpointer(sync_dir, process_group=new_group, keep=1, async_save=False)
     sync_stats = []
     for step in (14, 16, 18):
         sync_ckpt.save(step, app_state(model, optimizer, trainer_state(step)))
         sync_stats.append(sync_ckpt.last_save.__dict__)
-    results["E"] = {"async": async_stats, "sync": sync_stats, "cache_reused": cache_reused,
-                    "reload_mismatches": reloaded_e}
+    results["E"] = {
+        "async": async_stats,
+        "sync": sync_stats,
+        "cache_reused": cache_reused,
+        "reload_mismatches": reloaded_e,
+    }
 
     # G. The full weights of the newest committed checkpoint (step 18), for the world-size-1 reload.
     full = {k: v.full_tensor() for k, v in app_state(model, optimizer, {})["model"].items()}
@@ -298,12 +335,16 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     children_left = []
     for child in psutil.Process().children(recursive=True):
         try:
-            children_left.append({"pid": child.pid, "cmdline": " ".join(child.cmdline())[-200:],
-                                  "status": child.status()})
+            children_left.append(
+                {"pid": child.pid, "cmdline": " ".join(child.cmdline())[-200:], "status": child.status()}
+            )
         except psutil.NoSuchProcess:
             pass
-    results["F"] = {"started": started, "alive_after_close": [p for p in started if _running(p)],
-                    "children_left": children_left}
+    results["F"] = {
+        "started": started,
+        "alive_after_close": [p for p in started if _running(p)],
+        "children_left": children_left,
+    }
     dist.destroy_process_group()
     return results
 
@@ -396,8 +437,10 @@ def test_killed_writer_raises_and_a_later_save_commits(scenario):
         assert c["committed_after"] == [8]
     rank1 = scenario[1]["C"]
     assert rank1["new_pids"] and rank1["new_pids"] != [rank1["old_pid"]]
-    print(f"\n[killed writer] raised after {max(scenario[r]['C']['raised_after_s'] for r in range(2)):.2f}s; "
-          f"next save blocked {rank1['recovery_blocking_s']:.2f}s (waits for the replacement writer to boot)")
+    print(
+        f"\n[killed writer] raised after {max(scenario[r]['C']['raised_after_s'] for r in range(2)):.2f}s; "
+        f"next save blocked {rank1['recovery_blocking_s']:.2f}s (waits for the replacement writer to boot)"
+    )
 
 
 @pytest.mark.slow

@@ -93,8 +93,9 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     layout = RunDir(run_dir)
     events = EventLog(layout.events, rank=rank)
     ckpt = AsyncCheckpointer(run_dir, rank=rank, world_size=2, events=events, keep=100, writer_stall_s=STALL_S)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     ckpt.rebind()
     mesh = init_device_mesh("cpu", (2,))
 
@@ -140,8 +141,10 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
         fresh = app_state(fresh_model, fresh_optimizer, {"step": -1, "rng": torch.zeros_like(torch.get_rng_state())})
         info = load_latest(run_dir, fresh, events=events)
         loaded = _flat(fresh)
-        return {"step": info.step if info else None,
-                "mismatches": _mismatches(expected[info.step], loaded) if info else None}
+        return {
+            "step": info.step if info else None,
+            "mismatches": _mismatches(expected[info.step], loaded) if info else None,
+        }
 
     def damage(what) -> None:
         """Rank 0 damages the run dir while every rank waits; then all resume."""
@@ -202,9 +205,15 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
         atomic_write_text(path / COMMIT_MARKER, json.dumps(marker))
 
     results["D"] = {}
-    for name, what in [("flip_model", flip_model), ("flip_optim", flip_optim), ("delete_shard", delete_shard),
-                       ("damage_metadata", damage_metadata), ("garbage_latest", garbage_latest),
-                       ("dangling_latest", dangling_latest), ("load_fails", verifies_but_does_not_load)]:
+    for name, what in [
+        ("flip_model", flip_model),
+        ("flip_optim", flip_optim),
+        ("delete_shard", delete_shard),
+        ("damage_metadata", damage_metadata),
+        ("garbage_latest", garbage_latest),
+        ("dangling_latest", dangling_latest),
+        ("load_fails", verifies_but_does_not_load),
+    ]:
         damage(what)
         results["D"][name] = resume()
     ckpt.trust(results["D"]["load_fails"]["step"])  # as train.py does after a resume
@@ -225,8 +234,11 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
         while layout.checkpoint_dir(10).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     dist.barrier()
-    results["R"] = {"committed_32": committed_32, "trusted": ckpt.trusted_step,
-                    "after_retention": [c.step for c in CheckpointCatalog(run_dir).committed()]}
+    results["R"] = {
+        "committed_32": committed_32,
+        "trusted": ckpt.trusted_step,
+        "after_retention": [c.step for c in CheckpointCatalog(run_dir).committed()],
+    }
 
     # W. A stopped writer mid-save: the save fails on every rank within the bound, the writer is
     # replaced, the next save commits.
@@ -246,9 +258,15 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     raised_after_s = time.monotonic() - began
     old_gone = [p for p in stopped if not _running(p)]
     train()
-    results["W"] = {"error": error, "raised_after_s": raised_after_s, "stopped": list(stopped),
-                    "old_gone": old_gone, "new_writer": ckpt.writer_pids(),
-                    "torn_34": not (layout.checkpoint_dir(34) / COMMIT_MARKER).exists(), "next": save(36)}
+    results["W"] = {
+        "error": error,
+        "raised_after_s": raised_after_s,
+        "stopped": list(stopped),
+        "old_gone": old_gone,
+        "new_writer": ckpt.writer_pids(),
+        "torn_34": not (layout.checkpoint_dir(34) / COMMIT_MARKER).exists(),
+        "next": save(36),
+    }
 
     # X. The same after a restart: the save is abandoned, the group replaced; the next save must
     # not wait on the stopped writer longer than the bound.
@@ -265,14 +283,22 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     expected[40] = _flat(state(40))
     ckpt.save(40, state(40))
     settle_s = time.monotonic() - began
-    results["X"] = {"abandoned": abandoned, "settle_s": settle_s, "committed": [c.step for c in ckpt.wait()],
-                    "new_writer": ckpt.writer_pids(), "stopped": list(stopped)}
+    results["X"] = {
+        "abandoned": abandoned,
+        "settle_s": settle_s,
+        "committed": [c.step for c in ckpt.wait()],
+        "new_writer": ckpt.writer_pids(),
+        "stopped": list(stopped),
+    }
 
     # F. Close, then resume once more: step 90 (damaged) is quarantined, 40 loads.
     started = ckpt.helper_pids()
     ckpt.close()
-    results["F"] = {"started": started, "alive_after_close": [p for p in started + stopped if _running(p)],
-                    "children_left": []}
+    results["F"] = {
+        "started": started,
+        "alive_after_close": [p for p in started + stopped if _running(p)],
+        "children_left": [],
+    }
     for child in psutil.Process().children(recursive=True):
         try:
             results["F"]["children_left"].append(" ".join(child.cmdline())[-200:])
@@ -319,8 +345,15 @@ def test_a_save_without_a_ranks_checksums_is_not_committed(scenario):
 
 @pytest.mark.slow
 def test_each_damage_falls_back_to_the_newest_verified_checkpoint(scenario):
-    want = {"flip_model": 18, "flip_optim": 16, "delete_shard": 14, "damage_metadata": 12,
-            "garbage_latest": 12, "dangling_latest": 12, "load_fails": 10}
+    want = {
+        "flip_model": 18,
+        "flip_optim": 16,
+        "delete_shard": 14,
+        "damage_metadata": 12,
+        "garbage_latest": 12,
+        "dangling_latest": 12,
+        "load_fails": 10,
+    }
     for case, step in want.items():
         for r in range(2):
             got = scenario[r]["D"][case]
@@ -335,7 +368,7 @@ def test_each_damage_falls_back_to_the_newest_verified_checkpoint(scenario):
     # DCP raises on both ranks: the reason says which reads failed, and how.
     assert reasons[12].startswith("load failed: rank 0: DCP's read failed on rank(s)") and "Error" in reasons[12]
     assert [quarantined[s]["phase"] for s in (20, 18, 16, 14, 12)] == ["verify"] * 4 + ["load"]
-    for step, record in quarantined.items():
+    for record in quarantined.values():
         assert Path(record["path"], QUARANTINE_RECORD).is_file() and Path(record["path"], ".metadata").exists()
     events = read_events(scenario["layout"].events, Event.CHECKPOINT_QUARANTINED)
     assert [(e["step"], e["reason"]) for e in events[:5]] == [(s, reasons[s]) for s in (20, 18, 16, 14, 12)]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from bench.gpu_check import CHECKS, DOC, JSON_OUT, LAUNCH_SCENARIOS, WORKERS
+
 from training.support import REPO
 
 
@@ -16,8 +17,9 @@ def _stamp(path):
 
 def test_dry_run_wires_every_scenario_and_writes_nothing_in_the_repo():
     before = (_stamp(DOC), _stamp(JSON_OUT))
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=REPO,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     last = proc.stdout.strip().splitlines()[-1]
@@ -29,6 +31,7 @@ def test_dry_run_wires_every_scenario_and_writes_nothing_in_the_repo():
         line = next((x for x in proc.stdout.splitlines() if x.startswith(f"[dry-run] {scenario}:")), "")
         assert "ft_launcher" in line and "fsdp_resilience.training.train" in line, output
     for worker in WORKERS:
-        assert any(x.startswith(f"[dry-run] {worker}:") and "torch.distributed.run" in x
-                   for x in proc.stdout.splitlines()), output
+        assert any(
+            x.startswith(f"[dry-run] {worker}:") and "torch.distributed.run" in x for x in proc.stdout.splitlines()
+        ), output
     assert (_stamp(DOC), _stamp(JSON_OUT)) == before, "a dry run must not write docs/gpu.md or bench/results/gpu.json"

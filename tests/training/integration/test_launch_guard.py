@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from training.support import REPO, launch, launch_processes, wait_until_no_process_of, write_config
 from fsdp_resilience.training.contract import (
     CheckpointCatalog,
     Event,
@@ -33,6 +32,8 @@ from fsdp_resilience.training.contract import (
     verify_checkpoint,
 )
 from fsdp_resilience.training.faults import descendants
+
+from training.support import REPO, launch, launch_processes, wait_until_no_process_of, write_config
 
 # -------------------------------------------------------------------------------- helpers
 
@@ -60,8 +61,13 @@ def end_leftovers(launch_pid: int) -> None:
 
 
 def run_launch(cfg_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def private_mount_namespace(tmp_path: Path) -> list[str]:
@@ -79,8 +85,12 @@ def private_mount_namespace(tmp_path: Path) -> list[str]:
                 break  # a mount made here could reach the host's namespace
             prefix = ["unshare", "--mount", "--propagation", propagation]
             try:
-                out = subprocess.run([*prefix, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
-                                     capture_output=True, text=True, timeout=30)
+                out = subprocess.run(
+                    [*prefix, "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
             except (OSError, subprocess.TimeoutExpired) as e:
                 pytest.skip(f"unshare is not usable here ({e})")
             if out.returncode == 0:
@@ -137,8 +147,9 @@ def guarded(tmp_path_factory, dataset) -> dict:
 def test_a_storage_stop_is_cleared_once_the_run_dir_takes_writes_again(guarded):
     layout = guarded["cfg"].layout
     assert not layout.stop_marker.exists()
-    assert [json.loads(p.read_text())["failure_class"] for p in layout.control.glob("STOP.cleared.*.json")] \
-        == ["storage_error"]
+    assert [json.loads(p.read_text())["failure_class"] for p in layout.control.glob("STOP.cleared.*.json")] == [
+        "storage_error"
+    ]
     assert {r["rank"] for r in read_events(layout.events, Event.TRAIN_BEGIN)} == {0, 1}
 
 
@@ -161,8 +172,20 @@ def test_dry_run_takes_no_lock(tmp_path, dataset):
     cfg.layout.control.mkdir(parents=True)
     with open(cfg.layout.launch_lock(0), "w") as held:  # as a running launcher would hold it
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        out = subprocess.run([sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(tmp_path / "dry.json"),
-                              "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fsdp_resilience.training.launch",
+                "--config",
+                str(tmp_path / "dry.json"),
+                "--dry-run",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert out.returncode == 0, out.stderr
     assert "fsdp_resilience.training.train" in out.stdout
 
@@ -233,7 +256,9 @@ def test_sigkill_of_the_launcher_takes_every_process_of_the_launch_with_it(guard
     assert set(ranks) <= {pid for pid, _ in tree}
     assert guarded["rc"] == -signal.SIGKILL
     left = guarded["left"]
-    assert left == [], "left running after fsdp_resilience.training.launch was SIGKILLed:\n" + "\n".join(f"{p} {c}" for p, c in left)
+    assert left == [], "left running after fsdp_resilience.training.launch was SIGKILLed:\n" + "\n".join(
+        f"{p} {c}" for p, c in left
+    )
     assert not [pid for pid, started in tree if start_time(pid) == started], "a process of the tree lives on"
     # ... and the launch lock went with them: the run can be launched again.
     with open(cfg.layout.launch_lock(0)) as lock:
@@ -254,8 +279,9 @@ def start_time(pid: int) -> int | None:
 # -------------------------------------------------------------------------------- bad paths
 
 
-@pytest.mark.parametrize("where", ["run dir under a file", "run dir is a file", "dataset under a file",
-                                   "run dir is a dangling link"])
+@pytest.mark.parametrize(
+    "where", ["run dir under a file", "run dir is a file", "dataset under a file", "run dir is a dangling link"]
+)
 def test_a_path_that_cannot_be_a_folder_is_a_config_error_in_one_line(tmp_path, dataset, where):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder\n")
@@ -267,8 +293,9 @@ def test_a_path_that_cannot_be_a_folder_is_a_config_error_in_one_line(tmp_path, 
         "run dir is a dangling link": (tmp_path / "dangling", dataset),
     }[where]
     cfg_path = tmp_path / "bad.json"
-    cfg_path.write_text(json.dumps({"run_id": "bad", "run_dir": str(run_dir), "dataset_dir": str(dataset_dir),
-                                    "device": "cpu"}))
+    cfg_path.write_text(
+        json.dumps({"run_id": "bad", "run_dir": str(run_dir), "dataset_dir": str(dataset_dir), "device": "cpu"})
+    )
     out = run_launch(cfg_path, timeout=60)
     assert out.returncode == ExitCode.CONFIG_ERROR, out.stderr
     line = one_line(out.stderr)
@@ -284,8 +311,11 @@ def test_a_read_only_run_dir_is_a_storage_error_in_one_line(tmp_path, dataset):
     cfg = write_config(tmp_path, dataset, "readonly")
     cfg.layout.create()  # a run dir from before, mounted read-only now
     run_dir = shlex.quote(cfg.run_dir)
-    script = (f"mount --bind {run_dir} {run_dir} && mount -o remount,bind,ro {run_dir} && "
-              f"exec {shlex.quote(sys.executable)} -m fsdp_resilience.training.launch --config {shlex.quote(str(tmp_path / 'readonly.json'))}")
+    script = (
+        f"mount --bind {run_dir} {run_dir} && mount -o remount,bind,ro {run_dir} && "
+        f"exec {shlex.quote(sys.executable)} -m fsdp_resilience.training.launch --config "
+        f"{shlex.quote(str(tmp_path / 'readonly.json'))}"
+    )
     out = subprocess.run([*in_namespace, "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == ExitCode.STORAGE_ERROR, out.stderr
     line = one_line(out.stderr)
@@ -303,18 +333,26 @@ def test_a_run_dir_that_fills_up_ends_as_a_storage_error_and_keeps_its_verified_
     mnt.mkdir()
     out = tmp_path / "out"
     out.mkdir()
-    write_config(tmp_path, dataset, "full", run_dir=str(mnt / "full"), steps=30, keep_checkpoints=10,
-                 max_restarts=1, max_inprocess_restarts=2)
+    write_config(
+        tmp_path,
+        dataset,
+        "full",
+        run_dir=str(mnt / "full"),
+        steps=30,
+        keep_checkpoints=10,
+        max_restarts=1,
+        max_inprocess_restarts=2,
+    )
     q = shlex.quote
     # Inside a private mount namespace: mount, launch, remember the launcher's pid and exit code,
     # and copy the run dir out before the namespace (and its tmpfs) goes away.
     script = f"""
         mount -t tmpfs -o size=24m tmpfs {q(str(mnt))} || exit 99
-        {q(sys.executable)} -m fsdp_resilience.training.launch --config {q(str(tmp_path / 'full.json'))} > {q(str(out / 'launch.log'))} 2>&1 &
-        echo $! > {q(str(out / 'pid'))}
+        {q(sys.executable)} -m fsdp_resilience.training.launch --config {q(str(tmp_path / "full.json"))} > {q(str(out / "launch.log"))} 2>&1 &
+        echo $! > {q(str(out / "pid"))}
         wait $!
-        echo $? > {q(str(out / 'rc'))}
-        cp -a {q(str(mnt / 'full'))} {q(str(out / 'run'))}
+        echo $? > {q(str(out / "rc"))}
+        cp -a {q(str(mnt / "full"))} {q(str(out / "run"))}
     """
     done = subprocess.run([*in_namespace, "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr

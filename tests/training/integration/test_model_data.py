@@ -16,14 +16,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 
-from shared import free_port  # noqa: E402
 from fsdp_resilience.training.data import BatchSampler, DatasetError, TokenShards, validation_batches  # noqa: E402
 from fsdp_resilience.training.model import GPT, PRESETS, build_model, cross_entropy_loss, param_count  # noqa: E402
 from fsdp_resilience.training.parallelize import Precision, backend_for, choose_device  # noqa: E402
 from fsdp_resilience.training.prepare_data import prepare  # noqa: E402
 
-WORDS = ("def return class import self value data model rank step loss batch token shard for in if else "
-         "while with as None True False print open read write the of and to a is").split()
+from shared import free_port  # noqa: E402
+
+WORDS = (
+    "def return class import self value data model rank step loss batch token shard for in if else "
+    "while with as None True False print open read write the of and to a is"
+).split()
 
 
 def write_corpus(src: Path, n_files: int = 40, seed: int = 0) -> dict[str, bytes]:
@@ -98,8 +101,13 @@ def test_prepare_data_index_split_and_round_trip(corpus, dataset, tmp_path):
 
 
 def run_prepare_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_resilience.training.prepare_data", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.prepare_data", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_prepare_data_cli_refusals(corpus, dataset, tmp_path):
@@ -126,8 +134,12 @@ def test_prepare_data_cli_refusals(corpus, dataset, tmp_path):
     different = run_prepare_cli(str(src), str(dataset), "--val-fraction", "0.3")
     assert different.returncode == 2 and "different dataset" in different.stderr
 
-    no_torch = subprocess.run([sys.executable, "-c", "import sys, fsdp_resilience.training.prepare_data; "
-                               "assert 'torch' not in sys.modules"], cwd=ROOT, capture_output=True, text=True)
+    no_torch = subprocess.run(
+        [sys.executable, "-c", "import sys, fsdp_resilience.training.prepare_data; assert 'torch' not in sys.modules"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert no_torch.returncode == 0, no_torch.stderr
 
 
@@ -350,11 +362,15 @@ def _fsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_di
             bf16 = build_sharded_model("tiny", mesh, torch.device("cpu"), seed=1234, precision=Precision(True, True))
             bf16_loss = cross_entropy_loss(bf16(inputs), targets)
             bf16_loss.backward()
-            bf16_ok = (all(p.dtype == torch.float32 and p.grad is not None for p in bf16.parameters())
-                       and bool(torch.isfinite(bf16_loss)) and bf16.rope_cos.dtype == torch.float32)
+            bf16_ok = (
+                all(p.dtype == torch.float32 and p.grad is not None for p in bf16.parameters())
+                and bool(torch.isfinite(bf16_loss))
+                and bf16.rope_cos.dtype == torch.float32
+            )
         if rank == 0:
-            (Path(out_dir) / "result.json").write_text(json.dumps(
-                {"losses": losses, "step_s": step_s, "changed": changed, "bf16_ok": bf16_ok}))
+            (Path(out_dir) / "result.json").write_text(
+                json.dumps({"losses": losses, "step_s": step_s, "changed": changed, "bf16_ok": bf16_ok})
+            )
     finally:
         dist.destroy_process_group()
 
@@ -412,8 +428,11 @@ def _hsdp_worker(rank: int, world_size: int, port: int, dataset_dir: str, out_di
                 state = {"model": get_model_state_dict(fresh)}
                 dcp.load(state, checkpoint_id=str(Path(out_dir) / "hsdp-ckpt"))
                 results["reloaded"] = {k: v.full_tensor().sum().item() for k, v in state["model"].items()}
-            results[name] = {"losses": losses, "placements": placements,
-                             "full": {k: v.sum().item() for k, v in full_state(model).items()}}
+            results[name] = {
+                "losses": losses,
+                "placements": placements,
+                "full": {k: v.sum().item() for k, v in full_state(model).items()},
+            }
             dist.barrier()
         if rank == 0:
             (Path(out_dir) / "hsdp.json").write_text(json.dumps(results))
@@ -445,7 +464,7 @@ def test_preset_memory_estimates_fit_and_are_the_documented_ones():
     for name, run in PRESET_RUNS.items():
         estimate = memory_per_gpu(PRESETS[name], run)
         assert estimate["total"] < 80 * 0.9, (name, estimate)
-        row = (f"| {estimate['sharded_state']} GiB | {estimate['activations']} GiB | {estimate['total']} GiB |")
+        row = f"| {estimate['sharded_state']} GiB | {estimate['activations']} GiB | {estimate['total']} GiB |"
         line = next((ln for ln in docs.splitlines() if ln.startswith(f"| `{name}` |") and "GiB" in ln), "")
         assert line.endswith(row), f"docs/training-cli.md row for {name} is out of date: want ... {row}, have {line}"
         assert f"{run.batch_size} × {run.seq_len}" in line

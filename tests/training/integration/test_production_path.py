@@ -18,15 +18,15 @@ import psutil
 import pytest
 import torch
 
-from fsdp_resilience.training.launch import command as launch_command
-from fsdp_resilience.training.launch.cli import main as launch_main
-from fsdp_resilience.training.restart.fault_kinds import is_platform_fault
-from fsdp_resilience.training.restart.process_group import process_group_options
-from fsdp_resilience.training.restart.wrapper import inprocess_wrapper, restart_health_checks_wanted
 from fsdp_resilience.training.checkpointing.snapshot import _BUCKETS_IN_WRITER
 from fsdp_resilience.training.checkpointing.writer import _PersistentWriter, _WriterQueue
 from fsdp_resilience.training.contract import Event, ExitCode, FailureClass, read_events
+from fsdp_resilience.training.launch import command as launch_command
+from fsdp_resilience.training.launch.cli import main as launch_main
 from fsdp_resilience.training.parallelize import build_optimizer
+from fsdp_resilience.training.restart.fault_kinds import is_platform_fault
+from fsdp_resilience.training.restart.process_group import process_group_options
+from fsdp_resilience.training.restart.wrapper import inprocess_wrapper, restart_health_checks_wanted
 
 from training.support import REPO, free_port, launch, write_config
 
@@ -84,8 +84,9 @@ def run_trainer(tmp_path: Path, *, linger: bool) -> tuple[subprocess.Popen, dict
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER % {"port": free_port()})
     args = [sys.executable, str(script), str(tmp_path / "run")] + (["linger"] if linger else [])
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")}
+    )
     line = proc.stdout.readline()
     assert line, f"the trainer printed nothing (exit {proc.wait()})"
     return proc, json.loads(line)
@@ -100,8 +101,10 @@ def test_one_copy_per_save_and_the_writer_dies_with_its_trainer(tmp_path):
     proc, seen = run_trainer(tmp_path, linger=True)
     try:
         growth = seen["peak"] - seen["baseline"]
-        print(f"saves of 64 MiB: blocking {[round(b, 4) for b in seen['blocking_s']]} s; "
-              f"/dev/shm above the reused buffers: {growth / 2**20:.1f} MiB")
+        print(
+            f"saves of 64 MiB: blocking {[round(b, 4) for b in seen['blocking_s']]} s; "
+            f"/dev/shm above the reused buffers: {growth / 2**20:.1f} MiB"
+        )
         assert growth < seen["state_bytes"] // 4, f"/dev/shm grew {growth / 2**20:.0f} MiB during saves"
         (writer,) = seen["writer"]
         assert psutil.pid_exists(writer)
@@ -134,6 +137,7 @@ def test_the_calls_queue_never_runs_nvrx_finalize_when_collected():
 
 
 # ------------------------------------------------------------------ restarts on NCCL vs gloo
+
 
 def test_gpu_health_checks_run_on_cuda_only_and_can_be_turned_off(tmp_path, dataset, monkeypatch):
     cfg = write_config(tmp_path, dataset, "health")
@@ -216,11 +220,24 @@ def test_a_failed_rank_breaks_its_transport_so_peers_stop_waiting(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(BROKEN_TRANSPORT)
     port = free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "PYTHONPATH": str(REPO / "src")}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "PYTHONPATH": str(REPO / "src"),
+    }
     logs = [tmp_path / f"rank{rank}.log" for rank in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(script)], cwd=REPO, env={**env, "RANK": str(rank)},
-                              stdout=open(logs[rank], "w"), stderr=subprocess.STDOUT) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            cwd=REPO,
+            env={**env, "RANK": str(rank)},
+            stdout=open(logs[rank], "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for rank in (0, 1)
+    ]
     try:
         deadline = time.monotonic() + 90  # the collective timeout is 120 s
         codes = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
@@ -249,6 +266,7 @@ def test_adamw_is_fused_on_cuda_and_foreach_on_cpu():
 
 
 # ------------------------------------------------------------------ ft_launcher's config
+
 
 def test_the_launcher_refuses_an_ft_config_nvrx_would_ignore(tmp_path, dataset, monkeypatch, capsys):
     """NVRx reads ft_launcher's YAML silently: an unknown key (or a file it cannot parse) leaves
@@ -286,8 +304,16 @@ def test_restart_cycles_without_progress(tmp_path, dataset):
         pytest.skip("NVRx 0.4.1 has no progress tracking (no exit 93)")
     # Step 2's save is committed by step 4's save; step 4's is still pending when rank 1 dies at the
     # start of step 5. So the first cycle moves the committed step to 2 and no later cycle moves it.
-    cfg = write_config(tmp_path, dataset, "noprogress", steps=10, checkpoint_interval=2, restart_mode="injob",
-                       max_restarts=4, faults=[{"kind": "sigkill", "step": 5, "rank": 1, "attempt": None}])
+    cfg = write_config(
+        tmp_path,
+        dataset,
+        "noprogress",
+        steps=10,
+        checkpoint_interval=2,
+        restart_mode="injob",
+        max_restarts=4,
+        faults=[{"kind": "sigkill", "step": 5, "rank": 1, "attempt": None}],
+    )
     proc = launch(cfg, tmp_path / "noprogress.json")
     rc = proc.wait(timeout=600)
     final = read_events(cfg.layout.events, Event.FINAL)[-1]

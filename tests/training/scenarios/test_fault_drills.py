@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.support import REPO, Run, checkpoint_tensors, free_port, launch, run_config, run_training, write_config
 from fsdp_resilience.training.contract import (
     CheckpointCatalog,
     ExitCode,
@@ -33,6 +32,8 @@ from fsdp_resilience.training.contract import (
     read_stop,
     verify_checkpoint,
 )
+
+from training.support import REPO, Run, checkpoint_tensors, free_port, launch, run_config, run_training, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +50,19 @@ def clean_run(tmp_path_factory, dataset) -> Run:
 def faulty_run(tmp_path_factory, dataset) -> Run:
     """One fault per restart layer, a checkpoint writer that dies mid-save, and, in the second
     launcher round, one that freezes mid-save."""
-    return run_training(tmp_path_factory.mktemp("faulty"), dataset, "faulty", model=MODEL, steps=STEPS, faults=[
-        {"kind": "exception", "step": 4, "rank": 1},         # in-process
-        {"kind": "checkpoint_crash", "step": 6, "rank": 0},  # writer dies mid-save: torn, in-process
-        {"kind": "sigkill", "step": 8, "rank": 1},           # in-job
-        {"kind": "writer_hang", "step": 9, "rank": 0, "attempt": 1},  # writer SIGSTOPped: replaced, in-process
-    ])
+    return run_training(
+        tmp_path_factory.mktemp("faulty"),
+        dataset,
+        "faulty",
+        model=MODEL,
+        steps=STEPS,
+        faults=[
+            {"kind": "exception", "step": 4, "rank": 1},  # in-process
+            {"kind": "checkpoint_crash", "step": 6, "rank": 0},  # writer dies mid-save: torn, in-process
+            {"kind": "sigkill", "step": 8, "rank": 1},  # in-job
+            {"kind": "writer_hang", "step": 9, "rank": 0, "attempt": 1},  # writer SIGSTOPped: replaced, in-process
+        ],
+    )
 
 
 def train_begins(run, rank):
@@ -79,8 +87,11 @@ def test_clean_run_trains_commits_and_succeeds(clean_run):
 def final_model(cfg: RunConfig, tmp_path: Path) -> dict[str, torch.Tensor]:
     final = CheckpointCatalog(cfg.run_dir).latest()
     assert final is not None and final.step == cfg.steps
-    return {k: t for k, t in checkpoint_tensors(final.path, tmp_path / f"{cfg.run_id}-final.pt").items()
-            if k.startswith(("model.", "optim."))}
+    return {
+        k: t
+        for k, t in checkpoint_tensors(final.path, tmp_path / f"{cfg.run_id}-final.pt").items()
+        if k.startswith(("model.", "optim."))
+    }
 
 
 def test_faults_in_every_layer_recover_bitwise_identical(clean_run, faulty_run, tmp_path):
@@ -90,8 +101,9 @@ def test_faults_in_every_layer_recover_bitwise_identical(clean_run, faulty_run, 
     # the same final weights and optimizer state.
     assert run.losses() == clean_run.losses()
     a, b = final_model(clean_run.cfg, tmp_path), final_model(run.cfg, tmp_path)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
-        [k for k in a if not torch.equal(a[k], b[k])][:5]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), [
+        k for k in a if not torch.equal(a[k], b[k])
+    ][:5]
 
     # exception -> in-process: rank 1 re-entered training in the same process
     rank1 = train_begins(run, 1)
@@ -106,8 +118,9 @@ def test_faults_in_every_layer_recover_bitwise_identical(clean_run, faulty_run, 
     # newest committed checkpoint before it, and the step saved again later
     # (the drill kills the writer right after save(6) returns; the next poll, at step 7, finds it
     # on every rank at once, so no rank waits in a collective for a peer that will never come)
-    assert {r["step"] for r in run.of("fault_detected")
-            if r["kind"] == "CheckpointWriterError" and r["attempt"] == 0} == {7}
+    assert {
+        r["step"] for r in run.of("fault_detected") if r["kind"] == "CheckpointWriterError" and r["attempt"] == 0
+    } == {7}
     after_crash = [r for r in train_begins(run, 0) if r["iteration"] == 2][0]
     assert after_crash["resumed_from"] == "step_00000003"
     assert "step_00000006" in {r["checkpoint_id"] for r in run.of("checkpoint_skip")}
@@ -157,8 +170,12 @@ def test_a_resume_on_another_world_size_reseeds_every_rank(faulty_run, tmp_path)
     deterministically, and training goes on."""
     run_dir = tmp_path / faulty_run.cfg.run_id
     shutil.copytree(faulty_run.cfg.run_dir, run_dir, symlinks=True)
-    narrower = run_config(tmp_path, faulty_run.cfg.replace(run_dir=str(run_dir), procs_per_node=1,
-                                                           steps=STEPS + 2, faults=(), rdzv_port=free_port()))
+    narrower = run_config(
+        tmp_path,
+        faulty_run.cfg.replace(
+            run_dir=str(run_dir), procs_per_node=1, steps=STEPS + 2, faults=(), rdzv_port=free_port()
+        ),
+    )
     assert narrower.rc == ExitCode.SUCCESS, narrower.output[-3000:]
     last = [r for r in narrower.last_launch() if r["event"] == "train_begin"]
     assert [(r["resumed_from"], r["rng"], r["world_size"]) for r in last] == [("step_00000012", "reseeded", 1)]
@@ -172,9 +189,9 @@ def wait_for_lock_free(path, timeout):
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 fcntl.flock(f, fcntl.LOCK_UN)
                 return
-            except BlockingIOError:
+            except BlockingIOError as e:
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{path} is still locked after {timeout}s: {path.read_text()!r}")
+                    raise AssertionError(f"{path} is still locked after {timeout}s: {path.read_text()!r}") from e
         time.sleep(0.2)
 
 
@@ -182,8 +199,15 @@ def test_node_loss_recovered_when_the_node_comes_back(tmp_path, dataset):
     """Two 'nodes' (one rank each) on this machine; node 1 vanishes at step 5 — its launcher and
     workers are SIGKILLed — and this test, playing the Kubernetes Job controller, starts a
     replacement pod for index 1, which rejoins the rendezvous."""
-    cfg = write_config(tmp_path, dataset, "nodeloss", steps=10, nodes=2, procs_per_node=1,
-                       faults=[{"kind": "node_loss", "step": 5, "node": 1}])
+    cfg = write_config(
+        tmp_path,
+        dataset,
+        "nodeloss",
+        steps=10,
+        nodes=2,
+        procs_per_node=1,
+        faults=[{"kind": "node_loss", "step": 5, "node": 1}],
+    )
     cfg_path = tmp_path / "nodeloss.json"
     node0 = launch(cfg, cfg_path, node_rank=0)
     node1 = launch(cfg, cfg_path, node_rank=1)
@@ -212,10 +236,16 @@ def test_timeouts_are_derived_and_a_frozen_rank_is_found_by_them(tmp_path, datas
     found by the derived timeout, not the configured one, and recovered by ft_launcher."""
     from fsdp_resilience.training.contract import DERIVED_TIMEOUT_MARGIN_S
 
-    run = run_training(tmp_path, dataset, "derived", steps=16, faults=[
-        {"kind": "exception", "step": 8, "rank": 1},  # in-process, with derived timeouts in force
-        {"kind": "sigstop", "step": 14, "rank": 0},   # frozen: found by the derived heartbeat timeout
-    ])
+    run = run_training(
+        tmp_path,
+        dataset,
+        "derived",
+        steps=16,
+        faults=[
+            {"kind": "exception", "step": 8, "rank": 1},  # in-process, with derived timeouts in force
+            {"kind": "sigstop", "step": 14, "rank": 0},  # frozen: found by the derived heartbeat timeout
+        ],
+    )
     assert run.rc == ExitCode.SUCCESS, run.output[-3000:]
     cfg, timeouts = run.cfg, run.cfg.timeouts("gloo")
     derived = run.of("timeouts_derived")
@@ -223,18 +253,23 @@ def test_timeouts_are_derived_and_a_frozen_rank_is_found_by_them(tmp_path, datas
     # save (saves every 3 steps): at step 7, and again after the restart at step 8.
     resumed = [r for r in train_begins(run, 0) if r["iteration"] == 1][0]["start_step"]
     second_save = [s for s in range(resumed + 1, cfg.steps + 1) if s % cfg.checkpoint_interval == 0][1]
-    assert [(r["rank"], r["iteration"], r["step"]) for r in derived if r["attempt"] == 0] == \
-        [(0, 0, 7), (0, 1, second_save + 1)]
+    assert [(r["rank"], r["iteration"], r["step"]) for r in derived if r["attempt"] == 0] == [
+        (0, 0, 7),
+        (0, 1, second_save + 1),
+    ]
     in_force = [r for r in derived if r["attempt"] == 0][-1]  # when the rank froze (step 14)
     for record in derived:
         # From the measured intervals, with the safety factor, above the restart layers' order.
         measured = record["measured_heartbeat_interval_s"]
         assert measured > 0 and set(record["measured_section_s"]) == {"step", "checkpoint"}
         assert record["safety_factor"] == cfg.timeout_safety_factor and record["ceiling_s"] == cfg.heartbeat_timeout_s
-        assert record["floor_s"] >= max(timeouts.collective_s + measured,
-                                        timeouts.soft_s) + DERIVED_TIMEOUT_MARGIN_S - 1e-3
+        assert (
+            record["floor_s"]
+            >= max(timeouts.collective_s + measured, timeouts.soft_s) + DERIVED_TIMEOUT_MARGIN_S - 1e-3
+        )
         assert record["heartbeat_s"] == pytest.approx(
-            min(cfg.heartbeat_timeout_s, max(record["floor_s"], cfg.timeout_safety_factor * measured)), abs=1e-3)
+            min(cfg.heartbeat_timeout_s, max(record["floor_s"], cfg.timeout_safety_factor * measured)), abs=1e-3
+        )
         assert record["initial_heartbeat_s"] == cfg.initial_heartbeat_timeout_s
     # The run dir records the latest derivation; run.json stays what was asked for.
     on_disk = json.loads(cfg.layout.derived_timeouts.read_text())
@@ -254,9 +289,18 @@ def test_timeouts_are_derived_and_a_frozen_rank_is_found_by_them(tmp_path, datas
 
 
 def test_restarts_exhausted_ends_with_its_exit_code_and_class(tmp_path, dataset):
-    run = run_training(tmp_path, dataset, "exhausted", steps=6, restart_mode="injob", max_restarts=1,
-                       faults=[{"kind": "sigkill", "step": 3, "rank": 1, "attempt": 0},
-                               {"kind": "oom", "step": 3, "rank": 0, "attempt": 1}])
+    run = run_training(
+        tmp_path,
+        dataset,
+        "exhausted",
+        steps=6,
+        restart_mode="injob",
+        max_restarts=1,
+        faults=[
+            {"kind": "sigkill", "step": 3, "rank": 1, "attempt": 0},
+            {"kind": "oom", "step": 3, "rank": 0, "attempt": 1},
+        ],
+    )
     assert run.rc == ExitCode.RESTARTS_EXHAUSTED, run.output[-3000:]
     final = final_status(run.cfg.run_dir)
     assert final["failure_class"] == "restarts_exhausted" and final["exit_code"] == 75
@@ -264,8 +308,9 @@ def test_restarts_exhausted_ends_with_its_exit_code_and_class(tmp_path, dataset)
 
 
 def test_user_bug_is_never_retried(tmp_path, dataset):
-    run = run_training(tmp_path, dataset, "userbug", steps=8, max_restarts=3,
-                       faults=[{"kind": "user_bug", "step": 5, "rank": 1}])
+    run = run_training(
+        tmp_path, dataset, "userbug", steps=8, max_restarts=3, faults=[{"kind": "user_bug", "step": 5, "rank": 1}]
+    )
     assert run.rc == ExitCode.USER_ERROR, run.output[-3000:]
     final = final_status(run.cfg.run_dir)
     assert final["failure_class"] == "user_error" and final["exit_code"] == 78
@@ -282,8 +327,13 @@ def test_user_bug_is_never_retried(tmp_path, dataset):
 
 def test_evaluate_a_two_rank_checkpoint_in_one_process(clean_run):
     cfg_path = Path(clean_run.cfg.run_dir) / "run.json"
-    out = subprocess.run([sys.executable, "-m", "fsdp_resilience.training.evaluate", "--config", str(cfg_path)],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.evaluate", "--config", str(cfg_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(clean_run.cfg.layout.eval_result.read_text())
     assert result["checkpoint_id"] == "step_00000012" and result["step"] == STEPS
@@ -294,19 +344,34 @@ def test_evaluate_a_two_rank_checkpoint_in_one_process(clean_run):
 
 def test_launch_rejects_bad_input_before_starting_anything(tmp_path, dataset):
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"run_id": "bad", "run_dir": str(tmp_path / "bad"), "dataset_dir": str(dataset),
-                               "procs_per_node": 0}))
+    bad.write_text(
+        json.dumps(
+            {"run_id": "bad", "run_dir": str(tmp_path / "bad"), "dataset_dir": str(dataset), "procs_per_node": 0}
+        )
+    )
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(bad)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(bad)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == ExitCode.CONFIG_ERROR
     assert "procs_per_node=0 is out of range" in out.stderr
     assert not (tmp_path / "bad").exists() and time.time() - t0 < 30
 
     missing = tmp_path / "missing.json"
-    missing.write_text(json.dumps({"run_id": "m", "run_dir": str(tmp_path / "m"), "dataset_dir": str(tmp_path / "nowhere")}))
-    out = subprocess.run([sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(missing)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    missing.write_text(
+        json.dumps({"run_id": "m", "run_dir": str(tmp_path / "m"), "dataset_dir": str(tmp_path / "nowhere")})
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(missing)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == ExitCode.CONFIG_ERROR and "prepare_data" in out.stderr
 
 
@@ -314,17 +379,33 @@ def test_launch_reads_config_and_node_rank_from_a_pods_env(tmp_path, dataset):
     """An EKS pod gets its config as TRAINING_RUN_CONFIG and its rank as the Indexed Job's
     JOB_COMPLETION_INDEX; no file is shipped."""
     cfg = {"run_id": "pod", "run_dir": str(tmp_path / "pod"), "dataset_dir": str(dataset), "nodes": 2}
-    env = {**os.environ, "TRAINING_RUN_CONFIG": json.dumps(cfg), "JOB_COMPLETION_INDEX": "1",
-           "TRAINING_RDZV_HOST": "job-0.job.ns.svc"}
+    env = {
+        **os.environ,
+        "TRAINING_RUN_CONFIG": json.dumps(cfg),
+        "JOB_COMPLETION_INDEX": "1",
+        "TRAINING_RDZV_HOST": "job-0.job.ns.svc",
+    }
     (tmp_path / "pod").mkdir()
     (tmp_path / "pod" / "run.json").write_text(json.dumps(cfg))  # node 1 waits for node 0's copy
-    out = subprocess.run([sys.executable, "-m", "fsdp_resilience.training.launch", "--dry-run"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.launch", "--dry-run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "ft-launcher-node1.yaml" in out.stdout  # this node is rank 1
     assert "job-0.job.ns.svc" in out.stdout
 
     env.pop("TRAINING_RUN_CONFIG")
-    out = subprocess.run([sys.executable, "-m", "fsdp_resilience.training.launch"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.launch"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == ExitCode.CONFIG_ERROR and "TRAINING_RUN_CONFIG" in out.stderr

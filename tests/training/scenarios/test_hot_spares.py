@@ -64,10 +64,34 @@ def test_a_spare_joins_with_the_world_size_of_the_training_nodes(tmp_path, datas
     # Where NVRx checks a joining node (0.7), the run's storage is one of the checks.
     assert (f"--ft-storage-health-check-path={cfg.layout.checkpoints}" in command) == (nvrx_version() >= (0, 6))
     # Node indices: the launch's three, then those of spares added while it runs; no further.
-    assert launch_main(["--config", str(tmp_path / "flags.json"), "--node-rank", str(cfg.node_rank_limit - 1),
-                        "--rdzv-host", "127.0.0.1", "--dry-run"]) == 0
-    assert launch_main(["--config", str(tmp_path / "flags.json"), "--node-rank", str(cfg.node_rank_limit),
-                        "--rdzv-host", "127.0.0.1", "--dry-run"]) == 2
+    assert (
+        launch_main(
+            [
+                "--config",
+                str(tmp_path / "flags.json"),
+                "--node-rank",
+                str(cfg.node_rank_limit - 1),
+                "--rdzv-host",
+                "127.0.0.1",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
+    assert (
+        launch_main(
+            [
+                "--config",
+                str(tmp_path / "flags.json"),
+                "--node-rank",
+                str(cfg.node_rank_limit),
+                "--rdzv-host",
+                "127.0.0.1",
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     assert "outside the run's 2 node(s) + 1 spare(s)" in capsys.readouterr().err
 
 
@@ -82,8 +106,14 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
     assert codes == [0, 0], logs
     clean = Run(clean_cfg, 0, logs)
 
-    cfg = write_config(tmp_path, dataset, "spare", spare_nodes=1, **common,
-                       faults=[{"kind": "node_loss", "step": 5, "node": None, "attempt": None, "once": True}])
+    cfg = write_config(
+        tmp_path,
+        dataset,
+        "spare",
+        spare_nodes=1,
+        **common,
+        faults=[{"kind": "node_loss", "step": 5, "node": None, "attempt": None, "once": True}],
+    )
     codes, logs = run_nodes(tmp_path, cfg, 3)
     assert codes == [0, -9, 0], logs
     run = Run(cfg, 0, logs)

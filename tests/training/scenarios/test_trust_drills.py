@@ -29,7 +29,6 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from training.support import REPO, Run, checkpoint_tensors, run_training
 from fsdp_resilience.training.contract import (
     QUARANTINE_RECORD,
     CheckpointCatalog,
@@ -40,6 +39,8 @@ from fsdp_resilience.training.contract import (
     read_stop,
     verify_checkpoint,
 )
+
+from training.support import REPO, Run, checkpoint_tensors, run_training
 
 pytestmark = pytest.mark.slow
 
@@ -80,9 +81,20 @@ def error_lines(out: subprocess.CompletedProcess) -> list[str]:
 
 
 def evaluate(cfg: RunConfig, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_resilience.training.evaluate", "--config",
-                           str(Path(cfg.run_dir) / "run.json"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_resilience.training.evaluate",
+            "--config",
+            str(Path(cfg.run_dir) / "run.json"),
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 # -------------------------------------------------------------------------- damaged checkpoints
@@ -186,8 +198,7 @@ def test_evaluation_never_trusts_a_damaged_checkpoint(trained, tmp_path):
     assert out.returncode == 66, out.stderr
     assert len(error_lines(out)) == 1 and "fails verification" in error_lines(out)[0], out.stderr
     assert "Traceback" not in out.stderr
-    assert [q["checkpoint_id"] for q in CheckpointCatalog(run_dir).quarantined()] == ["step_00000005",
-                                                                                     "step_00000004"]
+    assert [q["checkpoint_id"] for q in CheckpointCatalog(run_dir).quarantined()] == ["step_00000005", "step_00000004"]
     out = evaluate(cfg, "--checkpoint", "step_00000005")  # asked again: says where it went
     assert out.returncode == 66 and "quarantined" in out.stderr and "Traceback" not in out.stderr
 
@@ -221,14 +232,16 @@ def nonfinite_faults(run: Run) -> list[dict]:
 def test_a_nan_rolls_back_and_no_nonfinite_state_is_committed(tmp_path, dataset):
     # log_interval=4: the NaN of step 5 is first compared at the save of step 6, which it must
     # never reach.
-    run = run_training(tmp_path, dataset, "nanonce", steps=STEPS, log_interval=4,
-                faults=[{"kind": "nan", "step": 5, "rank": 1}])
+    run = run_training(
+        tmp_path, dataset, "nanonce", steps=STEPS, log_interval=4, faults=[{"kind": "nan", "step": 5, "rank": 1}]
+    )
     assert run.rc == ExitCode.SUCCESS, run.output[-3000:]
     assert final_status(run.cfg.run_dir)["failure_class"] == "success"
 
     detected = nonfinite_faults(run)
     assert [(r["failure_class"], r["step"], r["first_step"], r["ranks"], r["layer"]) for r in detected] == [
-        ("non_finite", 6, 5, [1], "rollback")], detected
+        ("non_finite", 6, 5, [1], "rollback")
+    ], detected
     # rolled back in place: same processes, the newest verified checkpoint, then on to the end
     after = [r for r in run.of("train_begin") if r["ts"] > detected[0]["ts"]]
     assert {r["resumed_from"] for r in after} == {"step_00000003"} and {r["rank"] for r in after} == {0, 1}
@@ -249,10 +262,20 @@ def test_a_persistent_nan_ends_non_finite_after_bounded_rollbacks(tmp_path, data
     # attempt null: the NaN comes back on every pass, as a diverging run's would. Rollbacks happen
     # in place, so they need no restart layer (restart_mode none), and spend none.
     if restart_mode == "none" and os.environ.get("USE_LIBUV", "1").lower() in ("0", "false", "no"):
-        pytest.skip("torchrun's rendezvous store needs libuv, which this torch lacks (the NVRx 0.7 lane's "
-                    "Debian build): restart_mode=none cannot launch here")
-    run = run_training(tmp_path, dataset, "nanforever", steps=STEPS, log_interval=4, max_nonfinite_rollbacks=2,
-                restart_mode=restart_mode, faults=[{"kind": "nan", "step": 5, "rank": 1, "attempt": None}])
+        pytest.skip(
+            "torchrun's rendezvous store needs libuv, which this torch lacks (the NVRx 0.7 lane's "
+            "Debian build): restart_mode=none cannot launch here"
+        )
+    run = run_training(
+        tmp_path,
+        dataset,
+        "nanforever",
+        steps=STEPS,
+        log_interval=4,
+        max_nonfinite_rollbacks=2,
+        restart_mode=restart_mode,
+        faults=[{"kind": "nan", "step": 5, "rank": 1, "attempt": None}],
+    )
     assert run.rc == ExitCode.NON_FINITE == 65, run.output[-3000:]
     final = final_status(run.cfg.run_dir)
     assert final["failure_class"] == "non_finite" and final["exit_code"] == 65, final
@@ -261,7 +284,10 @@ def test_a_persistent_nan_ends_non_finite_after_bounded_rollbacks(tmp_path, data
 
     detected = nonfinite_faults(run)
     assert [(r["failure_class"], r["step"], r["rollbacks_before"]) for r in detected] == [
-        ("non_finite", 6, 0), ("non_finite", 6, 1), ("non_finite", 6, 2)], detected
+        ("non_finite", 6, 0),
+        ("non_finite", 6, 1),
+        ("non_finite", 6, 2),
+    ], detected
     assert [r["layer"] for r in detected] == ["rollback", "rollback", "none"]
     # stopped: nothing trained after the last detection, no restart layer retried it
     assert not [r for r in run.of("train_begin") if r["ts"] > detected[-1]["ts"]]

@@ -34,10 +34,24 @@ from fsdp_resilience.control.backends.base import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_UNHEALTHY_SHARE", "LOST",
-    "BackendError", "Capacity", "Diagnosis", "InsufficientCapacityError", "JobConflictError", "JobHandle",
-    "JobNotFoundError", "JobStatus", "LocalProcessBackend", "NodeStatus", "Replacement", "TrainingBackend",
-    "available_backends", "get_backend", "job_name_for", "register_backend",
+    "DEFAULT_MAX_UNHEALTHY_SHARE",
+    "LOST",
+    "BackendError",
+    "Capacity",
+    "Diagnosis",
+    "InsufficientCapacityError",
+    "JobConflictError",
+    "JobHandle",
+    "JobNotFoundError",
+    "JobStatus",
+    "LocalProcessBackend",
+    "NodeStatus",
+    "Replacement",
+    "TrainingBackend",
+    "available_backends",
+    "get_backend",
+    "job_name_for",
+    "register_backend",
 ]
 
 

@@ -178,10 +178,13 @@ class JobStatus(_Serializable):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "JobStatus":
-        return cls(state=data["state"], failure_class=data.get("failure_class"),
-                   exit_codes={int(k): v for k, v in (data.get("exit_codes") or {}).items()},
-                   message=data.get("message", ""),
-                   nodes=[NodeStatus.from_dict(n) for n in data.get("nodes") or []])
+        return cls(
+            state=data["state"],
+            failure_class=data.get("failure_class"),
+            exit_codes={int(k): v for k, v in (data.get("exit_codes") or {}).items()},
+            message=data.get("message", ""),
+            nodes=[NodeStatus.from_dict(n) for n in data.get("nodes") or []],
+        )
 
 
 @dataclass(frozen=True)
@@ -239,8 +242,10 @@ def require_reason(reason: str | None) -> str:
     what the next person to see the node relies on."""
     text = reason.strip() if isinstance(reason, str) else ""
     if not text:
-        raise BackendError(f"returning nodes to service needs a reason, got {reason!r}: say what was checked or "
-                           "fixed, e.g. --reason 'GPU reseated, dcgmi diag -r 3 passed'")
+        raise BackendError(
+            f"returning nodes to service needs a reason, got {reason!r}: say what was checked or "
+            "fixed, e.g. --reason 'GPU reseated, dcgmi diag -r 3 passed'"
+        )
     return text
 
 
@@ -267,8 +272,9 @@ def replacement_limit(pool_size: int, max_unhealthy_share: float) -> int:
     return max(1, math.floor(pool_size * max_unhealthy_share + 1e-9))
 
 
-def plan_replacement(requested: list[str], pool: list[str], out_of_service: list[str],
-                     max_unhealthy_share: float) -> tuple[list[str], list[str], str]:
+def plan_replacement(
+    requested: list[str], pool: list[str], out_of_service: list[str], max_unhealthy_share: float
+) -> tuple[list[str], list[str], str]:
     """Split ``requested`` into (to replace, refused, reason) under the share rule.
 
     Unknown nodes are refused; nodes already out of service are left as they are (neither
@@ -289,10 +295,12 @@ def plan_replacement(requested: list[str], pool: list[str], out_of_service: list
         notes.append(f"already out of service: {already}")
     limit = replacement_limit(len(pool), max_unhealthy_share)
     if len(candidates) > limit:
-        notes.append(f"refused to replace {len(candidates)} of {len(pool)} nodes at once: max_unhealthy_share="
-                     f"{max_unhealthy_share} allows {limit}; so many bad nodes at once suggests a cause "
-                     "outside the nodes (image, network, storage) — investigate, then replace fewer "
-                     "nodes at a time or raise max_unhealthy_share")
+        notes.append(
+            f"refused to replace {len(candidates)} of {len(pool)} nodes at once: max_unhealthy_share="
+            f"{max_unhealthy_share} allows {limit}; so many bad nodes at once suggests a cause "
+            "outside the nodes (image, network, storage) — investigate, then replace fewer "
+            "nodes at a time or raise max_unhealthy_share"
+        )
         return [], unknown + candidates, "; ".join(notes)
     return candidates, unknown, "; ".join(notes)
 
@@ -384,7 +392,8 @@ class TrainingBackend(abc.ABC):
     def check_launch(self, cfg: RunConfig) -> Any:
         """Raise BackendError for what would make ``submit`` refuse ``cfg`` before anything starts
         (a missing training environment, an image outside the allowlist, ...). validate_config
-        calls it, so bad input fails before anything expensive starts."""
+        calls it, so bad input fails before anything expensive starts. The default checks nothing."""
+        return None
 
     def check_capacity(self, cfg: RunConfig) -> Capacity:
         """Raise InsufficientCapacityError when the pool can never hold ``cfg`` as it is (more
@@ -394,7 +403,8 @@ class TrainingBackend(abc.ABC):
         if not capacity.provisions_on_demand and cfg.nodes > capacity.total:
             raise InsufficientCapacityError(
                 f"run {cfg.run_id} needs {cfg.nodes} node(s) but the {self.name} backend's pool has {capacity.total}: "
-                "lower nodes, or grow the pool")
+                "lower nodes, or grow the pool"
+            )
         return capacity
 
     # -- quarantine: the way back -----------------------------------------------------------------
@@ -404,8 +414,9 @@ class TrainingBackend(abc.ABC):
         platform knows (EKS: ``ready``, ``instance_id``). Oldest first."""
         raise BackendError(f"the {self.name} backend keeps no quarantine it could list")
 
-    def return_nodes(self, node_ids: list[str], reason: str, *, by: str | None = None,
-                     quarantined_before: float | None = None) -> ServiceReturn:
+    def return_nodes(
+        self, node_ids: list[str], reason: str, *, by: str | None = None, quarantined_before: float | None = None
+    ) -> ServiceReturn:
         """Return quarantined nodes to service, recording ``reason`` (required), who (``by``,
         default user@host) and when. Only nodes this project quarantined are touched; with
         ``quarantined_before``, only those quarantined before that time (epoch seconds)."""
@@ -415,21 +426,29 @@ class TrainingBackend(abc.ABC):
         """Return the nodes quarantined for longer than ``cooldown_s`` (FSDP_QUARANTINE_COOLDOWN_S),
         with the reason "automatic return after cool-down of Ns". Returns those changed."""
         if isinstance(cooldown_s, bool) or not isinstance(cooldown_s, (int, float)) or not cooldown_s > 0:
-            raise BackendError(f"cooldown_s={cooldown_s!r}: the cool-down must be a positive number of seconds "
-                               "(0 means automatic return is off)")
+            raise BackendError(
+                f"cooldown_s={cooldown_s!r}: the cool-down must be a positive number of seconds "
+                "(0 means automatic return is off)"
+            )
         now = time.time() if now is None else float(now)
         cutoff = now - cooldown_s
-        expired = [q["node_id"] for q in self.quarantined_nodes()
-                   if q.get("since") is not None and q["since"] <= cutoff]
+        expired = [
+            q["node_id"] for q in self.quarantined_nodes() if q.get("since") is not None and q["since"] <= cutoff
+        ]
         if not expired:
             return []
         # quarantined_before: a node quarantined again since the list was read keeps its new quarantine.
-        return self.return_nodes(expired, f"automatic return after cool-down of {cooldown_s:g}s",
-                                 by="cool-down (FSDP_QUARANTINE_COOLDOWN_S)", quarantined_before=cutoff).returned
+        return self.return_nodes(
+            expired,
+            f"automatic return after cool-down of {cooldown_s:g}s",
+            by="cool-down (FSDP_QUARANTINE_COOLDOWN_S)",
+            quarantined_before=cutoff,
+        ).returned
 
     @abc.abstractmethod
-    def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
-                       timeout_s: float = 3600.0) -> dict[str, Any]:
+    def run_evaluation(
+        self, cfg: RunConfig, checkpoint_id: str | None = None, timeout_s: float = 3600.0
+    ) -> dict[str, Any]:
         """Evaluate checkpoint ``checkpoint_id`` of the run (None: the newest committed one) where
         its training ran (the training environment: a local process, a pod) and return the result
         (``<run_dir>/eval.json``). Blocks until done; raises BackendError with the evaluation's
@@ -453,8 +472,9 @@ class TrainingBackend(abc.ABC):
         name = config.pop("name", None) or config.pop("backend", None)
         if cls is TrainingBackend:
             if not name:
-                raise BackendError(f"backend config {config} does not say which backend: add "
-                                   f"\"name\": one of {available_backends()}")
+                raise BackendError(
+                    f'backend config {config} does not say which backend: add "name": one of {available_backends()}'
+                )
             return get_backend(name, **config)
         if name and name != cls.name:
             raise BackendError(f"{cls.__name__} cannot be built from a {name!r} backend config")
@@ -462,8 +482,10 @@ class TrainingBackend(abc.ABC):
 
     def _check_handle(self, handle: JobHandle) -> None:
         if handle.backend != self.name:
-            raise BackendError(f"job {handle.job_name} belongs to the {handle.backend!r} backend, "
-                               f"not {self.name!r}; use get_backend({handle.backend!r})")
+            raise BackendError(
+                f"job {handle.job_name} belongs to the {handle.backend!r} backend, "
+                f"not {self.name!r}; use get_backend({handle.backend!r})"
+            )
 
 
 #: name -> "module:Class". Implementations are imported on first use, so a missing optional
@@ -494,8 +516,10 @@ def backend_class(name: str) -> type[TrainingBackend]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise BackendError(f"the {name!r} training backend is not available here ({module_name} could not be "
-                           f"imported: {e}); install it or use one of {available_backends()}") from e
+        raise BackendError(
+            f"the {name!r} training backend is not available here ({module_name} could not be "
+            f"imported: {e}); install it or use one of {available_backends()}"
+        ) from e
     return getattr(module, class_name)
 
 

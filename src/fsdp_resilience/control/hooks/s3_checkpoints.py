@@ -65,9 +65,12 @@ class S3CheckpointProgress:
         return parse_commit_marker(body)
 
     def _error(self, e: Exception):
-        return FsxStagingError(f"could not read checkpoints under s3://{self.bucket}/{self.checkpoints_prefix} with "
-                               f"connection {self.aws_conn_id!r}: {e}; check the bucket, the export of the run dir "
-                               "and s3:ListBucket / s3:GetObject permissions", retryable=True)
+        return FsxStagingError(
+            f"could not read checkpoints under s3://{self.bucket}/{self.checkpoints_prefix} with "
+            f"connection {self.aws_conn_id!r}: {e}; check the bucket, the export of the run dir "
+            "and s3:ListBucket / s3:GetObject permissions",
+            retryable=True,
+        )
 
     def committed(self) -> Iterator[tuple[S3CheckpointInfo, dict[str, Any]]]:
         """The committed checkpoints in S3 with their commit markers, newest first (lazily: each
@@ -81,15 +84,23 @@ class S3CheckpointProgress:
             raise self._error(e) from None
         candidates = []
         for prefix in prefixes:
-            step = checkpoint_step(prefix[len(self.checkpoints_prefix):].rstrip("/"))
+            step = checkpoint_step(prefix[len(self.checkpoints_prefix) :].rstrip("/"))
             if step is not None:
                 candidates.append((step, prefix))
         client = hook.get_conn()
         for step, prefix in sorted(candidates, reverse=True):
             marker = self._read_marker(client, prefix + COMMIT_MARKER)
             if marker is not None:
-                yield S3CheckpointInfo(step, f"s3://{self.bucket}/{prefix.rstrip('/')}", True,
-                                       marker.get("world_size"), marker.get("committed_at")), marker
+                yield (
+                    S3CheckpointInfo(
+                        step,
+                        f"s3://{self.bucket}/{prefix.rstrip('/')}",
+                        True,
+                        marker.get("world_size"),
+                        marker.get("committed_at"),
+                    ),
+                    marker,
+                )
 
     def latest(self) -> S3CheckpointInfo | None:
         """The newest committed checkpoint in S3, or None."""
@@ -100,19 +111,21 @@ class S3CheckpointProgress:
         commit marker lists files) -> its size in bytes."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        prefix = checkpoint.uri[len(f"s3://{self.bucket}/"):] + "/"
+        prefix = checkpoint.uri[len(f"s3://{self.bucket}/") :] + "/"
         sizes: dict[str, int] = {}
         try:
-            for page in self._s3().get_conn().get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                                         Prefix=prefix):
+            for page in (
+                self._s3().get_conn().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            ):
                 for obj in page.get("Contents", []):
-                    sizes[obj["Key"][len(prefix):]] = int(obj["Size"])
+                    sizes[obj["Key"][len(prefix) :]] = int(obj["Size"])
         except (ClientError, BotoCoreError) as e:
             raise self._error(e) from None
         return sizes
 
 
-def latest_committed_in_s3(s3_uri: str, aws_conn_id: str | None = "aws_default",
-                           region_name: str | None = None) -> S3CheckpointInfo | None:
+def latest_committed_in_s3(
+    s3_uri: str, aws_conn_id: str | None = "aws_default", region_name: str | None = None
+) -> S3CheckpointInfo | None:
     """The newest committed checkpoint of the run dir exported to ``s3_uri``, or None."""
     return S3CheckpointProgress(s3_uri, aws_conn_id, region_name).latest()

@@ -42,9 +42,19 @@ class FsxDataRepositoryTaskOperator(BaseOperator):
     template_fields: Sequence[str] = ("file_system_id", "paths", "report_path", "aws_conn_id", "region_name")
     ui_color = "#d6eaf8"
 
-    def __init__(self, *, kind: str, file_system_id: str, paths: str | list[str], report_path: str | None = None,
-                 aws_conn_id: str | None = "aws_default", region_name: str | None = None,
-                 poll_interval_s: float = 30.0, deferrable: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        kind: str,
+        file_system_id: str,
+        paths: str | list[str],
+        report_path: str | None = None,
+        aws_conn_id: str | None = "aws_default",
+        region_name: str | None = None,
+        poll_interval_s: float = 30.0,
+        deferrable: bool = True,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         if kind not in ("import", "export"):
             raise ValueError(f"kind={kind!r} is not a data repository task kind; use 'import' or 'export'")
@@ -73,9 +83,16 @@ class FsxDataRepositoryTaskOperator(BaseOperator):
                 raise
             raise AirflowFailException(str(e)) from None
         if self.deferrable:
-            self.defer(trigger=FsxDataRepositoryTaskTrigger(
-                task_id=task["TaskId"], file_system_id=self.file_system_id, aws_conn_id=self.aws_conn_id,
-                region_name=self.region_name, poll_interval_s=self.poll_interval_s), method_name="execute_complete")
+            self.defer(
+                trigger=FsxDataRepositoryTaskTrigger(
+                    task_id=task["TaskId"],
+                    file_system_id=self.file_system_id,
+                    aws_conn_id=self.aws_conn_id,
+                    region_name=self.region_name,
+                    poll_interval_s=self.poll_interval_s,
+                ),
+                method_name="execute_complete",
+            )
         while True:
             status, message = task_outcome(task)
             if status != RUNNING:

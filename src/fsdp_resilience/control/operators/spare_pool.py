@@ -29,8 +29,15 @@ class SparePoolKeeper(BaseOperator):
     template_fields = ("launch",)
     ui_color = "#e8f4ea"
 
-    def __init__(self, *, launch: Launch | dict[str, Any] | str, run_from: str = "validate_config",
-                 first_launch_from: str = "launch_training", poll_interval_s: float = 5.0, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        launch: Launch | dict[str, Any] | str,
+        run_from: str = "validate_config",
+        first_launch_from: str = "launch_training",
+        poll_interval_s: float = 5.0,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         self.launch = launch
         self.run_from = run_from
@@ -45,18 +52,30 @@ class SparePoolKeeper(BaseOperator):
         if not spares:
             raise AirflowSkipException(f"spare_nodes=0: launch {launch.launch_id} has no spare pool to keep")
         handled = ladder.handled_nodes(run, launch)
-        self.log.info("launch %s: keeping its %d spare(s) (%s); nodes already made up for: %s",
-                      launch.launch_id, spares, launch.handle["job_name"], handled or "none")
+        self.log.info(
+            "launch %s: keeping its %d spare(s) (%s); nodes already made up for: %s",
+            launch.launch_id,
+            spares,
+            launch.handle["job_name"],
+            handled or "none",
+        )
         self._wait(handled)
 
     def _wait(self, handled: list[str]) -> None:
         launch = Launch.of(self.launch)
         # What was handled travels in the trigger and back in its event (not in the deferral's
         # kwargs, which dag.test() drops); the events log has the refills in any case.
-        self.defer(trigger=SparePoolTrigger(backend=launch.backend, handle=launch.handle, run_dir=launch.run_dir,
-                                            handled=handled, poll_interval_s=self.poll_interval_s,
-                                            checkpoints_s3=launch.checkpoints_s3),
-                   method_name="execute_complete")
+        self.defer(
+            trigger=SparePoolTrigger(
+                backend=launch.backend,
+                handle=launch.handle,
+                run_dir=launch.run_dir,
+                handled=handled,
+                poll_interval_s=self.poll_interval_s,
+                checkpoints_s3=launch.checkpoints_s3,
+            ),
+            method_name="execute_complete",
+        )
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         run, launch = Run.of(context["ti"].xcom_pull(task_ids=self.run_from)), Launch.of(self.launch)
@@ -65,15 +84,25 @@ class SparePoolKeeper(BaseOperator):
         handled = sorted(set(event.get("handled") or []))
         if event["status"] == LAUNCH_ENDED:
             added = ladder.spares_added(run, launch)
-            self.log.info("launch %s ended (%s: %s); spares added while it trained: %s", launch_id, event["state"],
-                          event["message"], [f"node {r.get('node_rank')} ({r.get('node_id')}) for "
-                                             f"{r.get('lost_node_id')}" for r in added] or "none")
-            return {"launch_id": launch_id, "state": event["state"], "nodes_handled": handled,
-                    "spares_added": [{k: r.get(k) for k in ("lost_node_id", "lost_node_rank", "quarantined",
-                                                            "node_id", "node_rank")} for r in added]}
+            self.log.info(
+                "launch %s ended (%s: %s); spares added while it trained: %s",
+                launch_id,
+                event["state"],
+                event["message"],
+                [f"node {r.get('node_rank')} ({r.get('node_id')}) for {r.get('lost_node_id')}" for r in added]
+                or "none",
+            )
+            return {
+                "launch_id": launch_id,
+                "state": event["state"],
+                "nodes_handled": handled,
+                "spares_added": [
+                    {k: r.get(k) for k in ("lost_node_id", "lost_node_rank", "quarantined", "node_id", "node_rank")}
+                    for r in added
+                ],
+            }
         first = Launch.of(context["ti"].xcom_pull(task_ids=self.first_launch_from) or launch)
-        results = ladder.keep_spare_pool(run, launch, event["nodes"], since=float(first.launched_at),
-                                         log=self.log.info)
+        results = ladder.keep_spare_pool(run, launch, event["nodes"], since=float(first.launched_at), log=self.log.info)
         # Handled either way: a node not refilled (budget spent, no capacity) is not retried on
         # every poll; the launch trains on with one spare fewer.
         self._wait(sorted(set(handled) | {r["key"] for r in results}))

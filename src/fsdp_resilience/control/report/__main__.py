@@ -11,8 +11,9 @@ from fsdp_resilience.control.report.build import build_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_resilience.control.report",
-                                     description="Build RUN_DIR/report/report.md and its figures.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_resilience.control.report", description="Build RUN_DIR/report/report.md and its figures."
+    )
     parser.add_argument("run_dir", help="the run's folder (holds events.jsonl)")
     args = parser.parse_args(argv)
     if not Path(args.run_dir).is_dir():

@@ -31,8 +31,12 @@ class ReportPaths:
 
     def to_dict(self) -> dict[str, str]:
         """Plain strings, for XCom."""
-        return {"markdown": str(self.markdown), "loss_png": str(self.loss_png),
-                "timeline_png": str(self.timeline_png), "goodput_png": str(self.goodput_png)}
+        return {
+            "markdown": str(self.markdown),
+            "loss_png": str(self.loss_png),
+            "timeline_png": str(self.timeline_png),
+            "goodput_png": str(self.goodput_png),
+        }
 
 
 def build_report(run_dir: str | os.PathLike) -> ReportPaths:
@@ -48,7 +52,8 @@ def build_report(run_dir: str | os.PathLike) -> ReportPaths:
     accounting = goodput(events)
     executions = step_executions([r for r in events if r.get("event") != Event.EVAL.value])
     evaluation = read_json_object(layout.eval_result) or next(
-        (r for r in reversed(events) if r.get("event") == Event.EVAL.value), None)
+        (r for r in reversed(events) if r.get("event") == Event.EVAL.value), None
+    )
 
     plot_loss(paths.loss_png, executions, evaluation)
     plot_timeline(paths.timeline_png, events, executions, accounting)
@@ -63,4 +68,3 @@ def _replace_atomically(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-

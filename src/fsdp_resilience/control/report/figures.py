@@ -86,11 +86,25 @@ def plot_loss(path: Path, executions: list[StepExecution], evaluation: dict[str,
         if kept:
             ax.plot(*zip(*kept), color="tab:blue", linewidth=1.4, label="loss (kept execution)")
         if replayed:
-            ax.scatter(*zip(*replayed), s=36, facecolors="none", edgecolors="tab:red", linewidths=1.2,
-                       zorder=3, label=f"replayed after a restart ({len(replayed)})")
+            ax.scatter(
+                *zip(*replayed),
+                s=36,
+                facecolors="none",
+                edgecolors="tab:red",
+                linewidths=1.2,
+                zorder=3,
+                label=f"replayed after a restart ({len(replayed)})",
+            )
         if evaluation and number(evaluation, "val_loss") is not None and number(evaluation, "step") is not None:
-            ax.scatter([evaluation["step"]], [evaluation["val_loss"]], marker="*", s=160, color="tab:green",
-                       zorder=4, label=f"eval val_loss {evaluation['val_loss']:.3f}")
+            ax.scatter(
+                [evaluation["step"]],
+                [evaluation["val_loss"]],
+                marker="*",
+                s=160,
+                color="tab:green",
+                zorder=4,
+                label=f"eval val_loss {evaluation['val_loss']:.3f}",
+            )
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
@@ -99,8 +113,9 @@ def plot_loss(path: Path, executions: list[StepExecution], evaluation: dict[str,
     _save(figure, path)
 
 
-def plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[StepExecution],
-                   accounting: dict[str, Any]) -> None:
+def plot_timeline(
+    path: Path, events: list[dict[str, Any]], executions: list[StepExecution], accounting: dict[str, Any]
+) -> None:
     figure = _new_figure(11.0, 5.0)
     ax = figure.subplots()
     start = accounting["start_ts"]
@@ -127,16 +142,30 @@ def plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[Ste
     for run in executions:
         segments[run.segment].append(run)
     for runs in segments.values():
-        ax.plot([at(r.end) for r in runs], [r.step for r in runs], color="tab:blue", linewidth=1.5,
-                marker="." if len(runs) < 80 else None, markersize=3, label=label("step"))
+        ax.plot(
+            [at(r.end) for r in runs],
+            [r.step for r in runs],
+            color="tab:blue",
+            linewidth=1.5,
+            marker="." if len(runs) < 80 else None,
+            markersize=3,
+            label=label("step"),
+        )
     replayed = [r for r in executions if r.replayed]
     if replayed:
-        ax.scatter([at(r.end) for r in replayed], [r.step for r in replayed], s=22, color="tab:brown", zorder=3,
-                   label=label("step later replayed (lost)"))
+        ax.scatter(
+            [at(r.end) for r in replayed],
+            [r.step for r in replayed],
+            s=22,
+            color="tab:brown",
+            zorder=3,
+            label=label("step later replayed (lost)"),
+        )
 
     for lo, hi in startup_spans([r for r in timed if r.get("event") != Event.EVAL.value]):
-        ax.axvspan(at(lo), at(hi), color=_CATEGORY_COLORS[STARTUP_RESTORE], alpha=0.15,
-                   label=label("startup / restore"))
+        ax.axvspan(
+            at(lo), at(hi), color=_CATEGORY_COLORS[STARTUP_RESTORE], alpha=0.15, label=label("startup / restore")
+        )
     for record in timed:
         kind, x = record.get("event"), at(record["ts"])
         layer = str(record.get("layer") or "")
@@ -152,37 +181,70 @@ def plot_timeline(path: Path, events: list[dict[str, Any]], executions: list[Ste
             if step is None:  # no step to place it at: a line across the plot instead
                 ax.axvline(x, color="black", linestyle=":" if injected else "-.", label=label(text))
             else:
-                ax.scatter([x], [step], marker="X" if injected else "v", s=90 if injected else 45, zorder=5,
-                           color="black" if injected else "gold", edgecolors="black", linewidths=0.6,
-                           label=label(text))
+                ax.scatter(
+                    [x],
+                    [step],
+                    marker="X" if injected else "v",
+                    s=90 if injected else 45,
+                    zorder=5,
+                    color="black" if injected else "gold",
+                    edgecolors="black",
+                    linewidths=0.6,
+                    label=label(text),
+                )
         elif kind == Event.RESTART_BEGIN.value:
             ax.axvline(x, color=color, linestyle="--", linewidth=1.2, label=label(f"restart begin ({layer})"))
         elif kind == Event.RESTART_END.value:
             latency = number(record, "latency_s") or 0.0
-            ax.axvspan(at(record["ts"] - latency), x, color=color, alpha=0.18,
-                       label=label(f"restart window ({layer})"))
+            ax.axvspan(at(record["ts"] - latency), x, color=color, alpha=0.18, label=label(f"restart window ({layer})"))
             ax.axvline(x, color=color, linewidth=1.2, label=label(f"restart end ({layer})"))
         elif kind == ESCALATION:
             ax.axvline(x, color="darkviolet", linewidth=2.4, label=label("escalation"))
         elif kind in (SPARE_PROMOTED, SPARE_ADDED):
             promoted = kind == SPARE_PROMOTED
-            ax.axvline(x, color="teal" if promoted else "olive", linestyle="-" if promoted else "-.", linewidth=1.8,
-                       label=label("spare promoted" if promoted else "spare added"))
+            ax.axvline(
+                x,
+                color="teal" if promoted else "olive",
+                linestyle="-" if promoted else "-.",
+                linewidth=1.8,
+                label=label("spare promoted" if promoted else "spare added"),
+            )
             # Which node left and which spare joined, at the top of the line.
             out = node_list(record.get("quarantined")) or record.get("lost_node_id")
-            text = (f"{node_list(record.get('replaces')) or '?'} → {record.get('node_id')}" if promoted else
-                    f"+{record.get('node_id')} (out: {out})")
-            ax.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(-2, -4),
-                        textcoords="offset points", rotation=90, fontsize="x-small", ha="right", va="top",
-                        color="teal" if promoted else "olive")
+            text = (
+                f"{node_list(record.get('replaces')) or '?'} → {record.get('node_id')}"
+                if promoted
+                else f"+{record.get('node_id')} (out: {out})"
+            )
+            ax.annotate(
+                text,
+                xy=(x, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(-2, -4),
+                textcoords="offset points",
+                rotation=90,
+                fontsize="x-small",
+                ha="right",
+                va="top",
+                color="teal" if promoted else "olive",
+            )
         elif kind in (Event.CHECKPOINT_QUARANTINED.value, Event.CHECKPOINT_STALE.value):
             text = "checkpoint quarantined" if kind == Event.CHECKPOINT_QUARANTINED.value else "stale save"
-            ax.axvline(x, color="crimson" if kind == Event.CHECKPOINT_QUARANTINED.value else "darkorange",
-                       linestyle=":", linewidth=1.6, label=label(text))
+            ax.axvline(
+                x,
+                color="crimson" if kind == Event.CHECKPOINT_QUARANTINED.value else "darkorange",
+                linestyle=":",
+                linewidth=1.6,
+                label=label(text),
+            )
         elif kind == Event.FINAL.value:
             ok = record.get("failure_class") == "success"
-            ax.axvline(x, color="black" if ok else "crimson", linewidth=2.0,
-                       label=label("final: " + str(record.get("failure_class") or "?")))
+            ax.axvline(
+                x,
+                color="black" if ok else "crimson",
+                linewidth=2.0,
+                label=label("final: " + str(record.get("failure_class") or "?")),
+            )
 
     ax.set_xlim(left=min(0.0, ax.get_xlim()[0]))
     ax.yaxis.get_major_locator().set_params(integer=True)
@@ -206,9 +268,14 @@ def plot_goodput(path: Path, accounting: dict[str, Any]) -> None:
     else:
         left = 0.0
         for category, seconds in parts:
-            ax.barh([0], [seconds], left=left, color=_CATEGORY_COLORS.get(category, "tab:olive"),
-                    edgecolor="white", label=f"{category_label(category)}: {seconds:.1f} s "
-                                             f"({100 * seconds / wall:.1f} %)")
+            ax.barh(
+                [0],
+                [seconds],
+                left=left,
+                color=_CATEGORY_COLORS.get(category, "tab:olive"),
+                edgecolor="white",
+                label=f"{category_label(category)}: {seconds:.1f} s ({100 * seconds / wall:.1f} %)",
+            )
             left += seconds
         ax.set_xlim(0, wall)
         ax.set_yticks([])
@@ -217,4 +284,3 @@ def plot_goodput(path: Path, accounting: dict[str, Any]) -> None:
     ettr = accounting["ettr"]
     ax.set_title("Goodput" + (f": ETTR {ettr:.3f} over {wall:.1f} s" if ettr is not None else ""))
     _save(figure, path)
-

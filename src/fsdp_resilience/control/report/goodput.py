@@ -27,8 +27,14 @@ OTHER = "other"
 
 #: Which category an instant covered by several intervals belongs to: the first one listed.
 #: Measured intervals (checkpoint stalls, step executions) win over the windows that contain them.
-_PRIORITY = (CHECKPOINT_BLOCKING, CHECKPOINT_INTERFERENCE, PRODUCTIVE, LOST_PROGRESS, STARTUP_RESTORE,
-             *(f"restart_{layer}" for layer in RESTART_LAYERS))
+_PRIORITY = (
+    CHECKPOINT_BLOCKING,
+    CHECKPOINT_INTERFERENCE,
+    PRODUCTIVE,
+    LOST_PROGRESS,
+    STARTUP_RESTORE,
+    *(f"restart_{layer}" for layer in RESTART_LAYERS),
+)
 
 
 def _attribute(intervals: list[tuple[float, float, str]], start: float, end: float) -> dict[str, float]:
@@ -105,12 +111,16 @@ def goodput(events: list[dict[str, Any]]) -> dict[str, Any]:
 
     executions = step_executions(training)
     intervals: list[tuple[float, float, str]] = [
-        (run.start, run.end, LOST_PROGRESS if run.replayed else PRODUCTIVE) for run in executions]
+        (run.start, run.end, LOST_PROGRESS if run.replayed else PRODUCTIVE) for run in executions
+    ]
     intervals += [(lo, hi, STARTUP_RESTORE) for lo, hi in startup_spans(training)]
     windows = save_windows(training)
     usual, slowed = steps_during_saves(executions, windows)
-    intervals += [(run.start + usual, run.end, CHECKPOINT_INTERFERENCE)
-                  for run in slowed if usual is not None and run.end - run.start > usual]
+    intervals += [
+        (run.start + usual, run.end, CHECKPOINT_INTERFERENCE)
+        for run in slowed
+        if usual is not None and run.end - run.start > usual
+    ]
     restarts = []
     for record in training:
         kind, ts = record.get("event"), record["ts"]
@@ -151,4 +161,3 @@ def category_label(category: str) -> str:
     if category.startswith("restart_"):
         return f"restart ({category.removeprefix('restart_')})"
     return category.replace("_", " ").replace("startup restore", "startup / restore")
-

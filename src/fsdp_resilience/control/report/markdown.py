@@ -32,6 +32,7 @@ from fsdp_resilience.training.contract import (
 if TYPE_CHECKING:
     from fsdp_resilience.control.report.build import ReportPaths
 
+
 def _cell(value: Any) -> str:
     """A table cell: one line, pipes escaped."""
     text = "—" if value is None or value == "" else str(value)
@@ -55,9 +56,14 @@ def _utc(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: dict[str, Any],
-                     executions: list[StepExecution], evaluation: dict[str, Any] | None,
-                     paths: ReportPaths) -> str:
+def render_markdown(
+    layout: RunDir,
+    events: list[dict[str, Any]],
+    accounting: dict[str, Any],
+    executions: list[StepExecution],
+    evaluation: dict[str, Any] | None,
+    paths: ReportPaths,
+) -> str:
     config = read_json_object(layout.config) or {}
     run_id = config.get("run_id") or next((r["run_id"] for r in events if r.get("run_id")), layout.root.name)
     final = final_status(layout.root)
@@ -69,8 +75,11 @@ def render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: di
     else:
         failure_class = final.get("failure_class") or "unknown"
         message = " ".join(str(final.get("message") or "").split())
-        lines += [f"**Status:** `{failure_class}` (exit code {final.get('exit_code', '?')})"
-                  + (f" — {message}" if message else ""), ""]
+        lines += [
+            f"**Status:** `{failure_class}` (exit code {final.get('exit_code', '?')})"
+            + (f" — {message}" if message else ""),
+            "",
+        ]
         if failure_class in WHAT_TO_DO and failure_class != "unknown":
             lines += [f"**What to do:** {WHAT_TO_DO[failure_class]}.", ""]
 
@@ -78,8 +87,9 @@ def render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: di
     for record in events:
         by_kind[str(record.get("event"))].append(record)
     # The newest kept execution that logged a loss (with log_interval > 1 not every step does).
-    last_logged = max((run for run in executions if not run.replayed and run.loss is not None),
-                      key=lambda run: run.step, default=None)
+    last_logged = max(
+        (run for run in executions if not run.replayed and run.loss is not None), key=lambda run: run.step, default=None
+    )
     last_step = accounting["last_step"]
     newest = CheckpointCatalog(layout).latest()
     layer_latencies: dict[str, list[float | None]] = defaultdict(list)
@@ -92,23 +102,30 @@ def render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: di
     configured = config.get("steps")
 
     summary = [
-        ("steps trained", f"{last_step if last_step is not None else 0}"
-                          + (f" / {configured}" if configured else "")),
+        ("steps trained", f"{last_step if last_step is not None else 0}" + (f" / {configured}" if configured else "")),
         ("final loss", last_logged and f"{last_logged.loss:.4f} (step {last_logged.step})"),
         ("eval val_loss", _eval_summary(evaluation)),
         ("newest committed checkpoint", _newest_committed(newest)),
         ("model / world size", _world(config)),
         ("restart mode", config.get("restart_mode")),
         ("launches", len(launches) or None),
-        ("restarts", ", ".join(f"{layer}: {len(latencies)}"
-                               for layer, latencies in _by_layer_order(layer_latencies)) or "none"),
+        (
+            "restarts",
+            ", ".join(f"{layer}: {len(latencies)}" for layer, latencies in _by_layer_order(layer_latencies)) or "none",
+        ),
         ("escalations", len(escalations) or "none"),
         ("spares promoted / added", _spare_counts(by_kind)),
         ("checkpoints quarantined / skipped / stale saves", _checkpoint_counts(checkpoint_rows)),
-        ("faults injected / detected", f"{len(by_kind.get(Event.FAULT_INJECTED.value, []))} / "
-                                       f"{len(by_kind.get(Event.FAULT_DETECTED.value, []))}"),
-        ("wall time", f"{accounting['wall_s']:.1f} s ({_utc(start)} → {_utc(accounting['end_ts'])})"
-                      if accounting["wall_s"] > 0 else None),
+        (
+            "faults injected / detected",
+            f"{len(by_kind.get(Event.FAULT_INJECTED.value, []))} / {len(by_kind.get(Event.FAULT_DETECTED.value, []))}",
+        ),
+        (
+            "wall time",
+            f"{accounting['wall_s']:.1f} s ({_utc(start)} → {_utc(accounting['end_ts'])})"
+            if accounting["wall_s"] > 0
+            else None,
+        ),
         ("ETTR (productive / wall)", None if ettr is None else f"{ettr:.3f}"),
     ]
     lines += ["## Summary", ""] + _table(("", ""), summary)
@@ -118,63 +135,109 @@ def render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: di
         rows = []
         for layer, latencies in _by_layer_order(layer_latencies):
             known = [x for x in latencies if x is not None]
-            rows.append((layer, len(latencies), ", ".join(f"{x:.1f}" for x in known),
-                         _seconds(sum(known) / len(known)) if known else None, _seconds(max(known, default=None))))
+            rows.append(
+                (
+                    layer,
+                    len(latencies),
+                    ", ".join(f"{x:.1f}" for x in known),
+                    _seconds(sum(known) / len(known)) if known else None,
+                    _seconds(max(known, default=None)),
+                )
+            )
         lines += _table(("layer", "count", "latency each (s)", "mean (s)", "max (s)"), rows)
         lines += ["Latency is `restart_end.latency_s`: from the fault to the first step completed after it.", ""]
     else:
         lines += ["No restarts.", ""]
 
-    faults = [r for r in timed_records(events)
-              if r.get("event") in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value)]
+    faults = [
+        r for r in timed_records(events) if r.get("event") in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value)
+    ]
     if faults:
         lines += ["## Faults", ""] + _table(
             ("t (s)", "event", "step", "rank", "kind", "layer", "class", "error"),
-            ((f"{r['ts'] - start:.1f}", r.get("event"), r.get("step"), r.get("rank"), r.get("kind"),
-              r.get("layer"), r.get("failure_class"), str(r.get("error") or "")[:120]) for r in faults))
+            (
+                (
+                    f"{r['ts'] - start:.1f}",
+                    r.get("event"),
+                    r.get("step"),
+                    r.get("rank"),
+                    r.get("kind"),
+                    r.get("layer"),
+                    r.get("failure_class"),
+                    str(r.get("error") or "")[:120],
+                )
+                for r in faults
+            ),
+        )
 
     quarantined, skipped, stale = checkpoint_rows
     if quarantined or skipped or stale:
         lines += ["## Checkpoints that failed", ""]
     if quarantined:
-        lines += ["Quarantined: moved to `checkpoints/quarantine/`, never loaded again, never deleted "
-                  "(inspect them there; move one back to `checkpoints/` to have it verified again).", ""]
+        lines += [
+            "Quarantined: moved to `checkpoints/quarantine/`, never loaded again, never deleted "
+            "(inspect them there; move one back to `checkpoints/` to have it verified again).",
+            "",
+        ]
         lines += _table(("t (s)", "checkpoint", "step", "by", "reason", "now at"), quarantined)
     if skipped:
-        lines += ["Skipped: passed over, left where it is (torn, or failed a check where it could not be "
-                  "moved aside).", ""]
+        lines += [
+            "Skipped: passed over, left where it is (torn, or failed a check where it could not be moved aside).",
+            "",
+        ]
         lines += _table(("t (s)", "checkpoint", "step", "by", "reason"), skipped)
     if stale:
-        lines += ["Stale saves: the model bytes equal an earlier checkpoint's although steps advanced (the save "
-                  "wrote old state).", ""]
+        lines += [
+            "Stale saves: the model bytes equal an earlier checkpoint's although steps advanced (the save "
+            "wrote old state).",
+            "",
+        ]
         lines += _table(("t (s)", "checkpoint", "step", "same as"), stale)
 
     if escalations:
         lines += ["## Escalations", ""] + _table(
             ("t (s)", "rung", "from launch", "to launch", "failure class", "nodes replaced", "reason"),
-            ((f"{r['ts'] - start:.1f}" if number(r, "ts") is not None else None, r.get("rung"),
-              r.get("from_launch"), r.get("to_launch"), r.get("failure_class"),
-              ", ".join(map(str, r["nodes"])) if isinstance(r.get("nodes"), list) else r.get("nodes"),
-              r.get("reason")) for r in escalations))
+            (
+                (
+                    f"{r['ts'] - start:.1f}" if number(r, "ts") is not None else None,
+                    r.get("rung"),
+                    r.get("from_launch"),
+                    r.get("to_launch"),
+                    r.get("failure_class"),
+                    ", ".join(map(str, r["nodes"])) if isinstance(r.get("nodes"), list) else r.get("nodes"),
+                    r.get("reason"),
+                )
+                for r in escalations
+            ),
+        )
 
     spares = _spare_rows(events, start)
     if spares:
-        lines += ["## Hot spares", "",
-                  "A spare promoted: it took a lost node's place at an in-job restart (no relaunch). A spare "
-                  "added: the control plane took the lost node out of service and started a new spare while "
-                  "training went on (each one spends one of max_node_replacements).", ""]
+        lines += [
+            "## Hot spares",
+            "",
+            "A spare promoted: it took a lost node's place at an in-job restart (no relaunch). A spare "
+            "added: the control plane took the lost node out of service and started a new spare while "
+            "training went on (each one spends one of max_node_replacements).",
+            "",
+        ]
         lines += _table(("t (s)", "launch", "event", "node out", "spare in", "detail"), spares)
 
     if len(launches) > 1 or any(row[3] not in (None, "success") for row in launches):
         lines += ["## Launches", ""] + _table(
-            ("launch", "started (s)", "ended (s)", "failure class", "exit code", "message"), launches)
+            ("launch", "started (s)", "ended (s)", "failure class", "exit code", "message"), launches
+        )
 
     wall = accounting["wall_s"]
     share = (lambda s: f"{100 * s / wall:.1f} %") if wall > 0 else (lambda s: None)
-    goodput_rows = [(PRODUCTIVE.replace("_", " "), _seconds(accounting["productive_s"]),
-                     share(accounting["productive_s"]))]
-    goodput_rows += [(category_label(c), _seconds(s), share(s)) for c, s in accounting["badput_s"].items()
-                     if s > 0 or not c.startswith("restart_")]  # no empty rows for layers never used
+    goodput_rows = [
+        (PRODUCTIVE.replace("_", " "), _seconds(accounting["productive_s"]), share(accounting["productive_s"]))
+    ]
+    goodput_rows += [
+        (category_label(c), _seconds(s), share(s))
+        for c, s in accounting["badput_s"].items()
+        if s > 0 or not c.startswith("restart_")
+    ]  # no empty rows for layers never used
     goodput_rows.append(("**wall**", _seconds(wall), "100 %" if wall > 0 else None))
     replayed = accounting["replayed_steps"]
     lines += ["## Goodput", ""] + _table(("category", "seconds", "share of wall"), goodput_rows)
@@ -187,7 +250,9 @@ def render_markdown(layout: RunDir, events: list[dict[str, Any]], accounting: di
         "each fault → resumed window; checkpoint blocking: the loop stopped for a save; checkpoint "
         "interference: steps slower than usual while a save was written in the background (the "
         "excess over the median step outside saves). "
-        "ETTR = productive / wall.", ""]
+        "ETTR = productive / wall.",
+        "",
+    ]
 
     lines += ["## Figures", ""]
     for title, png in (("Loss", paths.loss_png), ("Timeline", paths.timeline_png), ("Goodput", paths.goodput_png)):
@@ -216,8 +281,9 @@ def _by(record: dict[str, Any]) -> str:
     return str(record.get("by") or record.get("role") or "—")
 
 
-def _checkpoint_trouble(layout: RunDir, events: list[dict[str, Any]], start: float
-                        ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+def _checkpoint_trouble(
+    layout: RunDir, events: list[dict[str, Any]], start: float
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
     """Rows for the quarantined checkpoints (the quarantine's records, and quarantine events whose
     folder is no longer there), the skipped ones (each checkpoint and reason once) and stale saves."""
     at = lambda r: f"{r['ts'] - start:.1f}" if number(r, "ts") is not None else None  # noqa: E731
@@ -225,22 +291,33 @@ def _checkpoint_trouble(layout: RunDir, events: list[dict[str, Any]], start: flo
     for record in CheckpointCatalog(layout).quarantined():
         seen.add(Path(record["path"]).name)
         moved_at = number(record, "quarantined_at")
-        quarantined.append((None if moved_at is None else f"{moved_at - start:.1f}", record.get("checkpoint_id"),
-                            record.get("step"), _by(record), record.get("reason"),
-                            f"checkpoints/quarantine/{Path(record['path']).name}"))
+        quarantined.append(
+            (
+                None if moved_at is None else f"{moved_at - start:.1f}",
+                record.get("checkpoint_id"),
+                record.get("step"),
+                _by(record),
+                record.get("reason"),
+                f"checkpoints/quarantine/{Path(record['path']).name}",
+            )
+        )
     for r in timed_records(events):
         if r.get("event") == Event.CHECKPOINT_QUARANTINED.value and Path(str(r.get("moved_to"))).name not in seen:
             seen.add(Path(str(r.get("moved_to"))).name)
-            quarantined.append((at(r), r.get("checkpoint_id"), r.get("step"), _by(r), r.get("reason"),
-                                "gone (moved back or deleted)"))
+            quarantined.append(
+                (at(r), r.get("checkpoint_id"), r.get("step"), _by(r), r.get("reason"), "gone (moved back or deleted)")
+            )
     skipped, reasons = [], set()
     for r in timed_records(events):
         key = (r.get("checkpoint_id"), r.get("reason"))
         if r.get("event") == Event.CHECKPOINT_SKIP.value and key not in reasons:
             reasons.add(key)
             skipped.append((at(r), r.get("checkpoint_id"), r.get("step"), _by(r), r.get("reason")))
-    stale = [(at(r), r.get("checkpoint_id"), r.get("step"), r.get("same_as"))
-             for r in timed_records(events) if r.get("event") == Event.CHECKPOINT_STALE.value]
+    stale = [
+        (at(r), r.get("checkpoint_id"), r.get("step"), r.get("same_as"))
+        for r in timed_records(events)
+        if r.get("event") == Event.CHECKPOINT_STALE.value
+    ]
     return quarantined, skipped, stale
 
 
@@ -267,9 +344,16 @@ def _launches(events: list[dict[str, Any]], start: float) -> list[tuple[Any, ...
     for launch_id, began in begun.items():
         ended = finals.get(launch_id, [])
         worst = ([r for r in ended if r.get("failure_class") != "success"] or ended or [{}])[-1]
-        rows.append((launch_id or "(first)", f"{began - start:.1f}",
-                     f"{worst['ts'] - start:.1f}" if worst else "running", worst.get("failure_class"),
-                     worst.get("exit_code"), str(worst.get("message") or "")[:160]))
+        rows.append(
+            (
+                launch_id or "(first)",
+                f"{began - start:.1f}",
+                f"{worst['ts'] - start:.1f}" if worst else "running",
+                worst.get("failure_class"),
+                worst.get("exit_code"),
+                str(worst.get("message") or "")[:160],
+            )
+        )
     return rows
 
 
@@ -286,19 +370,31 @@ def _spare_rows(events: list[dict[str, Any]], start: float) -> list[tuple[Any, .
         kind = r.get("event")
         if kind == SPARE_PROMOTED:
             ranks = r.get("replaced_node_ranks")
-            rows.append((f"{r['ts'] - start:.1f}", r.get("launch_id"), "spare promoted",
-                         node_list(r.get("replaces")) or "—", f"{r.get('node_id')} (node {r.get('node_rank')})",
-                         f"in-job attempt {r.get('attempt')}"
-                         + (f"; replaces node(s) {node_list(ranks)}" if ranks else "")
-                         + (f"; training: {node_list(r.get('members'))}" if r.get("members") else "")))
+            rows.append(
+                (
+                    f"{r['ts'] - start:.1f}",
+                    r.get("launch_id"),
+                    "spare promoted",
+                    node_list(r.get("replaces")) or "—",
+                    f"{r.get('node_id')} (node {r.get('node_rank')})",
+                    f"in-job attempt {r.get('attempt')}"
+                    + (f"; replaces node(s) {node_list(ranks)}" if ranks else "")
+                    + (f"; training: {node_list(r.get('members'))}" if r.get("members") else ""),
+                )
+            )
         elif kind == SPARE_ADDED:
             quarantined = node_list(r.get("quarantined"))
-            rows.append((f"{r['ts'] - start:.1f}", r.get("launch_id"), "spare added",
-                         f"{r.get('lost_node_id')} (node {r.get('lost_node_rank')})"
-                         + ("; out of service" if quarantined else ""),
-                         f"{r.get('node_id')} (node {r.get('node_rank')})",
-                         (f"out of service: {quarantined}; " if quarantined else "")
-                         + str(r.get("reason") or "")[:160]))
+            rows.append(
+                (
+                    f"{r['ts'] - start:.1f}",
+                    r.get("launch_id"),
+                    "spare added",
+                    f"{r.get('lost_node_id')} (node {r.get('lost_node_rank')})"
+                    + ("; out of service" if quarantined else ""),
+                    f"{r.get('node_id')} (node {r.get('node_rank')})",
+                    (f"out of service: {quarantined}; " if quarantined else "") + str(r.get("reason") or "")[:160],
+                )
+            )
     return rows
 
 
@@ -335,4 +431,3 @@ def _ranges(steps: list[int]) -> str:
         else:
             parts.append((step, step))
     return ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in parts)
-

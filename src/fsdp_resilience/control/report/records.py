@@ -41,8 +41,7 @@ def integer(record: dict[str, Any], key: str) -> int | None:
 
 def timed_records(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Records with a usable ``ts``, oldest first (stable: equal stamps keep log order)."""
-    return sorted((r for r in events if isinstance(r, dict) and number(r, "ts") is not None),
-                  key=lambda r: r["ts"])
+    return sorted((r for r in events if isinstance(r, dict) and number(r, "ts") is not None), key=lambda r: r["ts"])
 
 
 @dataclass(frozen=True)
@@ -86,8 +85,9 @@ def step_executions(events: Iterable[dict[str, Any]]) -> list[StepExecution]:
             first, since = previous[0] + 1, previous[1]
             share = (ts - since) / (step - first + 1)
             for i, s in enumerate(range(first, step + 1)):
-                runs.append(StepExecution(s, since + i * share, since + (i + 1) * share,
-                                          loss if s == step else None, segment))
+                runs.append(
+                    StepExecution(s, since + i * share, since + (i + 1) * share, loss if s == step else None, segment)
+                )
         else:
             runs.append(StepExecution(step, ts - max(step_s or 0.0, 0.0), ts, loss, segment))
     last_end: dict[int, float] = {}
@@ -114,8 +114,9 @@ def save_windows(events: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
     return windows
 
 
-def steps_during_saves(executions: list[StepExecution], windows: list[tuple[float, float]]
-                        ) -> tuple[float | None, list[StepExecution]]:
+def steps_during_saves(
+    executions: list[StepExecution], windows: list[tuple[float, float]]
+) -> tuple[float | None, list[StepExecution]]:
     """The usual step time (median of the last executions that overlap no save window) and the
     last executions that overlap one."""
     slowed, others = [], []
@@ -146,11 +147,12 @@ def startup_spans(timed: list[dict[str, Any]]) -> list[tuple[float, float]]:
         kind = marker.get("event")
         if kind not in (Event.LAUNCH_BEGIN.value, Event.RESTART_BEGIN.value):
             continue
-        for later in timed[i + 1:]:
+        for later in timed[i + 1 :]:
             if later.get("event") == Event.STEP.value:
                 break
             if later.get("event") == Event.TRAIN_BEGIN.value and (
-                    kind == Event.LAUNCH_BEGIN.value or later.get("pid") == marker.get("pid")):
+                kind == Event.LAUNCH_BEGIN.value or later.get("pid") == marker.get("pid")
+            ):
                 spans.append((marker["ts"], later["ts"]))
                 break
     return spans
@@ -170,4 +172,3 @@ def node_list(value: Any) -> str | None:
     if isinstance(value, list):
         return ", ".join(map(str, value)) or None
     return None if value is None else str(value)
-

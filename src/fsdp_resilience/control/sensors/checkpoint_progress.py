@@ -26,8 +26,14 @@ class CheckpointProgressSensor(BaseSensorOperator):
 
     template_fields = ("launch",)
 
-    def __init__(self, *, launch: Launch | dict[str, Any] | str, poll_interval_s: float = 5.0, deferrable: bool = True,
-                 **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        launch: Launch | dict[str, Any] | str,
+        poll_interval_s: float = 5.0,
+        deferrable: bool = True,
+        **kwargs: Any,
+    ):
         super().__init__(poke_interval=poll_interval_s, **kwargs)
         self.launch = launch  # launch_training's XCom (``Launch.to_dict()``), or a Launch
         self.poll_interval_s = poll_interval_s
@@ -39,21 +45,25 @@ class CheckpointProgressSensor(BaseSensorOperator):
     def execute(self, context: Any) -> Any:
         if not self.deferrable:
             return super().execute(context)
-        self.defer(trigger=TrainingProgressTrigger(**self._trigger_kwargs(), poll_interval_s=self.poll_interval_s),
-                   method_name="execute_complete")
+        self.defer(
+            trigger=TrainingProgressTrigger(**self._trigger_kwargs(), poll_interval_s=self.poll_interval_s),
+            method_name="execute_complete",
+        )
 
     def poke(self, context: Any):
         from airflow.sdk import PokeReturnValue
 
         kw = self._trigger_kwargs()
-        progress = check_progress(get_backend(**kw.pop("backend")), JobHandle.from_dict(kw.pop("handle")), **kw,
-                                  now=time.time())
+        progress = check_progress(
+            get_backend(**kw.pop("backend")), JobHandle.from_dict(kw.pop("handle")), **kw, now=time.time()
+        )
         self.log.info("%s", progress.message)
         return PokeReturnValue(is_done=progress.outcome is not None, xcom_value=progress.to_dict())
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         # Either status: a failed or stalled launch is the ladder's to judge, not a task failure.
         outcome = Outcome.from_dict({k: v for k, v in read_event(event, SUCCESS, FAILURE).items() if k != "status"})
-        self.log.info("launch %s: %s (%s) — %s", outcome.launch_id, outcome.outcome, outcome.failure_class,
-                      outcome.message)
+        self.log.info(
+            "launch %s: %s (%s) — %s", outcome.launch_id, outcome.outcome, outcome.failure_class, outcome.message
+        )
         return outcome.to_dict()

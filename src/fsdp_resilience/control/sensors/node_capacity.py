@@ -24,8 +24,15 @@ class NodeCapacitySensor(BaseSensorOperator):
 
     template_fields = ("run",)
 
-    def __init__(self, *, run: Run | dict[str, Any] | str | None = None, run_from: str | None = None,
-                 timeout_s: float = 1800.0, poll_interval_s: float = 10.0, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        run: Run | dict[str, Any] | str | None = None,
+        run_from: str | None = None,
+        timeout_s: float = 1800.0,
+        poll_interval_s: float = 10.0,
+        **kwargs: Any,
+    ):
         super().__init__(poke_interval=poll_interval_s, timeout=timeout_s, **kwargs)
         if (run is None) == (run_from is None):
             raise ValueError("NodeCapacitySensor needs one of run (the run dict) or run_from (a task id)")
@@ -45,12 +52,17 @@ class NodeCapacitySensor(BaseSensorOperator):
         # triggerer. Only a wait defers.
         capacity = get_backend(**run.backend).capacity()
         if capacity.fits(launch_nodes(run)):
-            return self.execute_complete(context, capacity_event(capacity, launch_nodes(run),
-                                                                 time.time() - started_at))
-        self.defer(trigger=NodeCapacityTrigger(backend=run.backend, nodes=launch_nodes(run),
-                                               timeout_s=self.timeout_s, started_at=started_at,
-                                               poll_interval_s=self.poll_interval_s),
-                   method_name="execute_complete")
+            return self.execute_complete(context, capacity_event(capacity, launch_nodes(run), time.time() - started_at))
+        self.defer(
+            trigger=NodeCapacityTrigger(
+                backend=run.backend,
+                nodes=launch_nodes(run),
+                timeout_s=self.timeout_s,
+                started_at=started_at,
+                poll_interval_s=self.poll_interval_s,
+            ),
+            method_name="execute_complete",
+        )
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         event = read_event(event, SUCCESS, TIMEOUT)
@@ -59,8 +71,10 @@ class NodeCapacitySensor(BaseSensorOperator):
         if event["status"] != SUCCESS:
             from airflow.sdk.exceptions import AirflowFailException
 
-            raise AirflowFailException(f"not enough healthy nodes for {nodes} node(s) within "
-                                       f"{self.timeout_s:.0f}s: {summary}; scale the node group up or lower nodes")
+            raise AirflowFailException(
+                f"not enough healthy nodes for {nodes} node(s) within "
+                f"{self.timeout_s:.0f}s: {summary}; scale the node group up or lower nodes"
+            )
         self.log.info("capacity: %s", summary)
         return event
 

@@ -51,16 +51,20 @@ def read_event(event: Any, *statuses: str) -> dict[str, Any]:
     """The event a deferred task resumed with, checked: a dict with a ``message`` and a ``status``
     (among ``statuses`` when given). Raises ``TriggerEventError`` saying what is wrong."""
     if not isinstance(event, dict) or not isinstance(event.get("status"), str) or "message" not in event:
-        raise TriggerEventError(f"trigger event {event!r} is not a {{'status', 'message', ...}} dict: was the "
-                                "trigger serialised by an older version of the control plane?")
+        raise TriggerEventError(
+            f"trigger event {event!r} is not a {{'status', 'message', ...}} dict: was the "
+            "trigger serialised by an older version of the control plane?"
+        )
     if statuses and event["status"] not in statuses:
-        raise TriggerEventError(f"trigger event status {event['status']!r} is not one of {', '.join(statuses)}: "
-                                f"{event['message']}")
+        raise TriggerEventError(
+            f"trigger event status {event['status']!r} is not one of {', '.join(statuses)}: {event['message']}"
+        )
     return event
 
 
-async def until_next_check(changes: LaunchChanges | None, poll_interval_s: float, change_tick_s: float,
-                           log: Any) -> None:
+async def until_next_check(
+    changes: LaunchChanges | None, poll_interval_s: float, change_tick_s: float, log: Any
+) -> None:
     """Wait out the poll interval, or less: until ``changes`` says the launch may have changed (a
     ``final`` event, a rewritten job file)."""
     if changes is None:

@@ -22,8 +22,15 @@ class FsxDataRepositoryTaskTrigger(BaseTrigger):
     event loop must not.
     """
 
-    def __init__(self, *, task_id: str, file_system_id: str, aws_conn_id: str | None = "aws_default",
-                 region_name: str | None = None, poll_interval_s: float = 30.0):
+    def __init__(
+        self,
+        *,
+        task_id: str,
+        file_system_id: str,
+        aws_conn_id: str | None = "aws_default",
+        region_name: str | None = None,
+        poll_interval_s: float = 30.0,
+    ):
         super().__init__()
         self.task_id = task_id
         self.file_system_id = file_system_id
@@ -32,10 +39,16 @@ class FsxDataRepositoryTaskTrigger(BaseTrigger):
         self.poll_interval_s = poll_interval_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}", {
-            "task_id": self.task_id, "file_system_id": self.file_system_id, "aws_conn_id": self.aws_conn_id,
-            "region_name": self.region_name, "poll_interval_s": self.poll_interval_s,
-        })
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "task_id": self.task_id,
+                "file_system_id": self.file_system_id,
+                "aws_conn_id": self.aws_conn_id,
+                "region_name": self.region_name,
+                "poll_interval_s": self.poll_interval_s,
+            },
+        )
 
     def _hook(self) -> "FsxHook":
         from fsdp_resilience.control.hooks.fsx import FsxHook

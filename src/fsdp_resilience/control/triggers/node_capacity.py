@@ -18,8 +18,9 @@ class NodeCapacityTrigger(BaseTrigger):
     capacity last seen (``capacity_event``: status ``success`` or ``timeout``). Stateless like the
     progress trigger: it only polls ``capacity()``."""
 
-    def __init__(self, *, backend: dict[str, Any], nodes: int, timeout_s: float, started_at: float,
-                 poll_interval_s: float = 10.0):
+    def __init__(
+        self, *, backend: dict[str, Any], nodes: int, timeout_s: float, started_at: float, poll_interval_s: float = 10.0
+    ):
         super().__init__()
         self.backend = backend
         self.nodes = nodes
@@ -28,9 +29,16 @@ class NodeCapacityTrigger(BaseTrigger):
         self.poll_interval_s = poll_interval_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}", {
-            "backend": self.backend, "nodes": self.nodes, "timeout_s": self.timeout_s,
-            "started_at": self.started_at, "poll_interval_s": self.poll_interval_s})
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "backend": self.backend,
+                "nodes": self.nodes,
+                "timeout_s": self.timeout_s,
+                "started_at": self.started_at,
+                "poll_interval_s": self.poll_interval_s,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(**self.backend)
@@ -40,15 +48,23 @@ class NodeCapacityTrigger(BaseTrigger):
             if capacity.fits(self.nodes) or waited > self.timeout_s:
                 yield TriggerEvent(capacity_event(capacity, self.nodes, waited))
                 return
-            self.log.info("%d of %d node(s) healthy; %d needed (out of service: %s)", capacity.healthy,
-                          capacity.total, self.nodes, capacity.quarantined)
+            self.log.info(
+                "%d of %d node(s) healthy; %d needed (out of service: %s)",
+                capacity.healthy,
+                capacity.total,
+                self.nodes,
+                capacity.quarantined,
+            )
             await asyncio.sleep(self.poll_interval_s)
 
 
 def capacity_event(capacity: Capacity, nodes: int, waited_s: float) -> dict[str, Any]:
     """What the capacity wait saw: status ``success`` when ``capacity`` fits ``nodes`` nodes, else
     ``timeout``; ``waited_s`` and ``capacity`` (``Capacity.to_dict()``)."""
-    message = (f"{capacity.healthy} of {capacity.total} node(s) healthy, out of service {capacity.quarantined}, "
-               f"after {round(waited_s, 1)}s")
-    return event_payload(SUCCESS if capacity.fits(nodes) else TIMEOUT, message, waited_s=round(waited_s, 1),
-                         capacity=capacity.to_dict())
+    message = (
+        f"{capacity.healthy} of {capacity.total} node(s) healthy, out of service {capacity.quarantined}, "
+        f"after {round(waited_s, 1)}s"
+    )
+    return event_payload(
+        SUCCESS if capacity.fits(nodes) else TIMEOUT, message, waited_s=round(waited_s, 1), capacity=capacity.to_dict()
+    )

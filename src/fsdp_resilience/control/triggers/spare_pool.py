@@ -39,9 +39,17 @@ class SparePoolTrigger(BaseTrigger):
     file, which is how the local backend shows a lost node). Stateless between polls like the
     progress trigger: a restarted triggerer resumes it from its kwargs."""
 
-    def __init__(self, *, backend: dict[str, Any], handle: dict[str, Any], run_dir: str, handled: list[str],
-                 poll_interval_s: float = 5.0, checkpoints_s3: str | None = None,
-                 change_tick_s: float = CHANGE_TICK_S):
+    def __init__(
+        self,
+        *,
+        backend: dict[str, Any],
+        handle: dict[str, Any],
+        run_dir: str,
+        handled: list[str],
+        poll_interval_s: float = 5.0,
+        checkpoints_s3: str | None = None,
+        change_tick_s: float = CHANGE_TICK_S,
+    ):
         super().__init__()
         self.backend = backend
         self.handle = handle
@@ -52,23 +60,37 @@ class SparePoolTrigger(BaseTrigger):
         self.change_tick_s = change_tick_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}", {
-            "backend": self.backend, "handle": self.handle, "run_dir": self.run_dir, "handled": self.handled,
-            "poll_interval_s": self.poll_interval_s, "checkpoints_s3": self.checkpoints_s3,
-            "change_tick_s": self.change_tick_s})
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "backend": self.backend,
+                "handle": self.handle,
+                "run_dir": self.run_dir,
+                "handled": self.handled,
+                "poll_interval_s": self.poll_interval_s,
+                "checkpoints_s3": self.checkpoints_s3,
+                "change_tick_s": self.change_tick_s,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(**self.backend)
         handle = JobHandle.from_dict(self.handle)
         changes = None
         if self.change_tick_s > 0 and not self.checkpoints_s3:  # the run dir is readable here
-            changes = await asyncio.to_thread(LaunchChanges, self.run_dir, handle.launch_id,
-                                              backend.change_paths(handle))
+            changes = await asyncio.to_thread(
+                LaunchChanges, self.run_dir, handle.launch_id, backend.change_paths(handle)
+            )
         while True:
             status = await backend.status_async(handle)
             out = nodes_to_handle(status, self.handled)
             if status.done or out:
-                yield trigger_event(LAUNCH_ENDED if status.done else NODES_OUT, status.message, state=status.state,
-                                    nodes=out, handled=self.handled)
+                yield trigger_event(
+                    LAUNCH_ENDED if status.done else NODES_OUT,
+                    status.message,
+                    state=status.state,
+                    nodes=out,
+                    handled=self.handled,
+                )
                 return
             await until_next_check(changes, self.poll_interval_s, self.change_tick_s, self.log)

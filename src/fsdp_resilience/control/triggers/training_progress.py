@@ -29,10 +29,20 @@ class TrainingProgressTrigger(BaseTrigger):
     polls (see ``fsdp_resilience.control.progress``), so a restarted triggerer resumes it as it was.
     """
 
-    def __init__(self, *, backend: dict[str, Any], handle: dict[str, Any], run_dir: str, final_step: int,
-                 stall_timeout_s: float, launched_at: float, poll_interval_s: float = 5.0,
-                 checkpoints_s3: str | None = None, aws_conn_id: str | None = None,
-                 change_tick_s: float = CHANGE_TICK_S):
+    def __init__(
+        self,
+        *,
+        backend: dict[str, Any],
+        handle: dict[str, Any],
+        run_dir: str,
+        final_step: int,
+        stall_timeout_s: float,
+        launched_at: float,
+        poll_interval_s: float = 5.0,
+        checkpoints_s3: str | None = None,
+        aws_conn_id: str | None = None,
+        change_tick_s: float = CHANGE_TICK_S,
+    ):
         super().__init__()
         self.backend = backend
         self.handle = handle
@@ -46,13 +56,21 @@ class TrainingProgressTrigger(BaseTrigger):
         self.change_tick_s = change_tick_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}", {
-            "backend": self.backend, "handle": self.handle, "run_dir": self.run_dir,
-            "final_step": self.final_step, "stall_timeout_s": self.stall_timeout_s,
-            "launched_at": self.launched_at, "poll_interval_s": self.poll_interval_s,
-            "checkpoints_s3": self.checkpoints_s3, "aws_conn_id": self.aws_conn_id,
-            "change_tick_s": self.change_tick_s,
-        })
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "backend": self.backend,
+                "handle": self.handle,
+                "run_dir": self.run_dir,
+                "final_step": self.final_step,
+                "stall_timeout_s": self.stall_timeout_s,
+                "launched_at": self.launched_at,
+                "poll_interval_s": self.poll_interval_s,
+                "checkpoints_s3": self.checkpoints_s3,
+                "aws_conn_id": self.aws_conn_id,
+                "change_tick_s": self.change_tick_s,
+            },
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(**self.backend)
@@ -60,16 +78,23 @@ class TrainingProgressTrigger(BaseTrigger):
         changes = None
         if self.change_tick_s > 0 and not self.checkpoints_s3:
             # Before the first check: what is appended or rewritten after it is then seen.
-            changes = await asyncio.to_thread(LaunchChanges, self.run_dir, handle.launch_id,
-                                              backend.change_paths(handle))
+            changes = await asyncio.to_thread(
+                LaunchChanges, self.run_dir, handle.launch_id, backend.change_paths(handle)
+            )
         while True:
             # The job's state first (the backend's async client where it has one: the EKS
             # backend's AsyncKubernetesHook), then the checkpoint (a file or S3 read: off the event
             # loop); judge_progress says why in that order.
             status = await backend.status_async(handle)
             latest = await asyncio.to_thread(latest_checkpoint, self.run_dir, self.checkpoints_s3, self.aws_conn_id)
-            progress = judge_progress(status, latest, handle, final_step=self.final_step,
-                                      stall_timeout_s=self.stall_timeout_s, launched_at=self.launched_at)
+            progress = judge_progress(
+                status,
+                latest,
+                handle,
+                final_step=self.final_step,
+                stall_timeout_s=self.stall_timeout_s,
+                launched_at=self.launched_at,
+            )
             if progress.outcome is not None:
                 yield trigger_event(SUCCESS if progress.outcome == PROGRESS_SUCCESS else FAILURE, **progress.to_dict())
                 return

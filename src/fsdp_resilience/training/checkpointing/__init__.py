@@ -34,7 +34,21 @@ from fsdp_resilience.training.checkpointing.rounds import CheckpointWriterError
 from fsdp_resilience.training.checkpointing.snapshot import SnapshotBuffers, app_state, restore_app_state
 from fsdp_resilience.training.checkpointing.writer import writer_stall_bound
 
-__all__ = ["AsyncCheckpointer", "CheckpointMismatchError", "CheckpointWriterError", "NotDirectlyReadable",
-           "SaveStats", "SnapshotBuffers", "app_state", "check_checkpoint", "choose_checkpoint", "load_checkpoint",
-           "load_latest", "plan_direct_read", "read_model_bytes", "restore_app_state", "restore_checkpoint",
-           "writer_stall_bound"]
+__all__ = [
+    "AsyncCheckpointer",
+    "CheckpointMismatchError",
+    "CheckpointWriterError",
+    "NotDirectlyReadable",
+    "SaveStats",
+    "SnapshotBuffers",
+    "app_state",
+    "check_checkpoint",
+    "choose_checkpoint",
+    "load_checkpoint",
+    "load_latest",
+    "plan_direct_read",
+    "read_model_bytes",
+    "restore_app_state",
+    "restore_checkpoint",
+    "writer_stall_bound",
+]

@@ -157,8 +157,9 @@ class AsyncCheckpointer(CommitRounds):
 
         self._group: dist.ProcessGroup | None = None
         self._rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
-        self._world_size = world_size if world_size is not None else (
-            dist.get_world_size() if dist.is_initialized() else 1)
+        self._world_size = (
+            world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+        )
         self._collective_device = torch.device("cpu")
         self._pending: _PendingSave | None = None
         self._committer = Committer(self.catalog, events, keep)
@@ -250,8 +251,12 @@ class AsyncCheckpointer(CommitRounds):
         self._collective_device = collective_device(self._group)
         writer = self._helpers.writer
         if self.async_save and writer is not None and (not writer.alive or self._writer_stuck()):
-            log.warning("rank %d: checkpoint writer (pid %s) is %s; starting a new one", self._rank, writer.pid,
-                        "gone" if not writer.alive else f"stuck (no progress for {writer.idle_s():.0f}s)")
+            log.warning(
+                "rank %d: checkpoint writer (pid %s) is %s; starting a new one",
+                self._rank,
+                writer.pid,
+                "gone" if not writer.alive else f"stuck (no progress for {writer.idle_s():.0f}s)",
+            )
             self._start_writer()
 
     def save(self, step: int, state: dict[str, Any]) -> None:
@@ -340,20 +345,26 @@ class AsyncCheckpointer(CommitRounds):
         snapshot = self._buffers.snapshot(state)
         snapped = time.monotonic()
         results_queue = self._helpers.channel.new_queue()  # before planning: see _WriteResultsChannel
-        writer = _SnapshotWriter(str(path), handed_over=self._handed_over, generation=self._buffers.generation,
-                                 thread_count=self.thread_count)
+        writer = _SnapshotWriter(
+            str(path),
+            handed_over=self._handed_over,
+            generation=self._buffers.generation,
+            thread_count=self.thread_count,
+        )
         # With the cache, NVRx skips the planning collectives once two saves planned alike; on
         # every rank at once (_settle agreed that the cache holds everywhere, and equal
         # structures plan alike on every rank).
         writer, metadata, dist_wrapper = save_state_dict_async_plan(
-            snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache)
+            snapshot, writer, process_group=self._group, enable_cache=True, metadata_cache=self._plan_cache
+        )
         if writer.results_queue is not None:
             writer.results_queue = results_queue
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
         self._buffers.wait_copied()  # CUDA: the D2H copies ran while we planned; the writer reads them next
         planned = time.monotonic()
-        pending = _PendingSave(step, path, writer, metadata, dist_wrapper, call_idx=None, began=began,
-                               scheduled=planned)
+        pending = _PendingSave(
+            step, path, writer, metadata, dist_wrapper, call_idx=None, began=began, scheduled=planned
+        )
         if save_fn is None:  # nothing to write here, but the commit wants this rank's (empty) record
             try:
                 write_empty_sums(path, self._rank)
@@ -371,8 +382,18 @@ class AsyncCheckpointer(CommitRounds):
                 self._start_writer()
         self._pending = pending
         scheduled = time.monotonic()
-        self._record(SaveStats(step, "async", scheduled - began, settled - began, snapped - settled,
-                               planned - snapped, scheduled - planned, self._buffers.nbytes))
+        self._record(
+            SaveStats(
+                step,
+                "async",
+                scheduled - began,
+                settled - began,
+                snapped - settled,
+                planned - snapped,
+                scheduled - planned,
+                self._buffers.nbytes,
+            )
+        )
 
     def _save_sync(self, step: int, state: dict[str, Any], path: Path, began: float, settled: float) -> None:
         # dcp.save returns on every rank only after the coordinator wrote .metadata, i.e. after
@@ -388,9 +409,12 @@ class AsyncCheckpointer(CommitRounds):
             log.error("rank %d: checksumming checkpoint %s failed: %s", self._rank, path.name, error)
         failed = _failed_ranks([_FAILED if s else _DONE for s in self._agree(int(error is not None))[0]])
         if failed:
-            raise CheckpointWriterError(step, f"checksums failed on rank(s) {failed}"
-                                        f"{f' (here: {error})' if error else ''}; {path.name} is left uncommitted",
-                                        tuple(failed))
+            raise CheckpointWriterError(
+                step,
+                f"checksums failed on rank(s) {failed}"
+                f"{f' (here: {error})' if error else ''}; {path.name} is left uncommitted",
+                tuple(failed),
+            )
         self._record(SaveStats(step, "sync", written - began, settled - began, 0.0, written - settled, 0.0, 0))
         self._commit(step, path, began, finish=None)
 
@@ -406,8 +430,13 @@ class AsyncCheckpointer(CommitRounds):
     def _record(self, stats: SaveStats) -> None:
         self.last_save = stats
         if self._rank == 0 and self.events is not None:
-            self.events.emit(Event.CHECKPOINT_BEGIN, step=stats.step, blocking_s=round(stats.blocking_s, 4),
-                             mode=stats.mode, snapshot_s=round(stats.snapshot_s, 4))
+            self.events.emit(
+                Event.CHECKPOINT_BEGIN,
+                step=stats.step,
+                blocking_s=round(stats.blocking_s, 4),
+                mode=stats.mode,
+                snapshot_s=round(stats.snapshot_s, 4),
+            )
 
     # -- helpers ------------------------------------------------------------------------------
     def _start_writer(self, fork: bool = False) -> None:

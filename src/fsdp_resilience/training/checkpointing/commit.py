@@ -50,8 +50,7 @@ class Committer:
         self.trusted: int | None = None
         self._retention: threading.Thread | None = None
 
-    def commit(self, step: int, world_size: int, finish: Callable[[], None] | None,
-               began: float) -> CheckpointInfo:
+    def commit(self, step: int, world_size: int, finish: Callable[[], None] | None, began: float) -> CheckpointInfo:
         """Write .metadata (``finish``, async saves) and the marker; emit the commit event and, if
         the model did not change since the previous commit, a stale-save event. Raises if the
         commit is refused (missing checksums, a file without one, a size that does not match)."""
@@ -61,17 +60,24 @@ class Committer:
         records = read_writer_records(path, world_size)
         extra: dict[str, Any] = {}
         if records is not None:
-            extra = {"model_crc32c": [r.get("model_crc32c") for r in records],
-                     "checksum_s": [r.get("checksum_s") for r in records]}
+            extra = {
+                "model_crc32c": [r.get("model_crc32c") for r in records],
+                "checksum_s": [r.get("checksum_s") for r in records],
+            }
         previous = [c for c in self.catalog.committed() if c.step < step]
         info = self.catalog.commit(step, world_size, extra=extra)
         if self.events is not None:
-            self.events.emit(Event.CHECKPOINT_COMMIT, step=step, checkpoint_id=path.name,
-                             save_s=round(time.monotonic() - began, 4))
+            self.events.emit(
+                Event.CHECKPOINT_COMMIT, step=step, checkpoint_id=path.name, save_s=round(time.monotonic() - began, 4)
+            )
         same_as = _same_model_as(previous[-1] if previous else None, extra.get("model_crc32c"))
         if same_as is not None:
-            log.warning("checkpoint %s holds the same model bytes as %s although the step advanced: a stale "
-                        "save (did the optimizer update the model?)", path.name, same_as)
+            log.warning(
+                "checkpoint %s holds the same model bytes as %s although the step advanced: a stale "
+                "save (did the optimizer update the model?)",
+                path.name,
+                same_as,
+            )
             if self.events is not None:
                 self.events.emit(Event.CHECKPOINT_STALE, step=step, checkpoint_id=path.name, same_as=same_as)
         return info
@@ -82,8 +88,9 @@ class Committer:
         committed one are touched, so it never races a newer save; one deletion at a time."""
         self.join_retention()
         protect = () if self.trusted is None else (self.trusted,)
-        self._retention = threading.Thread(target=self._apply_retention, args=(protect,), name="ckpt-retention",
-                                           daemon=True)
+        self._retention = threading.Thread(
+            target=self._apply_retention, args=(protect,), name="ckpt-retention", daemon=True
+        )
         self._retention.start()
 
     def _apply_retention(self, protect: tuple[int, ...]) -> None:
@@ -115,9 +122,14 @@ def write_sync_sums(path: Path, rank: int, state: dict[str, Any]) -> None:
     mine = re.compile(rf"__{rank}_\d+\.distcp")
     sums = write_rank_sums(path, rank, sorted(p.name for p in path.iterdir() if mine.fullmatch(p.name)))
     crc, nbytes = model_digest(_local_model_tensors(state))
-    write_writer_record(path, rank, model_crc32c=crc, model_bytes=nbytes,
-                        checksum_bytes=sum(s["size"] for s in sums.values()),
-                        checksum_s=round(time.monotonic() - began, 6))
+    write_writer_record(
+        path,
+        rank,
+        model_crc32c=crc,
+        model_bytes=nbytes,
+        checksum_bytes=sum(s["size"] for s in sums.values()),
+        checksum_s=round(time.monotonic() - began, 6),
+    )
 
 
 def write_empty_sums(path: Path, rank: int) -> None:

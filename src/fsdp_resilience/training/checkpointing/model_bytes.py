@@ -38,6 +38,7 @@ class NotDirectlyReadable(Exception):
 @dataclass
 class _StoredChunk:
     """One stored chunk of a model tensor: where its bytes are and the view they land in."""
+
     fqn: str
     offsets: tuple[int, ...]
     file: str
@@ -64,9 +65,16 @@ class _TensorRecord(pickle.Unpickler):
         return pid  # ('storage', storage type name, key, location, numel)
 
 
-_STORAGE_DTYPES = {"FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
-                   "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
-                   "ByteStorage": torch.uint8, "BoolStorage": torch.bool}
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32,
+    "BFloat16Storage": torch.bfloat16,
+    "HalfStorage": torch.float16,
+    "DoubleStorage": torch.float64,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
 
 
 def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -85,20 +93,20 @@ def _zip_records(tail: bytes, length: int) -> dict[str, tuple[int, int]]:
     cd_size, cd_offset = struct.unpack_from("<II", tail, len(tail) - 22 + 12)
     cd_end = length - 22
     if len(tail) >= 42 and tail[-42:-38] == b"PK\x06\x07":  # torch.save writes zip64 end records too
-        cd_end, = struct.unpack_from("<Q", tail, len(tail) - 42 + 8)
+        (cd_end,) = struct.unpack_from("<Q", tail, len(tail) - 42 + 8)
     start = len(tail) - (length - cd_offset)
     if 0xFFFFFFFF in (cd_size, cd_offset) or start < 0 or cd_offset + cd_size != cd_end:
         raise NotDirectlyReadable("the zip's central directory is not in its last bytes")
     records, at = {}, start
     while at < start + cd_size:
-        if tail[at:at + 4] != b"PK\x01\x02":
+        if tail[at : at + 4] != b"PK\x01\x02":
             raise NotDirectlyReadable("a damaged zip central directory")
-        method, = struct.unpack_from("<H", tail, at + 10)
+        (method,) = struct.unpack_from("<H", tail, at + 10)
         csize, usize, nlen, xlen, clen = struct.unpack_from("<IIHHH", tail, at + 20)
-        local, = struct.unpack_from("<I", tail, at + 42)
+        (local,) = struct.unpack_from("<I", tail, at + 42)
         if method != 0 or csize != usize or 0xFFFFFFFF in (usize, local):
             raise NotDirectlyReadable("a compressed or zip64 record")
-        records[tail[at + 46: at + 46 + nlen].decode()] = (local, usize)
+        records[tail[at + 46 : at + 46 + nlen].decode()] = (local, usize)
         at += 46 + nlen + xlen + clen
     return records
 
@@ -110,7 +118,7 @@ def _record_data(head: bytes, records: dict[str, tuple[int, int]], suffix: str) 
     if name is None:
         raise NotDirectlyReadable(f"no {suffix} record")
     local, size = records[name]
-    if local + 30 > len(head) or head[local:local + 4] != b"PK\x03\x04":
+    if local + 30 > len(head) or head[local : local + 4] != b"PK\x03\x04":
         raise NotDirectlyReadable(f"the {suffix} record's header is not in the first {len(head)} bytes")
     nlen, xlen = struct.unpack_from("<HH", head, local + 26)
     return local + 30 + nlen + xlen, size
@@ -119,22 +127,26 @@ def _record_data(head: bytes, records: dict[str, tuple[int, int]], suffix: str) 
 def _in_head(head: bytes, at: int, size: int, what: str) -> bytes:
     if at + size > len(head):
         raise NotDirectlyReadable(f"{what} is not in the first {len(head)} bytes")
-    return head[at:at + size]
+    return head[at : at + size]
 
 
 def plan_direct_read(path: Path, metadata: Any, params: dict[str, torch.Tensor]) -> list[_StoredChunk]:
     """Where every stored chunk of the model's tensors is, and which slice of ``params`` (the
     model's own tensors, by state-dict key) it fills. Reads each tensor's header (~4 KB) and
     central directory; raises ``NotDirectlyReadable`` for anything but a plain stored tensor."""
-    sizes = {(fqn, tuple(c.offsets)): tuple(c.sizes) for fqn, md in metadata.state_dict_metadata.items()
-             if fqn.startswith("model.") for c in getattr(md, "chunks", ())}
+    sizes = {
+        (fqn, tuple(c.offsets)): tuple(c.sizes)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if fqn.startswith("model.")
+        for c in getattr(md, "chunks", ())
+    }
     chunks, fds = [], {}
     try:
         for index, stored in metadata.storage_data.items():
             if not index.fqn.startswith("model."):
                 continue
             offsets = tuple(index.offset or ())
-            target = params.get(index.fqn[len("model."):])
+            target = params.get(index.fqn[len("model.") :])
             owner = _SHARD_FILE.fullmatch(stored.relative_path)
             if target is None or target.device.type != "cpu" or owner is None or stored.transform_descriptors:
                 raise NotDirectlyReadable(f"{index.fqn} in {stored.relative_path}")
@@ -153,13 +165,29 @@ def plan_direct_read(path: Path, metadata: Any, params: dict[str, torch.Tensor])
             pickled = _in_head(head, *_record_data(head, records, "/data.pkl"), "data.pkl")
             storage, offset, size, stride = _TensorRecord(io.BytesIO(pickled)).load()
             data_at, data_size = _record_data(head, records, f"/data/{storage[2]}")
-            if (_STORAGE_DTYPES.get(storage[1]) != target.dtype or offset != 0 or size != tuple(target.shape)
-                    or stride != _contiguous_strides(size) or data_size != target.numel() * target.element_size()
-                    or data_at + data_size > stored.length):
-                raise NotDirectlyReadable(f"{index.fqn}: stored as {storage[1]} {size} {stride} at {offset}, "
-                                          f"the model's is {target.dtype} {tuple(target.shape)}")
-            chunks.append(_StoredChunk(index.fqn, offsets, stored.relative_path, stored.offset + data_at,
-                                       data_size, target, int(owner.group(1))))
+            if (
+                _STORAGE_DTYPES.get(storage[1]) != target.dtype
+                or offset != 0
+                or size != tuple(target.shape)
+                or stride != _contiguous_strides(size)
+                or data_size != target.numel() * target.element_size()
+                or data_at + data_size > stored.length
+            ):
+                raise NotDirectlyReadable(
+                    f"{index.fqn}: stored as {storage[1]} {size} {stride} at {offset}, "
+                    f"the model's is {target.dtype} {tuple(target.shape)}"
+                )
+            chunks.append(
+                _StoredChunk(
+                    index.fqn,
+                    offsets,
+                    stored.relative_path,
+                    stored.offset + data_at,
+                    data_size,
+                    target,
+                    int(owner.group(1)),
+                )
+            )
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -204,5 +232,3 @@ def read_model_bytes(path: Path, chunks: list[_StoredChunk], world_size: int) ->
         for fd in fds.values():
             os.close(fd)
     return [f"{d:08x}" for d in digests]
-
-

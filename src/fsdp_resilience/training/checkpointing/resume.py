@@ -95,7 +95,7 @@ class _Ranks:
         text = torch.zeros(_REASON_BYTES, dtype=torch.uint8, device=self.device)
         if self.rank == first:
             data = reason.encode("utf-8", "replace")[:_REASON_BYTES]
-            text[:len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=self.device)
+            text[: len(data)] = torch.tensor(list(data), dtype=torch.uint8, device=self.device)
         dist.broadcast(text, src=self._global(first), group=self.group)
         why = bytes(text.cpu().tolist()).rstrip(b"\0").decode("utf-8", "replace")
         if len(failed) > 1:
@@ -113,8 +113,9 @@ def _verify_here(info: CheckpointInfo, ranks: _Ranks) -> str | None:
         return f"verification failed: {type(e).__name__}: {e}"
 
 
-def _quarantine(catalog: CheckpointCatalog, info: CheckpointInfo, reason: str, ranks: _Ranks,
-                events: EventLog | None, **record: Any) -> None:
+def _quarantine(
+    catalog: CheckpointCatalog, info: CheckpointInfo, reason: str, ranks: _Ranks, events: EventLog | None, **record: Any
+) -> None:
     """Rank 0: move ``info`` aside with ``reason`` and say so; never raises."""
     if ranks.rank != 0:
         return
@@ -125,8 +126,13 @@ def _quarantine(catalog: CheckpointCatalog, info: CheckpointInfo, reason: str, r
         moved_to = None
     log.error("checkpoint %s is not trusted: %s; quarantined at %s", info.checkpoint_id, reason, moved_to)
     if events is not None:
-        events.emit(Event.CHECKPOINT_QUARANTINED, checkpoint_id=info.checkpoint_id, step=info.step,
-                    reason=reason, moved_to=moved_to)
+        events.emit(
+            Event.CHECKPOINT_QUARANTINED,
+            checkpoint_id=info.checkpoint_id,
+            step=info.step,
+            reason=reason,
+            moved_to=moved_to,
+        )
 
 
 def check_checkpoint(
@@ -187,12 +193,20 @@ def choose_checkpoint(
         newest = chosen.step if chosen is not None else -1
         for torn in catalog.torn():
             if torn.step > newest and (below is None or torn.step < below):
-                emit.emit(Event.CHECKPOINT_SKIP, checkpoint_id=torn.checkpoint_id, step=torn.step,
-                          reason="no commit marker: the save did not finish on every rank")
+                emit.emit(
+                    Event.CHECKPOINT_SKIP,
+                    checkpoint_id=torn.checkpoint_id,
+                    step=torn.step,
+                    reason="no commit marker: the save did not finish on every rank",
+                )
         if chosen is None and rejected:
-            emit.emit(Event.CHECKPOINT_SKIP, checkpoint_id=rejected[-1].checkpoint_id, step=rejected[-1].step,
-                      reason=f"no committed checkpoint verifies ({len(rejected)} quarantined, kept under "
-                             f"{catalog.layout.quarantine}): starting from scratch")
+            emit.emit(
+                Event.CHECKPOINT_SKIP,
+                checkpoint_id=rejected[-1].checkpoint_id,
+                step=rejected[-1].step,
+                reason=f"no committed checkpoint verifies ({len(rejected)} quarantined, kept under "
+                f"{catalog.layout.quarantine}): starting from scratch",
+            )
     return chosen
 
 
@@ -228,8 +242,9 @@ def _load_error(e: BaseException) -> str:
     return f"DCP's read failed on rank(s) {sorted(failures)}: " + "; ".join(parts)
 
 
-def load_checkpoint(info: CheckpointInfo, state: dict[str, Any],
-                    process_group: dist.ProcessGroup | None = None) -> None:
+def load_checkpoint(
+    info: CheckpointInfo, state: dict[str, Any], process_group: dist.ProcessGroup | None = None
+) -> None:
     """Load checkpoint ``info`` into ``state`` in place (DCP reshards to this world size). No
     verification: prefer ``restore_checkpoint``."""
     dcp.load(state, checkpoint_id=str(info.path), process_group=process_group)
@@ -258,9 +273,11 @@ def restore_checkpoint(
             error = f"{type(e).__name__}: {e}"
         _, why, _ = ranks.first_failure(mismatch)
         if why:
-            raise CheckpointMismatchError(f"cannot resume from {info.checkpoint_id}: {why}; the run's model or "
-                                          "optimizer changed since it was saved: restore the config, or start "
-                                          "a new run")
+            raise CheckpointMismatchError(
+                f"cannot resume from {info.checkpoint_id}: {why}; the run's model or "
+                "optimizer changed since it was saved: restore the config, or start "
+                "a new run"
+            )
         if error is None:
             try:
                 load_checkpoint(info, state, process_group)
@@ -269,8 +286,15 @@ def restore_checkpoint(
         failed_rank, reason, _ = ranks.first_failure(error)
         if failed_rank is None:
             return info
-        _quarantine(CheckpointCatalog(run_dir), info, f"load failed: {reason}"[:2000], ranks, emit,
-                    phase="load", failed_rank=failed_rank)
+        _quarantine(
+            CheckpointCatalog(run_dir),
+            info,
+            f"load failed: {reason}"[:2000],
+            ranks,
+            emit,
+            phase="load",
+            failed_rank=failed_rank,
+        )
         info = choose_checkpoint(run_dir, process_group, events, below=info.step)
     return None
 
@@ -283,5 +307,4 @@ def load_latest(
 ) -> CheckpointInfo | None:
     """``choose_checkpoint`` then ``restore_checkpoint``: the newest checkpoint that verifies and
     loads, loaded into ``state``; returns it, or None (nothing committed verifies)."""
-    return restore_checkpoint(run_dir, state, choose_checkpoint(run_dir, process_group, events),
-                              process_group, events)
+    return restore_checkpoint(run_dir, state, choose_checkpoint(run_dir, process_group, events), process_group, events)

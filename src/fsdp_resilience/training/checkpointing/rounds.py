@@ -120,12 +120,18 @@ class CommitRounds:
                 self._drop_plan_cache()
                 self._plan_key = plan_key
             if len(set(steps)) != 1:
-                raise RuntimeError(f"ranks disagree on the checkpoint step: {steps}; save() must be "
-                                   "called with the same step on every rank")
+                raise RuntimeError(
+                    f"ranks disagree on the checkpoint step: {steps}; save() must be "
+                    "called with the same step on every rank"
+                )
             failed = _failed_ranks(states)
             if failed:
-                raise CheckpointWriterError(step, f"checkpoint writer did not start on rank(s) {failed} (not up "
-                                            f"within {self.start_timeout_s:.0f}s, or died starting)", tuple(failed))
+                raise CheckpointWriterError(
+                    step,
+                    f"checkpoint writer did not start on rank(s) {failed} (not up "
+                    f"within {self.start_timeout_s:.0f}s, or died starting)",
+                    tuple(failed),
+                )
             if max(states) == _DONE:
                 return committed[0] == 0
 
@@ -142,8 +148,12 @@ class CommitRounds:
             log.warning("rank %d: checkpoint writer (pid %s) died; starting a new one", self._rank, writer.pid)
             self._start_writer()
         elif self._writer_stuck():
-            log.warning("rank %d: checkpoint writer (pid %s) made no progress for %.0fs; killing it and "
-                        "starting a new one", self._rank, writer.pid, writer.idle_s())
+            log.warning(
+                "rank %d: checkpoint writer (pid %s) made no progress for %.0fs; killing it and starting a new one",
+                self._rank,
+                writer.pid,
+                writer.idle_s(),
+            )
             self._start_writer()
         return _FAILED if time.monotonic() > deadline else _BUSY
 
@@ -200,13 +210,17 @@ class CommitRounds:
             pending.error = f"the checkpoint writer process (pid {writer.pid}) died mid-save"
         elif writer.stalled():
             pending.local_state = _DEAD
-            pending.error = (f"the checkpoint writer process (pid {writer.pid}) made no progress for "
-                             f"{writer.idle_s():.0f}s (writer_stall_s={self.writer_stall_s:g}: stopped or hung); "
-                             "killed and replaced")
+            pending.error = (
+                f"the checkpoint writer process (pid {writer.pid}) made no progress for "
+                f"{writer.idle_s():.0f}s (writer_stall_s={self.writer_stall_s:g}: stopped or hung); "
+                "killed and replaced"
+            )
         elif time.monotonic() - pending.scheduled > self.write_timeout_s:
             pending.local_state = _DEAD
-            pending.error = (f"the checkpoint writer process (pid {writer.pid}) did not finish within "
-                             f"write_timeout_s={self.write_timeout_s:.0f}s; killed and replaced")
+            pending.error = (
+                f"the checkpoint writer process (pid {writer.pid}) did not finish within "
+                f"write_timeout_s={self.write_timeout_s:.0f}s; killed and replaced"
+            )
         if pending.local_state == _DEAD:
             log.error("rank %d: %s (step %d)", self._rank, pending.error, pending.step)
             self._start_writer()  # now (killing the old one), so it boots while training goes on
@@ -232,8 +246,9 @@ class CommitRounds:
                 log.exception("committing checkpoint step %d failed", step)
         (ok,) = self._agree(int(self._rank != 0 or error is None))
         if not all(ok):
-            raise CheckpointWriterError(step, f"rank 0 could not commit {path.name}: {error or 'see rank 0 log'}",
-                                        (0,)) from error
+            raise CheckpointWriterError(
+                step, f"rank 0 could not commit {path.name}: {error or 'see rank 0 log'}", (0,)
+            ) from error
         self._committer.trusted = step  # written, checksummed from disk and committed here
         if self._rank == 0:
             self._committer.start_retention()
@@ -242,6 +257,8 @@ class CommitRounds:
     def _require_group(self) -> None:
         if self._group is None:
             if not dist.is_initialized():
-                raise RuntimeError("checkpointing needs an initialized torch.distributed process group "
-                                   "(call rebind() after init_process_group)")
+                raise RuntimeError(
+                    "checkpointing needs an initialized torch.distributed process group "
+                    "(call rebind() after init_process_group)"
+                )
             self.rebind(None)

@@ -71,8 +71,9 @@ def _pin(buffer: torch.Tensor) -> None:
         _pin_memory_utils.pin_memory(buffer.data_ptr(), nbytes)
         weakref.finalize(buffer, _pin_memory_utils.unpin_memory, buffer.data_ptr())
     except Exception as e:  # still correct unpinned, only slower
-        log.warning("could not pin a %s checkpoint buffer (%s); copies into it will be pageable",
-                    tuple(buffer.shape), e)
+        log.warning(
+            "could not pin a %s checkpoint buffer (%s); copies into it will be pageable", tuple(buffer.shape), e
+        )
 
 
 class SnapshotBuffers:
@@ -170,8 +171,16 @@ def structure_key(state: Any) -> int:
     def walk(obj: Any, path: tuple[Any, ...]) -> None:
         if isinstance(obj, DTensor):
             local = obj._local_tensor
-            leaves.append((path, "dtensor", hash(obj._spec), tuple(local.shape), local.dtype,
-                           obj.device_mesh.get_coordinate() and tuple(obj.device_mesh.get_coordinate())))
+            leaves.append(
+                (
+                    path,
+                    "dtensor",
+                    hash(obj._spec),
+                    tuple(local.shape),
+                    local.dtype,
+                    obj.device_mesh.get_coordinate() and tuple(obj.device_mesh.get_coordinate()),
+                )
+            )
         elif isinstance(obj, torch.Tensor):
             leaves.append((path, "tensor", tuple(obj.shape), obj.dtype))
         elif isinstance(obj, Mapping):
@@ -208,7 +217,7 @@ def _cpu_safe_preload(preload_fn: Callable | None) -> Callable | None:
     position = params.index("non_blocking")
     args = preload_fn.args
     if len(args) > position:
-        args = args[:position] + (False,) + args[position + 1:]
+        args = args[:position] + (False,) + args[position + 1 :]
         return functools.partial(preload_fn.func, *args, **preload_fn.keywords)
     return functools.partial(preload_fn.func, *args, **{**preload_fn.keywords, "non_blocking": False})
 
@@ -217,8 +226,9 @@ def _cpu_safe_preload(preload_fn: Callable | None) -> Callable | None:
 _held_buffers: tuple[Any, list[torch.Tensor]] | None = None
 
 
-def _write_with_held_buffers(job: Callable, key: Any, tensors: list[torch.Tensor] | None,
-                             rank: int, buckets: Any, results_queue: Any) -> None:
+def _write_with_held_buffers(
+    job: Callable, key: Any, tensors: list[torch.Tensor] | None, rank: int, buckets: Any, results_queue: Any
+) -> None:
     """In the writer process (NVRx 0.4.1): ``job`` over ``buckets`` whose tensors are indices
     into the buffers this process holds. A request that carries ``tensors`` hands them over (the
     first save, or after the buffers changed); later ones carry none, so nothing is pickled or
@@ -227,11 +237,15 @@ def _write_with_held_buffers(job: Callable, key: Any, tensors: list[torch.Tensor
     if tensors is not None:
         _held_buffers = (key, tensors)
     if _held_buffers is None or _held_buffers[0] != key:
-        raise RuntimeError(f"the checkpoint writer does not hold the snapshot buffers {key!r} this save refers to "
-                           "(a writer restarted without being handed them); the next save hands them over again")
+        raise RuntimeError(
+            f"the checkpoint writer does not hold the snapshot buffers {key!r} this save refers to "
+            "(a writer restarted without being handed them); the next save hands them over again"
+        )
     held = _held_buffers[1]
-    resolved = [(file_path, file_name, (bytes_data, [(item, held[i]) for item, i in tensor_refs]))
-                for file_path, file_name, (bytes_data, tensor_refs) in buckets]
+    resolved = [
+        (file_path, file_name, (bytes_data, [(item, held[i]) for item, i in tensor_refs]))
+        for file_path, file_name, (bytes_data, tensor_refs) in buckets
+    ]
     job(rank, resolved, results_queue)
 
 
@@ -292,16 +306,21 @@ class _SnapshotWriter(FileSystemWriterAsync):
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         byte_items = [item for item in plan.items if item.type == WriteItemType.BYTE_IO]
         tensors = [planner.resolve_data(item).detach() for item in tensor_items]
-        not_shared = [item.index.fqn for item, t in zip(tensor_items, tensors)
-                      if t.numel() and not t.untyped_storage().is_shared()]
+        not_shared = [
+            item.index.fqn
+            for item, t in zip(tensor_items, tensors)
+            if t.numel() and not t.untyped_storage().is_shared()
+        ]
         if not_shared:  # only our snapshot may be handed over uncopied
             raise RuntimeError(f"_SnapshotWriter writes snapshot buffers only; not in shared memory: {not_shared[:3]}")
         self.consistent_data_identifier = None
         self.cached_tensor_data = None
         if tensor_items:
             key = nvrx_filesystem._compute_data_structure_key_from_plan(tensor_items)
-            storages = (self.generation,
-                        tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in tensors))
+            storages = (
+                self.generation,
+                tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) for t in tensors),
+            )
             self.consistent_data_identifier = nvrx_filesystem.ConsistentDataIdentifier(key)
             if self.handed_over.get(key) != storages:
                 self.cached_tensor_data = (tensor_items, tensors)

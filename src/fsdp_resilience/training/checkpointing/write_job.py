@@ -65,8 +65,9 @@ def read_writer_records(path: str | os.PathLike, world_size: int) -> list[dict[s
     return records
 
 
-def write_then_checksum(write_fn: Any, checkpoint_dir: str, sums_rank: int,
-                        rank: int, buckets: Any, results_queue: Any) -> None:
+def write_then_checksum(
+    write_fn: Any, checkpoint_dir: str, sums_rank: int, rank: int, buckets: Any, results_queue: Any
+) -> None:
     """One save, in the writer process: ``write_fn`` (NVRx's write, both versions' signature
     ``(rank, buckets, results_queue)``), then the checksums of the files it wrote and the model
     digest, and only then the write's outcome to the trainer: when the trainer sees "done", the
@@ -86,9 +87,14 @@ def write_then_checksum(write_fn: Any, checkpoint_dir: str, sums_rank: int,
             names = sorted({wr.storage_data.relative_path for results in result.values() for wr in results})
             sums = write_rank_sums(checkpoint_dir, sums_rank, names)
             crc, model_bytes = model_digest(_model_tensors(buckets))
-            write_writer_record(checkpoint_dir, sums_rank, model_crc32c=crc, model_bytes=model_bytes,
-                                checksum_bytes=sum(s["size"] for s in sums.values()),
-                                checksum_s=round(time.monotonic() - began, 6))
+            write_writer_record(
+                checkpoint_dir,
+                sums_rank,
+                model_crc32c=crc,
+                model_bytes=model_bytes,
+                checksum_bytes=sum(s["size"] for s in sums.values()),
+                checksum_s=round(time.monotonic() - began, 6),
+            )
         except Exception as e:  # noqa: BLE001 - e.g. ENOSPC: the save must not commit
             result = e
     results_queue.put(result)

@@ -39,15 +39,19 @@ class _ResultSlot:
     def put(self, result: Any) -> None:
         """In the writer: send this save's result to the trainer."""
         if _results_out is None:
-            raise RuntimeError("a checkpoint write result can only be sent from the writer process "
-                               "(fsdp_resilience.training.checkpointing.writer._writer_main)")
+            raise RuntimeError(
+                "a checkpoint write result can only be sent from the writer process "
+                "(fsdp_resilience.training.checkpointing.writer._writer_main)"
+            )
         _results_out.put((_RESULT, self.number, result))
 
     def get_nowait(self) -> Any:
         """In the trainer: this save's result (raises ``queue.Empty`` if it has not arrived)."""
         if self._channel is None:
-            raise RuntimeError("this write-results slot is not a save's: AsyncCheckpointer gives every save its "
-                               "own (see _WriteResultsChannel.new_queue)")
+            raise RuntimeError(
+                "this write-results slot is not a save's: AsyncCheckpointer gives every save its "
+                "own (see _WriteResultsChannel.new_queue)"
+            )
         return self._channel.take(self.number)
 
 
@@ -90,4 +94,3 @@ class _WriteResultsChannel:
             nvrx_filesystem._results_queue = None
         self._installed = None
         self._results.clear()
-

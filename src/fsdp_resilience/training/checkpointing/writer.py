@@ -118,8 +118,12 @@ def fork_is_safe() -> bool:
     """Whether this process may fork a writer: the main thread, no other Python thread, no
     process group (gloo and NCCL run threads of their own) and no CUDA context. A forked child
     gets only the forking thread; a lock another thread held at that moment stays held in it."""
-    return (threading.current_thread() is threading.main_thread() and threading.active_count() == 1
-            and not torch.distributed.is_initialized() and not torch.cuda.is_initialized())
+    return (
+        threading.current_thread() is threading.main_thread()
+        and threading.active_count() == 1
+        and not torch.distributed.is_initialized()
+        and not torch.cuda.is_initialized()
+    )
 
 
 def _noop() -> None:
@@ -225,12 +229,12 @@ class _PersistentWriter(PersistentAsyncCaller):
         parent = os.getpid() if threading.current_thread() is threading.main_thread() else None
         # Not a daemon: 0.4.1's writer forks its file writers, which daemons may not do.
         self.process = mp.get_context("fork" if fork else "spawn").Process(
-            target=_writer_main, args=(parent, self._loop_kwargs()), name=f"ckpt-writer-{self.rank}", daemon=False)
+            target=_writer_main, args=(parent, self._loop_kwargs()), name=f"ckpt-writer-{self.rank}", daemon=False
+        )
         self.process.start()
         if "cpu_priority" not in inspect.signature(PersistentAsyncCaller.async_loop).parameters:
             try:
-                os.setpriority(os.PRIO_PROCESS, self.process.pid,
-                               max(os.getpriority(os.PRIO_PROCESS, 0), self.NICE))
+                os.setpriority(os.PRIO_PROCESS, self.process.pid, max(os.getpriority(os.PRIO_PROCESS, 0), self.NICE))
             except OSError as e:  # still correct at normal priority, only competing more
                 log.debug("rank %d: could not lower the checkpoint writer's priority: %s", self.rank, e)
         self._work_arrived()
@@ -238,10 +242,15 @@ class _PersistentWriter(PersistentAsyncCaller):
     def _loop_kwargs(self) -> dict[str, Any]:
         """``async_loop``'s arguments, bound by name (later versions add parameters in between)."""
         params = inspect.signature(PersistentAsyncCaller.async_loop).parameters
-        known = {"rank": self.rank, "queue": self.queue, "preload_q": self.preload_q, "comp_q": self.comp_q,
-                 "shm_rel_q": getattr(self, "shm_rel_q", None),
-                 "log_level": logging.getLogger(PersistentAsyncCaller.__module__).getEffectiveLevel(),
-                 "cpu_shm_mode": getattr(self, "cpu_shm_mode", True)}
+        known = {
+            "rank": self.rank,
+            "queue": self.queue,
+            "preload_q": self.preload_q,
+            "comp_q": self.comp_q,
+            "shm_rel_q": getattr(self, "shm_rel_q", None),
+            "log_level": logging.getLogger(PersistentAsyncCaller.__module__).getEffectiveLevel(),
+            "cpu_shm_mode": getattr(self, "cpu_shm_mode", True),
+        }
         missing = [n for n, p in params.items() if p.default is p.empty and n not in known]
         if missing:
             raise RuntimeError(f"unsupported nvidia-resiliency-ext: its writer loop needs {missing}")
@@ -323,8 +332,12 @@ class _PersistentWriter(PersistentAsyncCaller):
         self.process = None
         if process.is_alive():
             killed = _kill_tree(process)
-            log.info("rank %d: killed checkpoint writer %s and its %d file writer(s)", self.rank, process.pid,
-                     len(killed) - 1)
+            log.info(
+                "rank %d: killed checkpoint writer %s and its %d file writer(s)",
+                self.rank,
+                process.pid,
+                len(killed) - 1,
+            )
         # A dead reader must not keep interpreter exit waiting on the queues' feeder threads.
         for q in (self.queue, self.preload_q):
             q.cancel_join_thread()

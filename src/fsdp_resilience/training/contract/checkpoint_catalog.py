@@ -99,9 +99,15 @@ class CheckpointCatalog:
         if reason:
             raise RuntimeError(f"cannot commit {path.name}: {reason}")
         now = time.time()
-        marker = {"step": step, "world_size": world_size, "committed_at": now,
-                  "contract_version": CONTRACT_VERSION, "checksum": CHECKSUM_ALGORITHM, "files": files,
-                  **(extra or {})}
+        marker = {
+            "step": step,
+            "world_size": world_size,
+            "committed_at": now,
+            "contract_version": CONTRACT_VERSION,
+            "checksum": CHECKSUM_ALGORITHM,
+            "files": files,
+            **(extra or {}),
+        }
         atomic_write_text(path / COMMIT_MARKER, json.dumps(marker, sort_keys=True))
         atomic_write_text(self.layout.latest_pointer, path.name + "\n")
         atomic_write_text(self.layout.latest_step, f"{step}\n")
@@ -114,9 +120,20 @@ class CheckpointCatalog:
         dest_root.mkdir(parents=True, exist_ok=True)
         dest = dest_root / f"{info.path.name}.{int(time.time() * 1000)}"
         os.rename(info.path, dest)
-        atomic_write_text(dest / QUARANTINE_RECORD, json.dumps(
-            {"checkpoint_id": info.checkpoint_id, "step": info.step, "reason": reason,
-             "quarantined_at": time.time(), **record}, sort_keys=True, default=str))
+        atomic_write_text(
+            dest / QUARANTINE_RECORD,
+            json.dumps(
+                {
+                    "checkpoint_id": info.checkpoint_id,
+                    "step": info.step,
+                    "reason": reason,
+                    "quarantined_at": time.time(),
+                    **record,
+                },
+                sort_keys=True,
+                default=str,
+            ),
+        )
         if self.latest_hint() == info.path.name:
             newest = self.latest()
             if newest is not None:

@@ -93,8 +93,9 @@ def read_rank_sums(path: str | os.PathLike, world_size: int) -> dict[str, dict[s
     return files
 
 
-def verify_checkpoint(path: str | os.PathLike, marker: dict[str, Any] | None = None,
-                      checksum: list[str] | None = None) -> str | None:
+def verify_checkpoint(
+    path: str | os.PathLike, marker: dict[str, Any] | None = None, checksum: list[str] | None = None
+) -> str | None:
     """Why checkpoint ``path`` cannot be trusted, or None when it verifies.
 
     Always checks that the marker lists every file with a checksum, and that each file exists
@@ -121,7 +122,7 @@ def verify_checkpoint(path: str | os.PathLike, marker: dict[str, Any] | None = N
             return f"{name} is unreadable: {e.strerror or e}"
         if size != want["size"]:
             return f"{name} is {size} bytes, the commit recorded {want['size']}"
-    for name in (sorted(files) if checksum is None else checksum):
+    for name in sorted(files) if checksum is None else checksum:
         if name not in files:
             continue
         try:
@@ -129,8 +130,10 @@ def verify_checkpoint(path: str | os.PathLike, marker: dict[str, Any] | None = N
         except OSError as e:
             return f"{name} is unreadable: {e.strerror or e}"
         if got != files[name]:
-            return (f"{name} fails its {CHECKSUM_ALGORITHM} check (recorded {files[name].get(CHECKSUM_ALGORITHM)}, "
-                    f"read {got[CHECKSUM_ALGORITHM]}, {got['size']} bytes)")
+            return (
+                f"{name} fails its {CHECKSUM_ALGORITHM} check (recorded {files[name].get(CHECKSUM_ALGORITHM)}, "
+                f"read {got[CHECKSUM_ALGORITHM]}, {got['size']} bytes)"
+            )
     return None
 
 
@@ -173,8 +176,6 @@ class CheckpointInfo:
         return self.path.name
 
 
-
-
 def parse_commit_marker(text: str | bytes) -> dict[str, Any] | None:
     """A commit marker's content: a JSON object, or None (unreadable: the checkpoint is torn).
     Wherever the marker was read from (the run dir, its S3 export)."""
@@ -198,6 +199,6 @@ def checkpoint_step(name: str) -> int | None:
     if not name.startswith(CHECKPOINT_PREFIX):
         return None
     try:
-        return int(name[len(CHECKPOINT_PREFIX):])
+        return int(name[len(CHECKPOINT_PREFIX) :])
     except ValueError:
         return None

@@ -27,12 +27,11 @@ from fsdp_resilience.training.contract.timeouts import (
 #: fsdp_resilience.training.launch`` builds the launcher command from it).
 RESTART_MODE_LAYERS = {
     "layered": "ft_launcher + inprocess.Wrapper in the workers: exceptions and hangs are restarted in-process; "
-               "dead, frozen or silent ranks by ft_launcher (in-job restart of the worker group)",
+    "dead, frozen or silent ranks by ft_launcher (in-job restart of the worker group)",
     "injob": "ft_launcher: any rank failure -> the worker group is respawned (in-job restart)",
     "inprocess": "torchrun --max-restarts 0 + inprocess.Wrapper: exceptions and hangs in-process only; "
-                 "a dead rank ends the launch",
-    "none": "torchrun --max-restarts 0: nothing restarts inside the launch (the control plane's ladder may "
-            "relaunch)",
+    "a dead rank ends the launch",
+    "none": "torchrun --max-restarts 0: nothing restarts inside the launch (the control plane's ladder may relaunch)",
 }
 RESTART_MODES = tuple(RESTART_MODE_LAYERS)
 DEVICES = ("auto", "cpu", "cuda")
@@ -101,20 +100,26 @@ class FaultDrill:
             raise ConfigError(f"{where}.rank={self.rank} must be a global rank in [0, {cfg.world_size})")
         if self.node is None:
             if self.kind != "node_loss" or not cfg.spare_nodes or cfg.nodes < 2:
-                raise ConfigError(f"{where}.node=null (a training node other than node 0) is for a node_loss in a run "
-                                  "with spare_nodes and at least 2 nodes; give a node index otherwise")
+                raise ConfigError(
+                    f"{where}.node=null (a training node other than node 0) is for a node_loss in a run "
+                    "with spare_nodes and at least 2 nodes; give a node index otherwise"
+                )
         elif not 0 <= self.node < cfg.launch_nodes:
-            raise ConfigError(f"{where}.node={self.node} must be a node index in [0, {cfg.launch_nodes}) "
-                              f"(nodes {cfg.nodes} + spare_nodes {cfg.spare_nodes})")
-        if self.attempt is not None and (isinstance(self.attempt, bool) or not isinstance(self.attempt, int)
-                                         or not 0 <= self.attempt <= 100):
+            raise ConfigError(
+                f"{where}.node={self.node} must be a node index in [0, {cfg.launch_nodes}) "
+                f"(nodes {cfg.nodes} + spare_nodes {cfg.spare_nodes})"
+            )
+        if self.attempt is not None and (
+            isinstance(self.attempt, bool) or not isinstance(self.attempt, int) or not 0 <= self.attempt <= 100
+        ):
             raise ConfigError(f"{where}.attempt={self.attempt!r} must be between 0 and 100, or null for every attempt")
         if not isinstance(self.once, bool) or (self.once and (self.attempt is not None or self.kind == "user_bug")):
-            raise ConfigError(f"{where}.once={self.once!r}: once is true or false, and a drill that fires once "
-                              "takes attempt null (any round) and is not a user_bug (which fires every time)")
+            raise ConfigError(
+                f"{where}.once={self.once!r}: once is true or false, and a drill that fires once "
+                "takes attempt null (any round) and is not a user_bug (which fires every time)"
+            )
         if self.node_id is not None and (not isinstance(self.node_id, str) or not self.node_id):
             raise ConfigError(f"{where}.node_id must be a node name or null, got {self.node_id!r}")
-
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
@@ -213,10 +218,10 @@ class RunConfig:
     1 .. 86,400; below ``heartbeat_timeout_s`` in layered mode."""
     timeout_safety_factor: float = 5.0
     """ft_launcher's heartbeat and step / checkpoint section timeouts are derived once an attempt
-    has run its warm steps and two saves (src/fsdp_resilience/training/restart/rank_monitor.py: RankMonitor): this factor x the
-    longest interval seen after the first save, kept above the restart layers' order and never
-    above ``heartbeat_timeout_s``, which is what applies until then (``RestartTimeouts.derive``).
-    1 .. 100."""
+    has run its warm steps and two saves (src/fsdp_resilience/training/restart/rank_monitor.py:
+    RankMonitor): this factor x the longest interval seen after the first save, kept above the
+    restart layers' order and never above ``heartbeat_timeout_s``, which is what applies until
+    then (``RestartTimeouts.derive``). 1 .. 100."""
     stall_timeout_s: float = 1800.0
     """No new committed checkpoint this long (seconds) -> ``no_progress``: 1 .. 30 days."""
     device: str = "auto"
@@ -289,16 +294,25 @@ class RunConfig:
         collective = self.collective_timeout_s
         if collective is None:
             collective = DEFAULT_GLOO_COLLECTIVE_TIMEOUT_S if backend == "gloo" else hard + NCCL_TIMEOUT_MARGIN_S
-        return RestartTimeouts(backend=backend, collective_s=float(collective), soft_s=self.hang_timeout_s,
-                               hard_s=hard, heartbeat_s=self.heartbeat_timeout_s,
-                               initial_heartbeat_s=self.initial_heartbeat_timeout_s)
+        return RestartTimeouts(
+            backend=backend,
+            collective_s=float(collective),
+            soft_s=self.hang_timeout_s,
+            hard_s=hard,
+            heartbeat_s=self.heartbeat_timeout_s,
+            initial_heartbeat_s=self.initial_heartbeat_timeout_s,
+        )
 
     def section_timeouts(self) -> dict[str, float]:
         """ft_launcher's section timeouts as configured (the sections RankMonitor reports): what
         applies until timeouts are derived, and, after that, while ``setup`` (start, process
         group, restore) or ``final_checkpoint`` (waiting for the last write) is open."""
-        return {"setup": self.initial_heartbeat_timeout_s, "step": self.heartbeat_timeout_s,
-                "checkpoint": self.heartbeat_timeout_s, "final_checkpoint": self.initial_heartbeat_timeout_s}
+        return {
+            "setup": self.initial_heartbeat_timeout_s,
+            "step": self.heartbeat_timeout_s,
+            "checkpoint": self.heartbeat_timeout_s,
+            "final_checkpoint": self.initial_heartbeat_timeout_s,
+        }
 
     # -- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
@@ -328,8 +342,10 @@ class RunConfig:
         _check_int("keep_checkpoints", self.keep_checkpoints, 1, 1000)
         _check_choice("restart_mode", self.restart_mode, RESTART_MODES)
         if self.spare_nodes and self.restart_mode not in ("layered", "injob"):
-            raise ConfigError(f"spare_nodes={self.spare_nodes} needs in-job restarts (restart_mode layered or injob; "
-                              f"it is {self.restart_mode}): a spare takes a lost node's place at an in-job restart")
+            raise ConfigError(
+                f"spare_nodes={self.spare_nodes} needs in-job restarts (restart_mode layered or injob; "
+                f"it is {self.restart_mode}): a spare takes a lost node's place at an in-job restart"
+            )
         _check_int("max_restarts", self.max_restarts, 0, 1000)
         _check_int("max_inprocess_restarts", self.max_inprocess_restarts, 0, 1000)
         if self.collective_timeout_s is not None:
@@ -370,9 +386,11 @@ class RunConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown run config field(s) {unknown}; known fields: {sorted(known)}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.name not in data and f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING)
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
         if missing:
             raise ConfigError(f"run config is missing required field(s) {missing}")
         return cls(**data)
@@ -396,8 +414,9 @@ class RunConfig:
     def replace(self, **changes: Any) -> "RunConfig":
         return dataclasses.replace(self, **changes)
 
-    def fault_at(self, step: int, rank: int, attempt: int, node: int,
-                 node_id: str | None = None, loss_target: int | None = None) -> FaultDrill | None:
+    def fault_at(
+        self, step: int, rank: int, attempt: int, node: int, node_id: str | None = None, loss_target: int | None = None
+    ) -> FaultDrill | None:
         """The drill that fires at this step in this rank, launcher attempt and node, if any
         (``loss_target``: the node a ``node_loss`` with node null takes down, see FaultDrill)."""
         for f in self.faults:

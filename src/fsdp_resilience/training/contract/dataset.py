@@ -31,8 +31,11 @@ def read_dataset_index(dataset_dir: str | os.PathLike) -> dict[str, Any]:
         raise DatasetError(f"no dataset at {path} (index.json is missing); {HOW_TO_PREPARE}") from None
     except (OSError, ValueError) as e:
         raise DatasetError(f"dataset index {path} is unreadable or corrupt ({e}); {HOW_TO_PREPARE}") from None
-    if (not isinstance(index, dict) or index.get("format") != DATASET_FORMAT
-            or index.get("dtype") != DATASET_TOKEN_DTYPE):
+    if (
+        not isinstance(index, dict)
+        or index.get("format") != DATASET_FORMAT
+        or index.get("dtype") != DATASET_TOKEN_DTYPE
+    ):
         raise DatasetError(f"{path} is not a {DATASET_FORMAT} dataset index; {HOW_TO_PREPARE}")
     for split in DATASET_SPLITS:
         if not isinstance(index.get(split), list) or not index[split]:

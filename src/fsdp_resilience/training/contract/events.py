@@ -80,8 +80,11 @@ class TrainBegin(EventRecord):
     device: Annotated[str, "the torch device"]
     model: Annotated[str, "the model preset"]
     resumed_from: Annotated[str | None, "the checkpoint id it resumed from, or null"]
-    rng: Annotated[str, "each rank's RNG state: seeded (from the seed), restored (from the checkpoint), or "
-                        "reseeded (the seed again, the world size changed)"]
+    rng: Annotated[
+        str,
+        "each rank's RNG state: seeded (from the seed), restored (from the checkpoint), or "
+        "reseeded (the seed again, the world size changed)",
+    ]
 
 
 class Step(EventRecord):
@@ -152,9 +155,12 @@ class FaultDetected(EventRecord):
     error: Annotated[str, "the error message (first 500 characters)"]
     signature: Annotated[str, "the error's signature, to recognise it again"]
     repeated: Annotated[bool, "the same error at the same step seen before: a user error"]
-    failure_class: Annotated[str | None, "what the fault points at: restarts_exhausted for the machine; user_error, "
-                                         "non_finite, storage_error, or checkpoint for a restore that failed on a "
-                                         "file"]
+    failure_class: Annotated[
+        str | None,
+        "what the fault points at: restarts_exhausted for the machine; user_error, "
+        "non_finite, storage_error, or checkpoint for a restore that failed on a "
+        "file",
+    ]
     restoring: NotRequired[Annotated[bool, "it happened while restoring a checkpoint"]]
     first_step: NotRequired[Annotated[int, "non_finite (rank 0): the first step that went NaN/inf"]]
     ranks: NotRequired[Annotated[list[int], "non_finite: the ranks that went NaN/inf"]]
@@ -318,8 +324,11 @@ class EventLog:
             finally:
                 os.close(fd)
         except OSError as e:
-            print(f"[events] cannot append to {self.path} ({e.strerror or e}): {line.decode().strip()}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[events] cannot append to {self.path} ({e.strerror or e}): {line.decode().strip()}",
+                file=sys.stderr,
+                flush=True,
+            )
         return record
 
 

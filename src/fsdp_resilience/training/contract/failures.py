@@ -107,30 +107,34 @@ FINAL_FAILURES = frozenset(c.value for c in FailureClass if c not in (FailureCla
 #: run (whatever else our nodes report follows from that), the storage, the training state, the
 #: user's code; then the restart layers giving up (or a lost node), then no progress; ``unknown``
 #: (e.g. a node stopped because a peer failed) tells least.
-FAILURE_PRIORITY = (FailureClass.ALREADY_RUNNING.value, FailureClass.STORAGE_ERROR.value,
-                    FailureClass.NON_FINITE.value, FailureClass.USER_ERROR.value,
-                    FailureClass.RESTARTS_EXHAUSTED.value, FailureClass.NO_PROGRESS.value,
-                    FailureClass.UNKNOWN.value)
+FAILURE_PRIORITY = (
+    FailureClass.ALREADY_RUNNING.value,
+    FailureClass.STORAGE_ERROR.value,
+    FailureClass.NON_FINITE.value,
+    FailureClass.USER_ERROR.value,
+    FailureClass.RESTARTS_EXHAUSTED.value,
+    FailureClass.NO_PROGRESS.value,
+    FailureClass.UNKNOWN.value,
+)
 
 #: What the user should do about a launch that ended with a class no node replacement can fix.
 #: Diagnosis, the ladder and the DAG's failure message all say it the same way.
 WHAT_TO_DO = {
-    FailureClass.USER_ERROR.value:
-        "a user error fails the same way on any node: fix the code or config, then trigger the run again; "
-        "no node was touched",
-    FailureClass.STORAGE_ERROR.value:
-        "the run dir is full or read-only (storage, not a node fault): free space on it or fix its mount, "
-        "then trigger the run again (it resumes from the newest verified checkpoint); no node was touched",
-    FailureClass.NON_FINITE.value:
-        "the loss or gradient norm became NaN/inf again after max_nonfinite_rollbacks rollbacks to the newest "
-        "verified checkpoint: the run diverges. Lower lr (or grad_clip), or check the data, then trigger the "
-        "run again; no node was touched",
-    FailureClass.ALREADY_RUNNING.value:
-        "another fsdp_resilience.training.launch of this run holds its launch lock: the run is being trained by "
-        "another launcher. This launch did nothing; that launcher was left alone and the run's status is unchanged. "
-        "Watch it (events.jsonl), or stop it before triggering this run again, or pick another run_name",
-    FailureClass.UNKNOWN.value:
-        "not a failure that replacing a node fixes; read the launch's logs (backend.logs)",
+    FailureClass.USER_ERROR.value: "a user error fails the same way on any node: fix the code or config, then "
+    "trigger the run again; "
+    "no node was touched",
+    FailureClass.STORAGE_ERROR.value: "the run dir is full or read-only (storage, not a node fault): free space on "
+    "it or fix its mount, "
+    "then trigger the run again (it resumes from the newest verified checkpoint); no node was touched",
+    FailureClass.NON_FINITE.value: "the loss or gradient norm became NaN/inf again after max_nonfinite_rollbacks "
+    "rollbacks to the newest "
+    "verified checkpoint: the run diverges. Lower lr (or grad_clip), or check the data, then trigger the "
+    "run again; no node was touched",
+    FailureClass.ALREADY_RUNNING.value: "another fsdp_resilience.training.launch of this run holds its launch lock: "
+    "the run is being trained by "
+    "another launcher. This launch did nothing; that launcher was left alone and the run's status is unchanged. "
+    "Watch it (events.jsonl), or stop it before triggering this run again, or pick another run_name",
+    FailureClass.UNKNOWN.value: "not a failure that replacing a node fixes; read the launch's logs (backend.logs)",
 }
 
 
@@ -165,7 +169,6 @@ def storage_errno(exc: BaseException | None) -> int | None:
             return int(match.group(1))
         exc = exc.__cause__ or exc.__context__
     return None
-
 
 
 def failure_class_for_exit(code: int) -> FailureClass:

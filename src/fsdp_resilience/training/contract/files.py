@@ -25,7 +25,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         pass
 
 
-
 def probe_writable(folder: str | os.PathLike) -> str | None:
     """Why ``folder`` cannot take a small durable write (full, read-only, no permission), or None.
     A real write and fsync, not ``os.access``: a full disk or a read-only mount passes that."""

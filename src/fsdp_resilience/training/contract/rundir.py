@@ -20,27 +20,27 @@ from fsdp_resilience.training.contract.files import atomic_write_text
 class RunDir:
     """The layout of one run's folder (a local folder, or FSx for Lustre on EKS)::
 
-        <run_dir>/
-          run.json                 the config as launched
-          events.jsonl             append-only events log (schema: EVENT_TYPES, one TypedDict per Event)
-          eval.json                written by fsdp_resilience.training.evaluate
-          timeouts.json            ft_launcher's timeouts as derived from the measured steps and
-                                   saves (DerivedTimeouts), by rank 0 at each derivation; run.json
-                                   keeps what was asked for
-          control/STOP.json        written by the first rank that hits a fault no restart can fix
-                                   (user error, non-finite state, storage): every layer stops
-          control/launch-node<N>.lock  held (flock) by the one fsdp_resilience.training.launch of node N
-          logs/                    launcher logs, one per node
-          launches/<launch_id>.json the config of each (re)launch, written by the backend
-          checkpoints/
-            latest                 name of the newest committed checkpoint (atomic rename)
-            latest_step            its step as a bare integer (NVRx 0.7's progress tracking reads it)
-            step_00000010/         one DCP checkpoint: a shard file per rank + .metadata
-              .sums/rank_00000.json each rank's shard files, sizes and CRC32C (its writer wrote them)
-              COMMITTED.json       the commit marker, written last, by rank 0: every file's size
-                                   and CRC32C
-            quarantine/step_00000020.<ts>/  a checkpoint that failed verification, moved aside with
-              QUARANTINED.json     why (never loaded, never deleted by retention)
+    <run_dir>/
+      run.json                 the config as launched
+      events.jsonl             append-only events log (schema: EVENT_TYPES, one TypedDict per Event)
+      eval.json                written by fsdp_resilience.training.evaluate
+      timeouts.json            ft_launcher's timeouts as derived from the measured steps and
+                               saves (DerivedTimeouts), by rank 0 at each derivation; run.json
+                               keeps what was asked for
+      control/STOP.json        written by the first rank that hits a fault no restart can fix
+                               (user error, non-finite state, storage): every layer stops
+      control/launch-node<N>.lock  held (flock) by the one fsdp_resilience.training.launch of node N
+      logs/                    launcher logs, one per node
+      launches/<launch_id>.json the config of each (re)launch, written by the backend
+      checkpoints/
+        latest                 name of the newest committed checkpoint (atomic rename)
+        latest_step            its step as a bare integer (NVRx 0.7's progress tracking reads it)
+        step_00000010/         one DCP checkpoint: a shard file per rank + .metadata
+          .sums/rank_00000.json each rank's shard files, sizes and CRC32C (its writer wrote them)
+          COMMITTED.json       the commit marker, written last, by rank 0: every file's size
+                               and CRC32C
+        quarantine/step_00000020.<ts>/  a checkpoint that failed verification, moved aside with
+          QUARANTINED.json     why (never loaded, never deleted by retention)
     """
 
     def __init__(self, root: str | os.PathLike):
@@ -74,9 +74,9 @@ class RunDir:
         return self.checkpoints / f"{CHECKPOINT_PREFIX}{step:08d}"
 
 
-
-def record_membership(layout: RunDir, events: EventLog, launch_id: str, attempt: int,
-                      members: list[tuple[int, str]]) -> list[dict[str, Any]]:
+def record_membership(
+    layout: RunDir, events: EventLog, launch_id: str, attempt: int, members: list[tuple[int, str]]
+) -> list[dict[str, Any]]:
     """Record which nodes train in this attempt (``members``: (node index as launched, node id)
     of every rank) and emit ``spare_promoted`` for each node that trains now and did not in the
     attempt before of the same launch: a spare that took a lost node's place. Global rank 0 calls
@@ -95,13 +95,23 @@ def record_membership(layout: RunDir, events: EventLog, launch_id: str, attempt:
         previous = sorted({(int(rank), str(node)) for rank, node in before.get("members") or []})
         left = [m for m in previous if m not in now]
         for rank, node in (m for m in now if m not in previous):
-            emitted.append(events.emit(Event.SPARE_PROMOTED, node_id=node, node_rank=rank,
-                                       replaces=[n for _, n in left], replaced_node_ranks=[r for r, _ in left],
-                                       members=[n for _, n in now], previous_attempt=before.get("attempt")))
+            emitted.append(
+                events.emit(
+                    Event.SPARE_PROMOTED,
+                    node_id=node,
+                    node_rank=rank,
+                    replaces=[n for _, n in left],
+                    replaced_node_ranks=[r for r, _ in left],
+                    members=[n for _, n in now],
+                    previous_attempt=before.get("attempt"),
+                )
+            )
     try:
         layout.control.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(layout.membership, json.dumps({"launch_id": launch_id, "attempt": attempt,
-                                                         "members": now, "ts": time.time()}) + "\n")
+        atomic_write_text(
+            layout.membership,
+            json.dumps({"launch_id": launch_id, "attempt": attempt, "members": now, "ts": time.time()}) + "\n",
+        )
     except OSError as e:  # a full run dir: the next attempt compares with an older record
         print(f"[events] cannot record membership in {layout.membership}: {e}", file=sys.stderr, flush=True)
     return emitted

@@ -59,18 +59,21 @@ class RestartTimeouts:
                 f"collective_timeout_s={self.collective_s} must exceed the in-process hard timeout "
                 f"(2 x hang_timeout_s = {self.hard_s}) {where}: otherwise the NCCL watchdog kills the "
                 "healthy ranks before a hang can be recovered in-process. Raise it, or leave it unset "
-                f"to get {self.hard_s + NCCL_TIMEOUT_MARGIN_S}")
+                f"to get {self.hard_s + NCCL_TIMEOUT_MARGIN_S}"
+            )
         if self.backend == "gloo" and monitored and self.heartbeat_s <= self.collective_s + 1:
             # An in-process restart pauses heartbeats for about one collective timeout; a shorter
             # heartbeat timeout makes ft_launcher kill ranks that were recovering by themselves.
             raise ConfigError(
                 f"heartbeat_timeout_s={self.heartbeat_s} must exceed collective_timeout_s + 1 "
-                f"= {self.collective_s + 1} {where}, so in-process restarts are not cut short")
+                f"= {self.collective_s + 1} {where}, so in-process restarts are not cut short"
+            )
         if restart_mode == "layered" and self.soft_s >= self.heartbeat_s:
             # Otherwise ft_launcher kills a hung rank before the Wrapper can recover it in place.
             raise ConfigError(
                 f"hang_timeout_s={self.soft_s} must be below heartbeat_timeout_s={self.heartbeat_s} "
-                "in layered mode, so hangs are recovered in-process first")
+                "in layered mode, so hangs are recovered in-process first"
+            )
 
     def derived_floor_s(self, restart_mode: str, longest_interval_s: float) -> float:
         """The shortest heartbeat (and ``step`` / ``checkpoint`` section) timeout that keeps this
@@ -89,8 +92,9 @@ class RestartTimeouts:
             floor = max(floor, self.soft_s)
         return floor + DERIVED_TIMEOUT_MARGIN_S
 
-    def derive(self, restart_mode: str, safety_factor: float, heartbeat_interval_s: float,
-               section_s: dict[str, float]) -> "DerivedTimeouts":
+    def derive(
+        self, restart_mode: str, safety_factor: float, heartbeat_interval_s: float, section_s: dict[str, float]
+    ) -> "DerivedTimeouts":
         """ft_launcher's timeouts from what the warm steps measured (the longest interval between
         heartbeats, and the longest time each of ``DERIVED_SECTIONS`` was open, over all ranks):
         ``safety_factor`` x the measure, never below ``derived_floor_s`` and never above the
@@ -101,13 +105,20 @@ class RestartTimeouts:
         def bounded(measured: float) -> float:
             return round(min(self.heartbeat_s, max(floor, safety_factor * measured)), 3)
 
-        sections = {name: bounded(section_s[name]) if section_s.get(name, 0) > 0 else self.heartbeat_s
-                    for name in DERIVED_SECTIONS}
+        sections = {
+            name: bounded(section_s[name]) if section_s.get(name, 0) > 0 else self.heartbeat_s
+            for name in DERIVED_SECTIONS
+        }
         return DerivedTimeouts(
-            heartbeat_s=bounded(heartbeat_interval_s), sections=sections,
-            initial_heartbeat_s=self.initial_heartbeat_s, floor_s=round(floor, 3), ceiling_s=self.heartbeat_s,
-            safety_factor=safety_factor, measured_heartbeat_interval_s=round(heartbeat_interval_s, 4),
-            measured_section_s={k: round(v, 4) for k, v in section_s.items() if v > 0})
+            heartbeat_s=bounded(heartbeat_interval_s),
+            sections=sections,
+            initial_heartbeat_s=self.initial_heartbeat_s,
+            floor_s=round(floor, 3),
+            ceiling_s=self.heartbeat_s,
+            safety_factor=safety_factor,
+            measured_heartbeat_interval_s=round(heartbeat_interval_s, 4),
+            measured_section_s={k: round(v, 4) for k, v in section_s.items() if v > 0},
+        )
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,16 @@ from fsdp_resilience.training.launch.storage import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_resilience.training.launch",
-                                     description="Run one node of a training run under NVRx restarts.")
-    parser.add_argument("--config", default=None,
-                        help="run config JSON file (src/fsdp_resilience/training/contract/config.py: RunConfig); "
-                             f"default: ${CONFIG_ENV}")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_resilience.training.launch",
+        description="Run one node of a training run under NVRx restarts.",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="run config JSON file (src/fsdp_resilience/training/contract/config.py: RunConfig); "
+        f"default: ${CONFIG_ENV}",
+    )
     parser.add_argument("--node-rank", type=int, default=None, help="this node's index (default: from env)")
     parser.add_argument("--rdzv-host", default=None, help="rendezvous host: node 0's address (default: from env)")
     parser.add_argument("--dry-run", action="store_true", help="print the launcher command and exit")
@@ -42,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         node_rank = node_rank_from_env(args.node_rank)
         if not 0 <= node_rank < cfg.node_rank_limit:
             spares = f" + {cfg.spare_nodes} spare(s) and the indices of spares added later" if cfg.spare_nodes else ""
-            raise ConfigError(f"node rank {node_rank} is outside the run's {cfg.nodes} node(s){spares}: "
-                              f"use 0..{cfg.node_rank_limit - 1}")
+            raise ConfigError(
+                f"node rank {node_rank} is outside the run's {cfg.nodes} node(s){spares}: "
+                f"use 0..{cfg.node_rank_limit - 1}"
+            )
         rdzv_host = rdzv_host_from_env(args.rdzv_host, cfg)
         read_dataset_index(cfg.dataset_dir)  # a missing or broken dataset fails here, not in every rank
     except (ConfigError, ValueError) as e:
@@ -74,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}; {STORAGE_ADVICE}", file=sys.stderr)
         return int(ExitCode.STORAGE_ERROR)
     except OSError as e:  # a write of prepare() refused after the probe passed
-        print(f"error: the run dir cannot take writes: {e.filename or layout.root}: {e.strerror or e}; "
-              f"{STORAGE_ADVICE}", file=sys.stderr)
+        print(
+            f"error: the run dir cannot take writes: {e.filename or layout.root}: {e.strerror or e}; {STORAGE_ADVICE}",
+            file=sys.stderr,
+        )
         return int(ExitCode.STORAGE_ERROR)
     if args.dry_run:
         print(shlex.join(command))

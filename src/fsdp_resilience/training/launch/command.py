@@ -23,8 +23,10 @@ def nvrx_fault_tolerance_config() -> type:
     this module starts in milliseconds. The file needs only the standard library and yaml."""
     spec = importlib.util.find_spec("nvidia_resiliency_ext")
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("nvidia-resiliency-ext is not installed in this environment: install the training "
-                          "requirements (pip install -e '.[training]')")
+        raise ConfigError(
+            "nvidia-resiliency-ext is not installed in this environment: install the training "
+            "requirements (pip install -e '.[training]')"
+        )
     path = Path(spec.submodule_search_locations[0]) / "fault_tolerance" / "config.py"
     name = "_nvrx_fault_tolerance_config"
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -77,9 +79,11 @@ def check_ft_launcher_config(path: Path, written: dict, config_class: type) -> N
     try:
         parsed = config_class.from_yaml_file(str(path), ignore_not_recognized=False)
     except Exception as e:
-        raise ConfigError(f"ft_launcher would not read {path} as written: {e}. This is a bug of "
-                          "fsdp_resilience.training.launch with this nvidia-resiliency-ext version; report it with "
-                          "the file") from None
+        raise ConfigError(
+            f"ft_launcher would not read {path} as written: {e}. This is a bug of "
+            "fsdp_resilience.training.launch with this nvidia-resiliency-ext version; report it with "
+            "the file"
+        ) from None
     for key, value in written["fault_tolerance"].items():
         if isinstance(value, (int, float, dict)) and not isinstance(value, bool):
             got = getattr(parsed, key)
@@ -115,8 +119,7 @@ def nnodes_flag(cfg: RunConfig) -> str:
     return f"--nnodes={cfg.nodes}"
 
 
-def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: Path,
-                  log_dir: Path) -> list[str]:
+def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: Path, log_dir: Path) -> list[str]:
     """The launcher command for this node."""
     rdzv = [
         nnodes_flag(cfg),
@@ -138,10 +141,16 @@ def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: P
             # also that the run's shared storage is there, so a spare whose mount is gone is
             # turned away (its launcher exits, saying why) instead of taking a rank.
             checks = [f"--ft-storage-health-check-path={Path(cfg.run_dir).absolute() / 'checkpoints'}"]
-        return [str(bindir / "ft_launcher"), f"--ft-cfg-path={ft_cfg_path}",
-                # 0.4.1 ignores enable_nic_monitor in YAML; both versions accept the flag.
-                "--ft-enable-nic-monitor=false", *checks,
-                f"--max-restarts={cfg.max_restarts}", *rdzv, *worker]
+        return [
+            str(bindir / "ft_launcher"),
+            f"--ft-cfg-path={ft_cfg_path}",
+            # 0.4.1 ignores enable_nic_monitor in YAML; both versions accept the flag.
+            "--ft-enable-nic-monitor=false",
+            *checks,
+            f"--max-restarts={cfg.max_restarts}",
+            *rdzv,
+            *worker,
+        ]
     return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", *rdzv, *worker]
 
 

@@ -35,5 +35,7 @@ def rdzv_host_from_env(explicit: str | None, cfg: RunConfig) -> str:
         return host
     if cfg.nodes == 1:
         return "127.0.0.1"
-    raise ConfigError("a multi-node run needs the rendezvous host: pass --rdzv-host or set TRAINING_RDZV_HOST "
-                      "(on EKS: the headless Service name of the pod with completion index 0)")
+    raise ConfigError(
+        "a multi-node run needs the rendezvous host: pass --rdzv-host or set TRAINING_RDZV_HOST "
+        "(on EKS: the headless Service name of the pod with completion index 0)"
+    )

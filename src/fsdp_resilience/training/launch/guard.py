@@ -148,5 +148,11 @@ def supervise(lock_fd: int, command: list[str]) -> int:
 
 
 def guard_command(lock_fd: int, command: list[str]) -> list[str]:
-    return [sys.executable, "-c", "import sys; from fsdp_resilience.training.launch.guard import supervise; "
-            "sys.exit(supervise(int(sys.argv[1]), sys.argv[2:]))", str(lock_fd), *command]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from fsdp_resilience.training.launch.guard import supervise; "
+        "sys.exit(supervise(int(sys.argv[1]), sys.argv[2:]))",
+        str(lock_fd),
+        *command,
+    ]

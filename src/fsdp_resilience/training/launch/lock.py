@@ -27,8 +27,9 @@ class AlreadyRunning(Exception):
 PREDECESSOR_LOCK_WAIT_S = 300.0
 
 
-def take_launch_lock(layout: RunDir, node_rank: int, launch_id: str = "",
-                     predecessor_wait_s: float = PREDECESSOR_LOCK_WAIT_S) -> int | None:
+def take_launch_lock(
+    layout: RunDir, node_rank: int, launch_id: str = "", predecessor_wait_s: float = PREDECESSOR_LOCK_WAIT_S
+) -> int | None:
     """Hold this node's launch lock (an exclusive ``flock``) for the life of the launch; returns
     its descriptor (close-on-exec: no rank or NVRx helper ever holds it), or None where the file
     system has no ``flock`` (a warning says a second launcher then goes undetected). Records who
@@ -39,8 +40,9 @@ def take_launch_lock(layout: RunDir, node_rank: int, launch_id: str = "",
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise StorageError(f"the run dir cannot take writes: cannot open the launch lock {path}: "
-                           f"{e.strerror or e}") from None
+        raise StorageError(
+            f"the run dir cannot take writes: cannot open the launch lock {path}: {e.strerror or e}"
+        ) from None
     deadline = time.monotonic() + predecessor_wait_s
     while True:
         try:
@@ -51,25 +53,41 @@ def take_launch_lock(layout: RunDir, node_rank: int, launch_id: str = "",
                 holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
             except (OSError, ValueError):
                 holder = {}
-            predecessor = bool(launch_id) and holder.get("launch_id") == launch_id and \
-                holder.get("host") not in (None, socket.gethostname())
+            predecessor = (
+                bool(launch_id)
+                and holder.get("launch_id") == launch_id
+                and holder.get("host") not in (None, socket.gethostname())
+            )
             if predecessor and time.monotonic() < deadline:
                 time.sleep(LOCK_POLL_S)
                 continue
             os.close(fd)
-            who = (f"fsdp_resilience.training.launch pid {holder.get('pid')} on {holder.get('host')}"
-                   if holder.get("pid") else "another fsdp_resilience.training.launch (pid not recorded yet)")
-            raise AlreadyRunning(f"node {node_rank} of this run is already being launched: {path} is held by {who}. "
-                                 "Not starting a second launcher; stop that one, or let it finish") from None
+            who = (
+                f"fsdp_resilience.training.launch pid {holder.get('pid')} on {holder.get('host')}"
+                if holder.get("pid")
+                else "another fsdp_resilience.training.launch (pid not recorded yet)"
+            )
+            raise AlreadyRunning(
+                f"node {node_rank} of this run is already being launched: {path} is held by {who}. "
+                "Not starting a second launcher; stop that one, or let it finish"
+            ) from None
         except OSError as e:  # e.g. a Lustre client mounted with noflock
-            print(f"warning: cannot lock {path} ({e.strerror or e}): a second launcher of this node would go "
-                  "undetected", file=sys.stderr, flush=True)
+            print(
+                f"warning: cannot lock {path} ({e.strerror or e}): a second launcher of this node would go undetected",
+                file=sys.stderr,
+                flush=True,
+            )
             os.close(fd)
             return None
     try:  # who holds it, for the refusal message; best effort (a full disk may refuse even this)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                                  "launch_id": launch_id}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "launch_id": launch_id}
+            ).encode(),
+            0,
+        )
     except OSError:
         pass
     return fd

@@ -62,8 +62,9 @@ class NodeLauncher:
         self.rdzv_host = rdzv_host
         self.layout = cfg.layout
         self.launch_id = os.environ.get("TRAINING_LAUNCH_ID", "")
-        self.events = EventLog(self.layout.events, run_id=cfg.run_id, node_rank=node_rank,
-                               launch_id=self.launch_id, role="launcher")
+        self.events = EventLog(
+            self.layout.events, run_id=cfg.run_id, node_rank=node_rank, launch_id=self.launch_id, role="launcher"
+        )
         self.proc: subprocess.Popen | None = None
         self.terminated_by: int | None = None
         self.began: dict | None = None  # this launch's launch_begin record
@@ -94,8 +95,10 @@ class NodeLauncher:
     def launch_state(self, tail: "EventTail") -> dict | None:
         """This launch's first ``train_begin`` or ``final`` among the records ``tail`` reads next."""
         for record in tail.read():
-            if record.get("launch_id", "") == self.launch_id and \
-                    record.get("event") in (Event.TRAIN_BEGIN.value, Event.FINAL.value):
+            if record.get("launch_id", "") == self.launch_id and record.get("event") in (
+                Event.TRAIN_BEGIN.value,
+                Event.FINAL.value,
+            ):
                 return record
         return None
 
@@ -120,14 +123,24 @@ class NodeLauncher:
         tail = EventTail(self.layout.events)
         state = self.launch_state(tail) if cfg.spare_nodes else None
         self.standby = bool(cfg.spare_nodes) and (self.node_rank >= cfg.nodes or state is not None)
-        self.began = self.events.emit(Event.LAUNCH_BEGIN, nodes=cfg.nodes, spare_nodes=cfg.spare_nodes,
-                                      procs_per_node=cfg.procs_per_node, restart_mode=cfg.restart_mode,
-                                      rdzv_host=self.rdzv_host, command=shlex.join(command), standby=self.standby)
+        self.began = self.events.emit(
+            Event.LAUNCH_BEGIN,
+            nodes=cfg.nodes,
+            spare_nodes=cfg.spare_nodes,
+            procs_per_node=cfg.procs_per_node,
+            restart_mode=cfg.restart_mode,
+            rdzv_host=self.rdzv_host,
+            command=shlex.join(command),
+            standby=self.standby,
+        )
         signal.signal(signal.SIGTERM, self._forward_signal)
         signal.signal(signal.SIGINT, self._forward_signal)
         if self.standby:
-            ended = self.wait_for_training_nodes(tail) if state is None else \
-                (state if state["event"] == Event.FINAL.value else None)
+            ended = (
+                self.wait_for_training_nodes(tail)
+                if state is None
+                else (state if state["event"] == Event.FINAL.value else None)
+            )
             if ended is not None:
                 failure = FailureClass(ended.get("failure_class") or FailureClass.UNKNOWN.value)
                 if self.terminated_by is not None:
@@ -155,9 +168,13 @@ class NodeLauncher:
         # The guard gets its own session (ft_launcher shares it, so a group SIGTERM stops it
         # gracefully) and the parent-death signal: if this process dies, the launch dies with it.
         lock = () if self.lock_fd is None else (self.lock_fd,)
-        self.proc = subprocess.Popen(guard_command(lock[0] if lock else -1, command), env=env,
-                                     start_new_session=True, pass_fds=lock,
-                                     preexec_fn=parent_death_signal(END_NOW_SIGNAL))
+        self.proc = subprocess.Popen(
+            guard_command(lock[0] if lock else -1, command),
+            env=env,
+            start_new_session=True,
+            pass_fds=lock,
+            preexec_fn=parent_death_signal(END_NOW_SIGNAL),
+        )
         stalled = False
         stop_seen: float | None = None
         catalog = CheckpointCatalog(self.layout)
@@ -183,9 +200,11 @@ class NodeLauncher:
         """SIGTERM to ft_launcher's group (it stops its workers), then the guard ends the tree,
         then SIGKILL to the group; each step only if the one before did not end it in time."""
         print(f"[launch] stopping the launcher: {why}", flush=True)
-        for send, grace in ((lambda: os.killpg(self.proc.pid, signal.SIGTERM), TERMINATE_GRACE_S),
-                            (lambda: os.kill(self.proc.pid, END_NOW_SIGNAL), KILL_GRACE_S),
-                            (lambda: os.killpg(self.proc.pid, signal.SIGKILL), KILL_GRACE_S)):
+        for send, grace in (
+            (lambda: os.killpg(self.proc.pid, signal.SIGTERM), TERMINATE_GRACE_S),
+            (lambda: os.kill(self.proc.pid, END_NOW_SIGNAL), KILL_GRACE_S),
+            (lambda: os.killpg(self.proc.pid, signal.SIGKILL), KILL_GRACE_S),
+        ):
             try:
                 send()
                 self.proc.wait(timeout=grace)
@@ -208,9 +227,12 @@ class NodeLauncher:
         per node: the lock)."""
         if self.began is None:
             return False
-        return any(r.get("ts", 0) >= self.began["ts"] and r.get("launch_id", "") == self.launch_id
-                   and (not this_node or r.get("node_rank") == self.node_rank)
-                   for r in read_events(self.layout.events, Event.TRAIN_BEGIN))
+        return any(
+            r.get("ts", 0) >= self.began["ts"]
+            and r.get("launch_id", "") == self.launch_id
+            and (not this_node or r.get("node_rank") == self.node_rank)
+            for r in read_events(self.layout.events, Event.TRAIN_BEGIN)
+        )
 
     def finish(self, rc: int, stalled: bool) -> int:
         if self.terminated_by is not None:
@@ -225,15 +247,22 @@ class NodeLauncher:
     def finish_stopped(self, stop: dict) -> int:
         """The run already has a stop (a user error, non-finite state) that no relaunch fixes."""
         failure, message = describe_stop(stop)
-        return self._final(failure, f"not launching again: {message} (control/STOP.json); fix it and start "
-                                     "a new run", None)
+        return self._final(
+            failure, f"not launching again: {message} (control/STOP.json); fix it and start a new run", None
+        )
 
     def _final(self, failure: FailureClass, message: str, rc: int | None) -> int:
         code = exit_code_for(failure)
         latest = CheckpointCatalog(self.layout).latest()
-        self.events.emit(Event.FINAL, failure_class=failure.value, exit_code=int(code),
-                         launcher_exit_code=rc, step=latest.step if latest else 0,
-                         checkpoint_id=latest.checkpoint_id if latest else None, message=message,
-                         host=socket.gethostname())
+        self.events.emit(
+            Event.FINAL,
+            failure_class=failure.value,
+            exit_code=int(code),
+            launcher_exit_code=rc,
+            step=latest.step if latest else 0,
+            checkpoint_id=latest.checkpoint_id if latest else None,
+            message=message,
+            host=socket.gethostname(),
+        )
         print(f"[launch] node {self.node_rank}: {failure.value} (exit {int(code)}): {message}", flush=True)
         return int(code)

@@ -38,8 +38,9 @@ def describe_stop(stop: dict) -> tuple[FailureClass, str]:
     return failure, f"{what}{where}: {why}{advice}"
 
 
-def classify(cfg: RunConfig, rc: int, stalled: bool, workers_started: bool = True,
-             log_hint: str = "this node's launcher log") -> tuple[FailureClass, str]:
+def classify(
+    cfg: RunConfig, rc: int, stalled: bool, workers_started: bool = True, log_hint: str = "this node's launcher log"
+) -> tuple[FailureClass, str]:
     """What the launcher's exit means, in the run contract's terms. ``workers_started``: whether
     any rank of this launch began training (a ``train_begin`` after its ``launch_begin``)."""
     layout = cfg.layout
@@ -55,20 +56,25 @@ def classify(cfg: RunConfig, rc: int, stalled: bool, workers_started: bool = Tru
     if stalled:
         return FailureClass.NO_PROGRESS, f"no new committed checkpoint for {cfg.stall_timeout_s:.0f}s"
     if rc == ExitCode.NO_PROGRESS:
-        return FailureClass.NO_PROGRESS, ("ft_launcher stopped restarting: its last restart cycles committed no "
-                                          f"checkpoint past step {latest.step if latest else 0}")
+        return FailureClass.NO_PROGRESS, (
+            "ft_launcher stopped restarting: its last restart cycles committed no "
+            f"checkpoint past step {latest.step if latest else 0}"
+        )
     if rc == 0:
         return FailureClass.UNKNOWN, "the launcher exited 0 before the final checkpoint was committed"
     if rc < 0:
         return FailureClass.UNKNOWN, f"the launcher was killed by signal {-rc}"
     launcher = "ft_launcher" if cfg.restart_mode in ("layered", "injob") else "torchrun"
     if not workers_started:
-        return FailureClass.UNKNOWN, (f"the workers never started: {launcher} exited {rc} before any rank began "
-                                      f"training (nothing was restarted); read {log_hint}")
+        return FailureClass.UNKNOWN, (
+            f"the workers never started: {launcher} exited {rc} before any rank began "
+            f"training (nothing was restarted); read {log_hint}"
+        )
     if cfg.restart_mode in ("layered", "injob"):
         return FailureClass.RESTARTS_EXHAUSTED, f"ft_launcher gave up after max_restarts={cfg.max_restarts} (exit {rc})"
-    return FailureClass.RESTARTS_EXHAUSTED, (f"a rank failed and restart_mode={cfg.restart_mode} has no in-job "
-                                             f"restarts (exit {rc})")
+    return FailureClass.RESTARTS_EXHAUSTED, (
+        f"a rank failed and restart_mode={cfg.restart_mode} has no in-job restarts (exit {rc})"
+    )
 
 
 #: What NVRx logs when its rendezvous turns a node away (0.7: the health checks at every join;

@@ -24,12 +24,14 @@ def create_run_dir(layout: RunDir) -> None:
         where = Path(e.filename or layout.root)
         if e.errno in (errno.ENOTDIR, errno.EEXIST):
             what = "is a link to nothing" if where.is_symlink() and not where.exists() else "is not a folder"
-            raise ConfigError(f"run_dir={layout.root} cannot be created: {where} {what}; "
-                              "choose a folder path") from None
+            raise ConfigError(
+                f"run_dir={layout.root} cannot be created: {where} {what}; choose a folder path"
+            ) from None
         if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):
             raise ConfigError(f"run_dir={layout.root} cannot be created: {e.strerror}; choose a folder path") from None
-        raise StorageError(f"the run dir {layout.root} cannot be created: {e.strerror or e} "
-                           f"(errno {e.errno})") from None
+        raise StorageError(
+            f"the run dir {layout.root} cannot be created: {e.strerror or e} (errno {e.errno})"
+        ) from None
 
 
 def storage_problem(layout: RunDir) -> str | None:
@@ -50,6 +52,7 @@ def clear_storage_stop(layout: RunDir) -> bool:
         os.rename(layout.stop_marker, layout.control / f"STOP.cleared.{int(time.time() * 1000)}.json")
     except FileNotFoundError:
         pass  # another node's launcher cleared it
-    print(f"[launch] {layout.stop_marker} recorded a storage error; the run dir takes writes again: cleared",
-          flush=True)
+    print(
+        f"[launch] {layout.stop_marker} recorded a storage error; the run dir takes writes again: cleared", flush=True
+    )
     return True

@@ -25,8 +25,14 @@ def process_group_options(device: torch.device) -> dict:
     return {"device_id": device} if device.type == "cuda" else {}
 
 
-def init_process_group(backend: str, iteration: int, timeout_s: float, join_timeout_s: float,
-                       app_store: dist.Store, device: torch.device | None = None) -> None:
+def init_process_group(
+    backend: str,
+    iteration: int,
+    timeout_s: float,
+    join_timeout_s: float,
+    app_store: dist.Store,
+    device: torch.device | None = None,
+) -> None:
     """A fresh default process group for this in-process iteration, on its own key prefix so
     iterations never read each other's rendezvous keys.
 

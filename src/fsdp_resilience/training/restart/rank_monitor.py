@@ -90,8 +90,10 @@ class RankMonitor:
         try:
             fn(self.client)
         except RankMonitorClientError as e:
-            print(f"[restart] rank monitor {what} failed ({e}); reconnecting, sections off until the next attempt",
-                  flush=True)
+            print(
+                f"[restart] rank monitor {what} failed ({e}); reconnecting, sections off until the next attempt",
+                flush=True,
+            )
             schedule = (self.heartbeats, self.saves, self.heartbeats_at_save, self.measured_from_save, self.derived)
             self.stop()
             self.start()
@@ -136,23 +138,31 @@ class RankMonitor:
         turns them into timeouts (``timeout_safety_factor`` x each, above the restart layers' order,
         never above the configured ones). Rank 0 records them: a ``timeouts_derived`` event and
         ``RunDir.derived_timeouts``."""
-        if (self.client is None or self.derived is not None or self.heartbeats < WARM_HEARTBEATS
-                or self.measured_from_save is None or self.saves <= self.measured_from_save
-                or self.heartbeats <= self.heartbeats_at_save):
+        if (
+            self.client is None
+            or self.derived is not None
+            or self.heartbeats < WARM_HEARTBEATS
+            or self.measured_from_save is None
+            or self.saves <= self.measured_from_save
+            or self.heartbeats <= self.heartbeats_at_save
+        ):
             return None
         calc = self.client.timeouts_calc
         calc.synchronize_all()  # all-reduce (max) over ranks: every rank derives the same values
         if calc.subsequent_max_time <= 0:  # every rank reconnected meanwhile: nothing measured
             return None
         measured = {name: calc.section_to_max_time.get(name, -1.0) for name in DERIVED_SECTIONS}
-        self.derived = self.timeouts.derive(self.cfg.restart_mode, calc.safety_factor, calc.subsequent_max_time,
-                                            measured)
+        self.derived = self.timeouts.derive(
+            self.cfg.restart_mode, calc.safety_factor, calc.subsequent_max_time, measured
+        )
         self._apply("derived")
         if int(os.environ.get("RANK", "0")) == 0:
             events.emit(Event.TIMEOUTS_DERIVED, step=step, **self.derived.to_dict())
             try:
-                atomic_write_text(self.cfg.layout.derived_timeouts,
-                                  json.dumps({"step": step, **self.derived.to_dict()}, indent=2, sort_keys=True) + "\n")
+                atomic_write_text(
+                    self.cfg.layout.derived_timeouts,
+                    json.dumps({"step": step, **self.derived.to_dict()}, indent=2, sort_keys=True) + "\n",
+                )
             except OSError as e:  # the events log has it; a full run dir is found by the next save
                 print(f"[restart] could not write {self.cfg.layout.derived_timeouts}: {e}", flush=True)
         return self.derived
@@ -171,14 +181,23 @@ class RankMonitor:
             heartbeat = self.derived.heartbeat_s
         # load_state_dict is NVRx's public way to hand timeouts to the rank monitor (it restores
         # calculated ones); it sends them at once.
-        state = {"heartbeat": {"initial": self.cfg.initial_heartbeat_timeout_s, "subsequent": heartbeat,
-                               "were_calculated": which == "derived"},
-                 "section": {"section": sections, "out_of_section": self.cfg.initial_heartbeat_timeout_s,
-                             "calculated_sections": list(DERIVED_SECTIONS) if which == "derived" else [],
-                             "is_out_of_section_calculated": False}}
+        state = {
+            "heartbeat": {
+                "initial": self.cfg.initial_heartbeat_timeout_s,
+                "subsequent": heartbeat,
+                "were_calculated": which == "derived",
+            },
+            "section": {
+                "section": sections,
+                "out_of_section": self.cfg.initial_heartbeat_timeout_s,
+                "calculated_sections": list(DERIVED_SECTIONS) if which == "derived" else [],
+                "is_out_of_section_calculated": False,
+            },
+        }
         sent = []
-        self._call("timeouts update",
-                   lambda c: (c.load_state_dict({c.CURRENT_TIMEOUTS_STATE_KEY: state}), sent.append(which)))
+        self._call(
+            "timeouts update", lambda c: (c.load_state_dict({c.CURRENT_TIMEOUTS_STATE_KEY: state}), sent.append(which))
+        )
         if sent:
             self.applied = which
 
@@ -190,8 +209,7 @@ class RankMonitor:
         try:
             if client.rank_info is None:  # the request carries our rank
                 client.init_workload_monitoring()
-            client.send_workload_control_request(
-                WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason))
+            client.send_workload_control_request(WorkloadControlRequest(WorkloadAction.ShutdownWorkload, reason))
         except Exception as e:  # the marker file still stops relaunches; don't mask the user error
             print(f"[restart] could not ask ft_launcher to shut down: {e}", flush=True)
 

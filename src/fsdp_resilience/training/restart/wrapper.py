@@ -92,8 +92,8 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
         # Fixed world size: FSDP shards are laid out for it. Losing a rank, or spending the
         # in-process budget, raises RestartAbort, ends the process, and escalates to ft_launcher.
         initialize=inprocess.initialize.RetryController(
-            max_iterations=cfg.max_inprocess_restarts + 1,
-            min_world_size=world, min_active_world_size=world),
+            max_iterations=cfg.max_inprocess_restarts + 1, min_world_size=world, min_active_world_size=world
+        ),
         abort=_AbortProcessGroups(),
         finalize=_RecordRestart(events),
         soft_timeout=soft,

@@ -35,10 +35,12 @@ WHAT_TO_DO = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_resilience.training.train",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True,
-                        help="run config JSON (see src/fsdp_resilience/training/contract/config.py)")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_resilience.training.train", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--config", required=True, help="run config JSON (see src/fsdp_resilience/training/contract/config.py)"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = RunConfig.load(args.config)
@@ -49,9 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = read_stop(cfg.layout)
     if stop is not None:  # a rank found a fault no restart can fix: never train past it
         failure = FailureClass(stop["failure_class"])
-        print(f"error: {cfg.layout.stop_marker} says this run stopped with {failure.value} "
-              f"(step {stop.get('step')}: {stop.get('error')}); not training again: {WHAT_TO_DO[failure]}.",
-              file=sys.stderr)
+        print(
+            f"error: {cfg.layout.stop_marker} says this run stopped with {failure.value} "
+            f"(step {stop.get('step')}: {stop.get('error')}); not training again: {WHAT_TO_DO[failure]}.",
+            file=sys.stderr,
+        )
         return exit_code_for(failure)
     trainer = Trainer(cfg, env)
     try:

@@ -28,7 +28,10 @@ class WorkerEnv:
     @classmethod
     def from_environ(cls) -> "WorkerEnv":
         env = os.environ
-        return cls(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
-                   world_size=int(env.get("WORLD_SIZE", 1)),
-                   node_rank=int(env.get(faults.NODE_RANK_ENV, env.get("GROUP_RANK", 0))),
-                   attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            node_rank=int(env.get(faults.NODE_RANK_ENV, env.get("GROUP_RANK", 0))),
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )

@@ -94,11 +94,16 @@ class FaultHandling:
         round alone cannot keep a drill to once per round."""
         if drill.once:
             where = ("node_rank", drill.node) if drill.kind == "node_loss" else ("rank", drill.rank)
-            return any(r.get("kind") == drill.kind and r.get("step") == step
-                       and (where[1] is None or r.get(where[0]) == where[1])
-                       for r in read_events(self.layout.events, Event.FAULT_INJECTED))
-        return any(r.get("kind") == drill.kind and r.get("step") == step and r.get("attempt") == self.attempt
-                   for r in read_events(self.layout.events, Event.FAULT_INJECTED))
+            return any(
+                r.get("kind") == drill.kind
+                and r.get("step") == step
+                and (where[1] is None or r.get(where[0]) == where[1])
+                for r in read_events(self.layout.events, Event.FAULT_INJECTED)
+            )
+        return any(
+            r.get("kind") == drill.kind and r.get("step") == step and r.get("attempt") == self.attempt
+            for r in read_events(self.layout.events, Event.FAULT_INJECTED)
+        )
 
     def _on_fault(self, exc: Exception, step: int, *, restoring: bool = False) -> None:
         """Log the fault with its class (``fault_detected``'s ``failure_class``), and stop every
@@ -125,9 +130,14 @@ class FaultHandling:
         layer = "inprocess" if self.cfg.restart_mode in ("layered", "inprocess") else "injob"
         storage = storage_errno(exc) is not None
         mismatch = isinstance(exc, CheckpointMismatchError)
-        repeated = (not storage) and (restoring or not is_platform_fault(exc)) and any(
-            r.get("signature") == signature and r.get("step") == step and r.get("rank") == self.env.rank
-            for r in read_events(self.layout.events, Event.FAULT_DETECTED))
+        repeated = (
+            (not storage)
+            and (restoring or not is_platform_fault(exc))
+            and any(
+                r.get("signature") == signature and r.get("step") == step and r.get("rank") == self.env.rank
+                for r in read_events(self.layout.events, Event.FAULT_DETECTED)
+            )
+        )
         if storage:
             failure = FailureClass.STORAGE_ERROR.value
         elif repeated or mismatch:
@@ -136,9 +146,17 @@ class FaultHandling:
             failure = CHECKPOINT_FAULT
         else:
             failure = FailureClass.RESTARTS_EXHAUSTED.value
-        self.events.emit(Event.FAULT_DETECTED, layer=layer, kind=type(exc).__name__, step=step,
-                         error=str(exc)[:500], signature=signature, repeated=repeated, failure_class=failure,
-                         restoring=restoring)
+        self.events.emit(
+            Event.FAULT_DETECTED,
+            layer=layer,
+            kind=type(exc).__name__,
+            step=step,
+            error=str(exc)[:500],
+            signature=signature,
+            repeated=repeated,
+            failure_class=failure,
+            restoring=restoring,
+        )
         if storage:
             self._stop(FailureClass.STORAGE_ERROR, step, f"the run dir cannot take writes: {exc}")
         if repeated or mismatch:
@@ -153,19 +171,34 @@ class FaultHandling:
         cfg, env = self.cfg, self.env
         first = min(s for bad in first_bad for s in bad if s)
         ranks = [r for r, (loss_step, _) in enumerate(first_bad) if loss_step == first]
-        what = (f"NaN/inf loss at step {first} on rank(s) {ranks}" if ranks
-                else f"NaN/inf gradient norm at step {first} (every loss finite)")
+        what = (
+            f"NaN/inf loss at step {first} on rank(s) {ranks}"
+            if ranks
+            else f"NaN/inf gradient norm at step {first} (every loss finite)"
+        )
         message = f"non-finite training state found at step {step}: {what}"
         decision = torch.zeros(1, dtype=torch.int64, device=self.device)
         if env.rank == 0:
-            before = sum(1 for r in read_events(self.layout.events, Event.FAULT_DETECTED)
-                         if r.get("failure_class") == FailureClass.NON_FINITE.value)
+            before = sum(
+                1
+                for r in read_events(self.layout.events, Event.FAULT_DETECTED)
+                if r.get("failure_class") == FailureClass.NON_FINITE.value
+            )
             roll_back = before < cfg.max_nonfinite_rollbacks
-            self.events.emit(Event.FAULT_DETECTED, layer="rollback" if roll_back else "none",
-                             kind=NonFiniteState.__name__, step=step, error=message,
-                             signature=f"{__name__}.NonFiniteState: {what}", repeated=not roll_back,
-                             failure_class=FailureClass.NON_FINITE.value, first_step=first, ranks=ranks,
-                             rollbacks_before=before, max_rollbacks=cfg.max_nonfinite_rollbacks)
+            self.events.emit(
+                Event.FAULT_DETECTED,
+                layer="rollback" if roll_back else "none",
+                kind=NonFiniteState.__name__,
+                step=step,
+                error=message,
+                signature=f"{__name__}.NonFiniteState: {what}",
+                repeated=not roll_back,
+                failure_class=FailureClass.NON_FINITE.value,
+                first_step=first,
+                ranks=ranks,
+                rollbacks_before=before,
+                max_rollbacks=cfg.max_nonfinite_rollbacks,
+            )
             decision[0] = int(roll_back)
         dist.broadcast(decision, src=0)
         # The pending save holds the last state that passed this check: commit it, so the rollback
@@ -173,8 +206,11 @@ class FaultHandling:
         self.checkpointer.wait()
         if decision.item():
             raise NonFiniteState(step, message, time.time())
-        self._stop(FailureClass.NON_FINITE, step,
-                   f"{message}, after {cfg.max_nonfinite_rollbacks} rollback(s) to a verified checkpoint")
+        self._stop(
+            FailureClass.NON_FINITE,
+            step,
+            f"{message}, after {cfg.max_nonfinite_rollbacks} rollback(s) to a verified checkpoint",
+        )
 
     def _stop(self, failure: FailureClass, step: int, message: str) -> NoReturn:
         """Stop every restart layer on every node: the stop marker (first rank wins; best effort,
@@ -203,8 +239,12 @@ class FaultHandling:
         if self.env.rank != 0:
             return None
         if rollback is not None:
-            self.events.emit(Event.RESTART_BEGIN, layer="rollback", fault_ts=rollback.ts,
-                             reason=f"{rollback.message}: rolled back to the newest verified checkpoint")
+            self.events.emit(
+                Event.RESTART_BEGIN,
+                layer="rollback",
+                fault_ts=rollback.ts,
+                reason=f"{rollback.message}: rolled back to the newest verified checkpoint",
+            )
             return "rollback", rollback.ts
         records = read_events(self.layout.events)
         last_step = max((i for i, r in enumerate(records) if r.get("event") == Event.STEP.value), default=-1)
@@ -213,13 +253,23 @@ class FaultHandling:
         if self.iteration > 0:
             layer = "inprocess"
         else:
-            launch = max((i for i, r in enumerate(records)
-                          if r.get("event") == Event.LAUNCH_BEGIN.value and r.get("node_rank") == 0), default=-1)
+            launch = max(
+                (
+                    i
+                    for i, r in enumerate(records)
+                    if r.get("event") == Event.LAUNCH_BEGIN.value and r.get("node_rank") == 0
+                ),
+                default=-1,
+            )
             layer = "injob" if last_step > launch else "relaunch"
-        faults = [r for r in records[last_step + 1:]
-                  if r.get("event") in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value)]
+        faults = [
+            r
+            for r in records[last_step + 1 :]
+            if r.get("event") in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value)
+        ]
         fault_ts = faults[0]["ts"] if faults else records[last_step]["ts"]
         if layer != "inprocess":
-            self.events.emit(Event.RESTART_BEGIN, layer=layer, reason=f"{layer}: training processes started again",
-                             fault_ts=fault_ts)
+            self.events.emit(
+                Event.RESTART_BEGIN, layer=layer, reason=f"{layer}: training processes started again", fault_ts=fault_ts
+            )
         return layer, fault_ts

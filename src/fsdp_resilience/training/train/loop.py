@@ -49,18 +49,29 @@ class Trainer(FaultHandling):
         self.cfg = cfg
         self.env = env
         self.layout = cfg.layout
-        self.events = EventLog(self.layout.events, run_id=cfg.run_id, rank=env.rank, node_rank=env.node_rank,
-                               attempt=env.attempt, launch_id=os.environ.get("TRAINING_LAUNCH_ID", ""))
+        self.events = EventLog(
+            self.layout.events,
+            run_id=cfg.run_id,
+            rank=env.rank,
+            node_rank=env.node_rank,
+            attempt=env.attempt,
+            launch_id=os.environ.get("TRAINING_LAUNCH_ID", ""),
+        )
         self.device = setup_device(cfg, env)
         self.backend = backend_for(self.device)
         self.timeouts = cfg.timeouts(self.backend)
         # The checkpoint writer, forked now: before the stores, the process group or CUDA start
         # threads, a fork is safe, and it costs milliseconds where spawning one (a second
         # interpreter importing torch) would take seconds of CPU from this start and restore.
-        self.checkpointer = AsyncCheckpointer(cfg.run_dir, rank=env.rank, world_size=env.world_size,
-                                              events=self.events, keep=cfg.keep_checkpoints,
-                                              writer_stall_s=writer_stall_bound(cfg.hang_timeout_s),
-                                              fork_writer=True)
+        self.checkpointer = AsyncCheckpointer(
+            cfg.run_dir,
+            rank=env.rank,
+            world_size=env.world_size,
+            events=self.events,
+            keep=cfg.keep_checkpoints,
+            writer_stall_s=writer_stall_bound(cfg.hang_timeout_s),
+            fork_writer=True,
+        )
         self.monitor = RankMonitor(cfg, self.timeouts)
         self.store = app_store()  # outlives in-process restarts; process groups do not
         self.fired: set[tuple[int, int | None, str]] = set()  # drills fire once per process
@@ -77,8 +88,14 @@ class Trainer(FaultHandling):
         self.monitor.start()
         self.monitor.enter("setup")
         try:
-            init_process_group(self.backend, self.iteration, self.timeouts.collective_s,
-                               cfg.initial_heartbeat_timeout_s, self.store, self.device)
+            init_process_group(
+                self.backend,
+                self.iteration,
+                self.timeouts.collective_s,
+                cfg.initial_heartbeat_timeout_s,
+                self.store,
+                self.device,
+            )
             mesh = device_mesh(self.device, cfg.nodes, cfg.procs_per_node)
             self.checkpointer.rebind(dist.group.WORLD)
             self.attempt = job_restart_round(env.attempt, self.device)
@@ -88,8 +105,9 @@ class Trainer(FaultHandling):
             rollback: NonFiniteState | None = None
             while True:  # one pass per rollback from non-finite state
                 self.monitor.enter("setup")  # a restore: the configured (long) timeouts
-                with restore_timeout(self.timeouts.collective_s, max(self.timeouts.collective_s,
-                                                                     cfg.initial_heartbeat_timeout_s)):
+                with restore_timeout(
+                    self.timeouts.collective_s, max(self.timeouts.collective_s, cfg.initial_heartbeat_timeout_s)
+                ):
                     model, optimizer, sampler, start = self._restore(mesh)
                 try:
                     self._train(model, optimizer, sampler, start, call_wrapper, rollback)
@@ -113,8 +131,7 @@ class Trainer(FaultHandling):
         # A node_loss drill with node null takes down the node of the highest rank off node 0.
         self.loss_target = max(((r, n) for r, (n, _) in enumerate(members) if n != 0), default=(None, None))[1]
         if self.env.rank == 0:
-            record_membership(self.layout, self.events, os.environ.get("TRAINING_LAUNCH_ID", ""), self.attempt,
-                              members)
+            record_membership(self.layout, self.events, os.environ.get("TRAINING_LAUNCH_ID", ""), self.attempt, members)
 
     def _restore(self, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer, BatchSampler, int]:
         """Model, optimizer and sampler at the newest committed checkpoint that verifies (every
@@ -140,27 +157,34 @@ class Trainer(FaultHandling):
                     restore_app_state(model, optimizer, state)
                     sampler.load_state_dict(state["trainer"]["sampler"])
             start = int(state["trainer"]["step"]) if resumed is not None else 0
-            rng = restore_rng(resumed, start, seed=cfg.seed, rank=env.rank, world_size=env.world_size,
-                              device=self.device)
+            rng = restore_rng(
+                resumed, start, seed=cfg.seed, rank=env.rank, world_size=env.world_size, device=self.device
+            )
             if resumed is not None:
                 self.checkpointer.trust(resumed.step)  # retention keeps it until a newer commit
         except Exception as exc:
             self._on_fault(exc, chosen.step if chosen is not None else 0, restoring=True)
             raise
-        self.events.emit(Event.TRAIN_BEGIN, start_step=start, world_size=env.world_size,
-                         device=str(self.device), model=cfg.model,
-                         resumed_from=resumed.checkpoint_id if resumed else None, rng=rng)
+        self.events.emit(
+            Event.TRAIN_BEGIN,
+            start_step=start,
+            world_size=env.world_size,
+            device=str(self.device),
+            model=cfg.model,
+            resumed_from=resumed.checkpoint_id if resumed else None,
+            rng=rng,
+        )
         return model, optimizer, sampler, start
 
     def _build(self, mesh, *, init_weights: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         cfg = self.cfg
-        model = build_sharded_model(cfg.model, mesh, self.device, seed=cfg.seed,
-                                    init_weights=init_weights, max_seq_len=cfg.seq_len)
+        model = build_sharded_model(
+            cfg.model, mesh, self.device, seed=cfg.seed, init_weights=init_weights, max_seq_len=cfg.seq_len
+        )
         optimizer = build_optimizer(model, self.device, lr=cfg.lr, weight_decay=cfg.weight_decay)
         return model, optimizer
 
-    def _train(self, model, optimizer, sampler, start: int, call_wrapper,
-               rollback: NonFiniteState | None) -> None:
+    def _train(self, model, optimizer, sampler, start: int, call_wrapper, rollback: NonFiniteState | None) -> None:
         cfg, env, events = self.cfg, self.env, self.events
         tokens_per_step = cfg.batch_size * cfg.seq_len * env.world_size
         step = start
@@ -204,12 +228,20 @@ class Trainer(FaultHandling):
                 events.emit(Event.RESTART_END, layer=layer, step=step, latency_s=round(time.time() - fault_ts, 3))
             recovering = None
             if env.rank == 0 and log_step:
-                events.emit(Event.STEP, step=step, loss=loss_value, step_s=round(step_s, 4),
-                            tokens_per_s=round(tokens_per_step / step_s, 1))
+                events.emit(
+                    Event.STEP,
+                    step=step,
+                    loss=loss_value,
+                    step_s=round(step_s, 4),
+                    tokens_per_s=round(tokens_per_step / step_s, 1),
+                )
             if save_step:
                 self.monitor.enter("checkpoint")
-                trainer_state = {"step": step, "sampler": sampler.state_dict(),
-                                 "rng": {rank_rng_key(env.rank): rng_state(self.device)}}
+                trainer_state = {
+                    "step": step,
+                    "sampler": sampler.state_dict(),
+                    "rng": {rank_rng_key(env.rank): rng_state(self.device)},
+                }
                 try:
                     self.checkpointer.save(step, app_state(model, optimizer, trainer_state))
                     self._maybe_inject(step, before_save=False)
@@ -238,7 +270,7 @@ class Trainer(FaultHandling):
         world, rank = self.env.world_size, self.env.rank
         stats = torch.zeros(1 + 2 * world, dtype=torch.float64, device=self.device)
         stats[0] = loss.detach()
-        stats[1 + 2 * rank: 3 + 2 * rank] = nonfinite
+        stats[1 + 2 * rank : 3 + 2 * rank] = nonfinite
         dist.all_reduce(stats)
         values = stats.tolist()
         return values[0] / world, [[int(values[1 + 2 * r]), int(values[2 + 2 * r])] for r in range(world)]

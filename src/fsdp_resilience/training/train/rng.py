@@ -47,12 +47,13 @@ def saved_rng_ranks(checkpoint: CheckpointInfo) -> set[int]:
     for key in metadata.state_dict_metadata:
         parts = key.split(".")
         if parts[:2] == ["trainer", "rng"] and len(parts) > 2 and parts[2].startswith("rank_"):
-            ranks.add(int(parts[2][len("rank_"):]))
+            ranks.add(int(parts[2][len("rank_") :]))
     return ranks
 
 
-def restore_rng(resumed: CheckpointInfo | None, start: int, *, seed: int, rank: int, world_size: int,
-                device: torch.device) -> str:
+def restore_rng(
+    resumed: CheckpointInfo | None, start: int, *, seed: int, rank: int, world_size: int, device: torch.device
+) -> str:
     """Set this rank's torch RNG: its saved state when ``resumed`` holds one for every rank of
     this world size ("restored"), else ``rank_seed`` ("seeded"). Every rank decides alike
     (from the same metadata), so the load below is entered by all of them or none."""

@@ -67,12 +67,15 @@ def test_commit_records_every_file_and_refuses_without_checksums(tmp_path):
     assert [c.step for c in CheckpointCatalog(layout).committed()] == [10]
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda d: (d / "__1_0.distcp").unlink(), "__1_0.distcp is missing"),
-    (lambda d: (d / "__0_0.distcp").write_bytes(b"\0" * 100), "is 100 bytes"),
-    (lambda d: _flip(d / "__0_0.distcp", 17), "fails its crc32c check"),
-    (lambda d: _flip(d / ".metadata", 0), ".metadata fails its crc32c check"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda d: (d / "__1_0.distcp").unlink(), "__1_0.distcp is missing"),
+        (lambda d: (d / "__0_0.distcp").write_bytes(b"\0" * 100), "is 100 bytes"),
+        (lambda d: _flip(d / "__0_0.distcp", 17), "fails its crc32c check"),
+        (lambda d: _flip(d / ".metadata", 0), ".metadata fails its crc32c check"),
+    ],
+)
 def test_verify_names_what_is_wrong(tmp_path, damage, reason):
     d = _fake_checkpoint(RunDir(tmp_path), 10, committed=True)
     damage(d)

@@ -22,17 +22,20 @@ def test_json_round_trip_keeps_every_field():
     assert again.faults[0].kind == "sigkill" and again.world_size == 8
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("run_id", "Bad_ID", "run_id"),
-    ("nodes", 0, "nodes=0 is out of range"),
-    ("procs_per_node", "2", "procs_per_node must be an integer"),
-    ("steps", True, "steps must be an integer"),
-    ("lr", -1.0, "lr=-1.0 is out of range"),
-    ("restart_mode", "magic", "restart_mode='magic' is not valid; use one of layered"),
-    ("model", "70b", "model='70b' is not valid"),
-    ("device", "tpu", "device='tpu'"),
-    ("checkpoint_interval", 0, "checkpoint_interval=0"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("run_id", "Bad_ID", "run_id"),
+        ("nodes", 0, "nodes=0 is out of range"),
+        ("procs_per_node", "2", "procs_per_node must be an integer"),
+        ("steps", True, "steps must be an integer"),
+        ("lr", -1.0, "lr=-1.0 is out of range"),
+        ("restart_mode", "magic", "restart_mode='magic' is not valid; use one of layered"),
+        ("model", "70b", "model='70b' is not valid"),
+        ("device", "tpu", "device='tpu'"),
+        ("checkpoint_interval", 0, "checkpoint_interval=0"),
+    ],
+)
 def test_bad_values_are_rejected_with_the_field_named(field, value, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         make(**{field: value})
@@ -103,28 +106,40 @@ def test_derived_timeouts_keep_the_restart_layers_order():
     assert slow.heartbeat_s == 10.0 and slow.sections == {"step": 7.5, "checkpoint": slow.floor_s}
     assert gloo.derive("layered", 5.0, 8.0, {"step": 8.0, "checkpoint": 8.0}).heartbeat_s == 30.0
     # Layered: the Wrapper's soft timeout acts first.
-    layered = make(device="cpu", collective_timeout_s=3.0, hang_timeout_s=15.0,
-                   heartbeat_timeout_s=30.0).timeouts("gloo").derive("layered", 5.0, 0.2, {"step": 0.15})
+    layered = (
+        make(device="cpu", collective_timeout_s=3.0, hang_timeout_s=15.0, heartbeat_timeout_s=30.0)
+        .timeouts("gloo")
+        .derive("layered", 5.0, 0.2, {"step": 0.15})
+    )
     assert layered.heartbeat_s > 15.0 and layered.floor_s == 15.0 + DERIVED_TIMEOUT_MARGIN_S
     # A section not measured keeps its configured timeout; what was measured is recorded.
     assert layered.sections["checkpoint"] == 30.0 and layered.measured_section_s == {"step": 0.15}
     record = json.loads(json.dumps(layered.to_dict()))
     assert record["measured_heartbeat_interval_s"] == 0.2 and record["safety_factor"] == 5.0
     # Only the sections the warm steps measure are derived; the others stay as configured.
-    cfg = make(initial_heartbeat_timeout_s=90.0, heartbeat_timeout_s=30.0, collective_timeout_s=3.0,
-               hang_timeout_s=15.0, device="cpu")
+    cfg = make(
+        initial_heartbeat_timeout_s=90.0,
+        heartbeat_timeout_s=30.0,
+        collective_timeout_s=3.0,
+        hang_timeout_s=15.0,
+        device="cpu",
+    )
     assert cfg.section_timeouts() == {"setup": 90.0, "step": 30.0, "checkpoint": 30.0, "final_checkpoint": 90.0}
     with pytest.raises(ConfigError, match="timeout_safety_factor"):
         make(timeout_safety_factor=0.5, device="cpu")
 
 
 def test_fault_selection_by_step_rank_attempt_and_node():
-    cfg = make(nodes=2, procs_per_node=1, faults=[
-        {"kind": "exception", "step": 3, "rank": 1},
-        {"kind": "sigkill", "step": 5, "rank": 0, "attempt": 1},
-        {"kind": "node_loss", "step": 7, "node": 1},
-        {"kind": "user_bug", "step": 9, "rank": 0},
-    ])
+    cfg = make(
+        nodes=2,
+        procs_per_node=1,
+        faults=[
+            {"kind": "exception", "step": 3, "rank": 1},
+            {"kind": "sigkill", "step": 5, "rank": 0, "attempt": 1},
+            {"kind": "node_loss", "step": 7, "node": 1},
+            {"kind": "user_bug", "step": 9, "rank": 0},
+        ],
+    )
     assert cfg.fault_at(3, rank=1, attempt=0, node=1).kind == "exception"
     assert cfg.fault_at(3, rank=0, attempt=0, node=0) is None
     assert cfg.fault_at(5, rank=0, attempt=0, node=0) is None

@@ -15,8 +15,13 @@ from fsdp_resilience.training.contract.failures import ConfigError
 
 
 def _index(folder, **changes):
-    index = {"format": DATASET_FORMAT, "dtype": DATASET_TOKEN_DTYPE, "train": ["train_000.bin"],
-             "val": ["val_000.bin"], **changes}
+    index = {
+        "format": DATASET_FORMAT,
+        "dtype": DATASET_TOKEN_DTYPE,
+        "train": ["train_000.bin"],
+        "val": ["val_000.bin"],
+        **changes,
+    }
     (folder / DATASET_INDEX).write_text(json.dumps(index))
     return index
 
@@ -26,12 +31,15 @@ def test_a_good_index_is_returned(tmp_path):
     assert read_dataset_index(tmp_path) == index
 
 
-@pytest.mark.parametrize("changes, needle", [
-    ({"format": "other"}, "is not a byte-tokens-v1 dataset index"),
-    ({"dtype": "uint32"}, "is not a byte-tokens-v1 dataset index"),
-    ({"val": []}, "lists no val shards"),
-    ({"train": "train_000.bin"}, "lists no train shards"),
-])
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"format": "other"}, "is not a byte-tokens-v1 dataset index"),
+        ({"dtype": "uint32"}, "is not a byte-tokens-v1 dataset index"),
+        ({"val": []}, "lists no val shards"),
+        ({"train": "train_000.bin"}, "lists no train shards"),
+    ],
+)
 def test_a_bad_index_is_a_dataset_error_that_says_how_to_prepare(tmp_path, changes, needle):
     _index(tmp_path, **changes)
     with pytest.raises(DatasetError, match=needle) as err:

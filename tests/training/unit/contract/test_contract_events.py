@@ -61,8 +61,13 @@ def _event_name(node):
 def _emits(folder):
     """(file, line, event kind, keyword names) of every ``<log>.emit(kind, ...)`` call under ``folder``."""
     for path, node in _walk(folder):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit"
-                and node.args and _event_name(node.args[0]) is not None):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "emit"
+            and node.args
+            and _event_name(node.args[0]) is not None
+        ):
             yield path, node.lineno, _event_name(node.args[0]), {k.arg for k in node.keywords if k.arg}
 
 
@@ -70,8 +75,14 @@ def _is_event_field(node):
     """``rec["event"]`` or ``rec.get("event")``."""
     if isinstance(node, ast.Subscript):
         return isinstance(node.slice, ast.Constant) and node.slice.value == "event"
-    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-            and bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == "event")
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and bool(node.args)
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "event"
+    )
 
 
 def _reads(*folders):

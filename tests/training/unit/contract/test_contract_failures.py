@@ -23,6 +23,7 @@ def test_new_failure_classes_have_documented_exit_codes():
 
 def test_storage_errors_are_recognised_through_causes_and_text(tmp_path):
     import errno
+
     try:
         try:
             raise OSError(errno.ENOSPC, "No space left on device")

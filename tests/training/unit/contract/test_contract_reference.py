@@ -12,9 +12,11 @@ from fsdp_resilience.training.contract import config, reference
 
 
 def test_the_contract_and_launcher_never_import_torch():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import fsdp_resilience.training.contract, fsdp_resilience.training.launch\n"
-            "print('ok')")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import fsdp_resilience.training.contract, fsdp_resilience.training.launch\n"
+        "print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
@@ -26,8 +28,18 @@ def test_the_package_exports_every_public_name_of_its_modules():
 
     assert all(hasattr(contract, name) for name in contract.__all__)
     event_types = {cls.__name__ for cls in contract.EVENT_TYPES.values()}
-    for module in ("failures", "config", "timeouts", "rundir", "checkpoints", "checkpoint_catalog", "dataset",
-                   "events", "files", "version"):
+    for module in (
+        "failures",
+        "config",
+        "timeouts",
+        "rundir",
+        "checkpoints",
+        "checkpoint_catalog",
+        "dataset",
+        "events",
+        "files",
+        "version",
+    ):
         tree = ast.parse(Path(importlib.import_module(f"{contract.__name__}.{module}").__file__).read_text())
         defined = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
         defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
@@ -45,8 +57,9 @@ def test_every_run_config_field_has_a_docstring():
 def test_the_generated_reference_is_up_to_date():
     """docs/reference/ is written by the generator; regenerate it after changing the contract:
     ``python -m fsdp_resilience.training.contract.reference``."""
-    out = subprocess.run([sys.executable, "-m", "fsdp_resilience.training.contract.reference", "--check"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fsdp_resilience.training.contract.reference", "--check"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
 
 

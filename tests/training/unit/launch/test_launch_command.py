@@ -30,8 +30,12 @@ def test_layered_and_injob_runs_use_ft_launcher(tmp_path, monkeypatch):
     cfg = config(tmp_path, nodes=2, max_restarts=4)
     cmd = build_command(cfg, 1, "node0.svc", tmp_path / "ft.yaml", tmp_path)
     assert cmd[0] == str(Path(sys.executable).parent / "ft_launcher")
-    assert cmd[1:5] == [f"--ft-cfg-path={tmp_path / 'ft.yaml'}", "--ft-enable-nic-monitor=false",
-                        "--max-restarts=4", "--nnodes=2"]
+    assert cmd[1:5] == [
+        f"--ft-cfg-path={tmp_path / 'ft.yaml'}",
+        "--ft-enable-nic-monitor=false",
+        "--max-restarts=4",
+        "--nnodes=2",
+    ]
     assert f"--nproc-per-node={cfg.procs_per_node}" in cmd
     assert f"--rdzv-endpoint=node0.svc:{cfg.rdzv_port}" in cmd and "--rdzv-id=r" in cmd
     assert "--rdzv-conf=is_host=false,join_timeout=600" in cmd  # node 1 does not host the store
@@ -89,6 +93,7 @@ def _reads_as(**values) -> type:
         def from_yaml_file(cls, path, ignore_not_recognized=True):
             assert ignore_not_recognized is False  # unknown keys must be refused, not ignored
             return _Parsed(**values)
+
     return Config
 
 

@@ -40,13 +40,24 @@ def test_a_recreated_node_waits_for_its_lost_predecessors_lock(tmp_path):
     launcher of another launch, or on the same host, is refused at once as before."""
     layout = RunDir(tmp_path / "run")
     layout.create()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, json, os, sys, time\n"
-        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': 'lost-node', 'launch_id': 'l0'}).encode(), 0)\n"
-        "print('held', flush=True)\n"
-        "time.sleep(float(sys.argv[2]))\n"), str(layout.launch_lock(1)), "3"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, json, os, sys, time\n"
+                "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "os.pwrite(fd, json.dumps({'pid': os.getpid(), 'host': 'lost-node', 'launch_id': 'l0'}).encode(), 0)\n"
+                "print('held', flush=True)\n"
+                "time.sleep(float(sys.argv[2]))\n"
+            ),
+            str(layout.launch_lock(1)),
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(AlreadyRunning, match="lost-node"):

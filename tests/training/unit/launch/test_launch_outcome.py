@@ -52,8 +52,10 @@ def test_a_declared_stop_decides_the_outcome(cfg):
 
 
 def test_describe_stop_says_what_where_and_why():
-    assert describe_stop({"failure_class": "non_finite", "reason": "NaN"}) == (FailureClass.NON_FINITE,
-                                                                               "non finite: NaN")
+    assert describe_stop({"failure_class": "non_finite", "reason": "NaN"}) == (
+        FailureClass.NON_FINITE,
+        "non finite: NaN",
+    )
     failure, message = describe_stop({"failure_class": "storage_error", "step": 3})
     assert failure is FailureClass.STORAGE_ERROR
     assert message.startswith("storage error at step 3: no details recorded; free space")
@@ -73,8 +75,10 @@ def test_a_spare_turned_away_says_why(tmp_path):
     """A spare whose ft_launcher leaves the rendezvous before its node trained (NVRx's health
     checks at join) is reported with NVRx's own reason from the node's log."""
     log = tmp_path / "node2.log"
-    log.write_text("starting\n[ERROR] Health check failed for node localhost_77_0: Storage path health check "
-                   "failed: /fsx/runs/r/checkpoints is not reachable\nexit\n")
+    log.write_text(
+        "starting\n[ERROR] Health check failed for node localhost_77_0: Storage path health check "
+        "failed: /fsx/runs/r/checkpoints is not reachable\nexit\n"
+    )
     reason = dropped_spare_reason(1, str(log))
     assert "NVRx turned the node away" in reason and "/fsx/runs/r/checkpoints is not reachable" in reason
     assert dropped_spare_reason(1, str(tmp_path / "none.log")).startswith("ft_launcher exited 1")

@@ -7,8 +7,14 @@ from fsdp_resilience.training.restart.fault_kinds import UserErrorAbort, is_plat
 
 
 def test_storage_network_collective_and_writer_faults_are_the_platforms():
-    for exc in (OSError(28, "No space left"), TimeoutError(), MemoryError(), CheckpointWriterError(3, "writer died"),
-                RuntimeError("Gloo connectFullMesh failed"), RuntimeError("Connection closed by peer")):
+    for exc in (
+        OSError(28, "No space left"),
+        TimeoutError(),
+        MemoryError(),
+        CheckpointWriterError(3, "writer died"),
+        RuntimeError("Gloo connectFullMesh failed"),
+        RuntimeError("Connection closed by peer"),
+    ):
         assert is_platform_fault(exc), exc
 
 

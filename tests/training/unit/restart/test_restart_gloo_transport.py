@@ -33,6 +33,5 @@ def test_only_the_connections_opened_since_mark_are_broken(monkeypatch):
             assert b.recv(1) == b"x"
         transport.shut_down()  # safe more than once
     finally:
-        for s in (store_client, store_accepted, client, accepted, late_store_client, late_store_accepted,
-                  group, store):
+        for s in (store_client, store_accepted, client, accepted, late_store_client, late_store_accepted, group, store):
             s.close()

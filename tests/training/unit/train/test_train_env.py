@@ -15,8 +15,13 @@ def test_a_worker_started_by_hand_is_rank_0_of_1(monkeypatch):
 
 
 def test_the_node_is_the_launched_one_not_the_rendezvous_order(monkeypatch):
-    for var, value in (("RANK", "5"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "8"), ("GROUP_RANK", "3"),
-                       ("TORCHELASTIC_RESTART_COUNT", "2")):
+    for var, value in (
+        ("RANK", "5"),
+        ("LOCAL_RANK", "1"),
+        ("WORLD_SIZE", "8"),
+        ("GROUP_RANK", "3"),
+        ("TORCHELASTIC_RESTART_COUNT", "2"),
+    ):
         monkeypatch.setenv(var, value)
     monkeypatch.delenv(NODE_RANK_ENV, raising=False)
     assert WorkerEnv.from_environ() == WorkerEnv(rank=5, local_rank=1, world_size=8, node_rank=3, attempt=2)

@@ -37,9 +37,22 @@ from fsdp_resilience.control.backends.eks.nodes import REPLACEMENT_MODES
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 
 __all__ = [
-    "CANCEL_ANNOTATION", "MANAGED_ASG_TAG", "NEWEST_SUPPORTED_K8S", "OLDEST_SUPPORTED_K8S", "QUARANTINE_ANNOTATION",
-    "QUARANTINE_TAINT", "REPLACEMENT_MODES", "RETURN_ANNOTATION",
-    "EksBackend", "PodTemplateSettings",
-    "check_image_prefix", "evaluation_job", "image_allowed", "image_repository", "kube_error",
-    "rendezvous_network_policy", "rendezvous_service", "training_job",
+    "CANCEL_ANNOTATION",
+    "MANAGED_ASG_TAG",
+    "NEWEST_SUPPORTED_K8S",
+    "OLDEST_SUPPORTED_K8S",
+    "QUARANTINE_ANNOTATION",
+    "QUARANTINE_TAINT",
+    "REPLACEMENT_MODES",
+    "RETURN_ANNOTATION",
+    "EksBackend",
+    "PodTemplateSettings",
+    "check_image_prefix",
+    "evaluation_job",
+    "image_allowed",
+    "image_repository",
+    "kube_error",
+    "rendezvous_network_policy",
+    "rendezvous_service",
+    "training_job",
 ]

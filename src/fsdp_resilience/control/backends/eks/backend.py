@@ -110,29 +110,43 @@ class EksBackend(TrainingBackend):
 
     name = "eks"
 
-    def __init__(self, *, image: str = "", namespace: str = "fsdp-training",
-                 kubernetes_conn_id: str | None = "kubernetes_default", cluster_name: str | None = None,
-                 aws_conn_id: str | None = "aws_default", region_name: str | None = None,
-                 replacement: str = "asg", max_unhealthy_share: float = DEFAULT_MAX_UNHEALTHY_SHARE,
-                 pool_selector: dict[str, str] | None = None, evaluation_poll_s: float = 10.0,
-                 pod: dict[str, Any] | None = None, image_allowlist: list[str] | None = None):
+    def __init__(
+        self,
+        *,
+        image: str = "",
+        namespace: str = "fsdp-training",
+        kubernetes_conn_id: str | None = "kubernetes_default",
+        cluster_name: str | None = None,
+        aws_conn_id: str | None = "aws_default",
+        region_name: str | None = None,
+        replacement: str = "asg",
+        max_unhealthy_share: float = DEFAULT_MAX_UNHEALTHY_SHARE,
+        pool_selector: dict[str, str] | None = None,
+        evaluation_poll_s: float = 10.0,
+        pod: dict[str, Any] | None = None,
+        image_allowlist: list[str] | None = None,
+    ):
         if replacement not in REPLACEMENT_MODES:
-            raise BackendError(f"replacement={replacement!r}: use one of {REPLACEMENT_MODES} (asg: a managed node "
-                               "group or Auto Scaling group; karpenter: delete the node's NodeClaim; cordon: "
-                               "take the node out of service and let a human replace it)")
+            raise BackendError(
+                f"replacement={replacement!r}: use one of {REPLACEMENT_MODES} (asg: a managed node "
+                "group or Auto Scaling group; karpenter: delete the node's NodeClaim; cordon: "
+                "take the node out of service and let a human replace it)"
+            )
         if not 0 < max_unhealthy_share <= 1:
             raise BackendError(f"max_unhealthy_share={max_unhealthy_share} must be in (0, 1]")
         if {"image", "namespace"} & set(pod or {}):
             raise BackendError("give image and namespace as the backend's own settings, not in pod")
         try:
-            self.settings = PodTemplateSettings.from_dict({"image": image, "namespace": namespace, **(pod or {})},
-                                                          validate=False)
+            self.settings = PodTemplateSettings.from_dict(
+                {"image": image, "namespace": namespace, **(pod or {})}, validate=False
+            )
         except (TypeError, ValueError) as e:
             raise BackendError(f"EKS pod settings: {e}") from None
         try:
             #: Registry/repository prefixes the image must be under (None: the image's own repository).
-            self.image_allowlist = [check_image_prefix(p) for p in image_allowlist] \
-                if image_allowlist is not None else None
+            self.image_allowlist = (
+                [check_image_prefix(p) for p in image_allowlist] if image_allowlist is not None else None
+            )
         except ValueError as e:
             raise BackendError(f"{e}; fix FSDP_EKS_IMAGE_ALLOWLIST") from None
         self.image = image
@@ -150,19 +164,29 @@ class EksBackend(TrainingBackend):
         self.pool_selector = dict(pool_selector if pool_selector is not None else self.settings.pod_node_selector())
 
     def to_config(self) -> dict[str, Any]:
-        return {"name": self.name, "image": self.image, "namespace": self.namespace,
-                "kubernetes_conn_id": self.kubernetes_conn_id, "cluster_name": self.cluster_name,
-                "aws_conn_id": self.aws_conn_id, "region_name": self.region_name, "replacement": self.replacement,
-                "max_unhealthy_share": self.max_unhealthy_share, "pool_selector": self.pool_selector,
-                "evaluation_poll_s": self.evaluation_poll_s, "pod": self.pod,
-                "image_allowlist": self.image_allowlist}
+        return {
+            "name": self.name,
+            "image": self.image,
+            "namespace": self.namespace,
+            "kubernetes_conn_id": self.kubernetes_conn_id,
+            "cluster_name": self.cluster_name,
+            "aws_conn_id": self.aws_conn_id,
+            "region_name": self.region_name,
+            "replacement": self.replacement,
+            "max_unhealthy_share": self.max_unhealthy_share,
+            "pool_selector": self.pool_selector,
+            "evaluation_poll_s": self.evaluation_poll_s,
+            "pod": self.pod,
+            "image_allowlist": self.image_allowlist,
+        }
 
     # -- clients ------------------------------------------------------------------------------
     def _kubeconfig(self) -> contextlib.AbstractContextManager[str | None]:
         """A kubeconfig for ``cluster_name`` (built by EksHook, removed afterwards), else None:
         the Kubernetes connection says how to reach the cluster."""
-        return eks_kubeconfig(self.cluster_name, aws_conn_id=self.aws_conn_id, region_name=self.region_name,
-                              namespace=self.namespace)
+        return eks_kubeconfig(
+            self.cluster_name, aws_conn_id=self.aws_conn_id, region_name=self.region_name, namespace=self.namespace
+        )
 
     def _kube(self) -> contextlib.AbstractContextManager[KubeClient]:
         """A ``KubeClient`` on a fresh client (client.connect)."""
@@ -189,7 +213,8 @@ class EksBackend(TrainingBackend):
                         raise InsufficientCapacityError(
                             f"run {cfg.run_id} needs {cfg.nodes} healthy node(s) in the pool {self.pool_selector}; "
                             f"{capacity.healthy} of {capacity.total} are (out of service: {capacity.quarantined}). "
-                            "Wait for replacements to join, or scale the node group up")
+                            "Wait for replacements to join, or scale the node group up"
+                        )
                 self._check_references(kube)
                 existing = kube.create_job(job)  # suspended: no pod starts yet
             elif (existing["metadata"].get("labels") or {}).get(LABEL_RUN) != cfg.run_id:
@@ -197,25 +222,34 @@ class EksBackend(TrainingBackend):
                 raise JobConflictError(f"job {job_name} exists but belongs to run {owner!r}, not {cfg.run_id!r}")
             # A retry finishes what a failed try left: each step is a no-op once done.
             try:
-                kube.ensure_service(rendezvous_service(cfg, launch_id, self.settings, owner=existing,
-                                                       airflow_run_id=airflow_run_id))
-                kube.ensure_network_policy(rendezvous_network_policy(cfg, launch_id, self.settings, owner=existing,
-                                                                     airflow_run_id=airflow_run_id))
+                kube.ensure_service(
+                    rendezvous_service(cfg, launch_id, self.settings, owner=existing, airflow_run_id=airflow_run_id)
+                )
+                kube.ensure_network_policy(
+                    rendezvous_network_policy(
+                        cfg, launch_id, self.settings, owner=existing, airflow_run_id=airflow_run_id
+                    )
+                )
                 existing = kube.resume_job(existing)
             except BackendError as e:
-                raise BackendError(f"{e}. Job {job_name} stays suspended (no pod runs without its Service); once "
-                                   "this is fixed, retrying the launch task finishes the launch") from e
+                raise BackendError(
+                    f"{e}. Job {job_name} stays suspended (no pod runs without its Service); once "
+                    "this is fixed, retrying the launch task finishes the launch"
+                ) from e
         return self._handle(cfg, launch_id, existing)
 
-    def check_launch(self, cfg: RunConfig, launch_id: str = "0", *,
-                     airflow_run_id: str | None = None) -> dict[str, Any]:
+    def check_launch(
+        self, cfg: RunConfig, launch_id: str = "0", *, airflow_run_id: str | None = None
+    ) -> dict[str, Any]:
         """The launch's Job, or BackendError for what would make submit refuse it before calling
         the cluster: no image, an image outside the allowlist, pod settings or a run config the Job
         cannot be built for (paths outside the FSx mount, more processes than GPUs per pod).
         validate_config calls it too, so bad input fails before anything starts."""
         if not self.image:
-            raise BackendError("the EKS backend needs a training image: set the DAG's `image` param or "
-                               "FSDP_EKS_IMAGE (see images/training/Dockerfile)")
+            raise BackendError(
+                "the EKS backend needs a training image: set the DAG's `image` param or "
+                "FSDP_EKS_IMAGE (see images/training/Dockerfile)"
+            )
         self.check_image(self.image)
         try:
             return training_job(cfg, launch_id, self.settings, airflow_run_id=airflow_run_id)
@@ -233,11 +267,13 @@ class EksBackend(TrainingBackend):
                 raise BackendError(f"the EKS backend's image: {e}") from None
         if not image_allowed(image, allowlist):
             allowed = ", ".join(allowlist) or "nothing (FSDP_EKS_IMAGE_ALLOWLIST and FSDP_EKS_IMAGE are unset)"
-            raise BackendError(f"image {image!r} is not allowed: images must come from {allowed} (whole path "
-                               "components; a valid reference with :tag and/or @sha256:digest). It is not under the "
-                               "image allowlist: use an image from there, or have an administrator add its "
-                               "registry/repository to FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) in "
-                               "Airflow's environment")
+            raise BackendError(
+                f"image {image!r} is not allowed: images must come from {allowed} (whole path "
+                "components; a valid reference with :tag and/or @sha256:digest). It is not under the "
+                "image allowlist: use an image from there, or have an administrator add its "
+                "registry/repository to FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) in "
+                "Airflow's environment"
+            )
 
     def _check_references(self, kube: KubeClient) -> None:
         """The objects the pods name must exist, or the Job controller retries pod creation forever
@@ -252,44 +288,62 @@ class EksBackend(TrainingBackend):
         if kube.get_claim(s.fsx_claim) is None:
             missing.append(f"PersistentVolumeClaim {s.fsx_claim} (the FSx for Lustre volume)")
         if missing:
-            raise BackendError(f"the training pods need {', '.join(missing)} in namespace {self.namespace}, which "
-                               "the cluster lacks: apply the deploy kit (kubectl apply -k deploy/overlays/<yours>, "
-                               "docs/deploy-on-eks.md), or set FSDP_EKS_POD's service_account / fsx_claim / "
-                               "priority_class to objects that exist")
+            raise BackendError(
+                f"the training pods need {', '.join(missing)} in namespace {self.namespace}, which "
+                "the cluster lacks: apply the deploy kit (kubectl apply -k deploy/overlays/<yours>, "
+                "docs/deploy-on-eks.md), or set FSDP_EKS_POD's service_account / fsx_claim / "
+                "priority_class to objects that exist"
+            )
 
     def _check_no_other_launch(self, kube: KubeClient, run_id: str, job_name: str) -> None:
         for other in kube.list_jobs(f"{LABEL_RUN}={run_id},{LABEL_COMPONENT}={COMPONENT_TRAINING}"):
             if other["metadata"]["name"] != job_name and not job_finished(other):
                 raise JobConflictError(
                     f"run {run_id} already has job {other['metadata']['name']} active; two launches would share one "
-                    "run dir. Wait for it to end, or cancel it, before submitting another launch")
+                    "run dir. Wait for it to end, or cancel it, before submitting another launch"
+                )
 
     def _handle(self, cfg: RunConfig, launch_id: str, job: dict[str, Any]) -> JobHandle:
         created = timestamp(job["metadata"].get("creationTimestamp")) or time.time()
-        return JobHandle(self.name, cfg.run_id, launch_id, job["metadata"]["name"],
-                         {"namespace": self.namespace, "cluster_name": self.cluster_name, "run_dir": cfg.run_dir,
-                          "submitted_at": created})
+        return JobHandle(
+            self.name,
+            cfg.run_id,
+            launch_id,
+            job["metadata"]["name"],
+            {
+                "namespace": self.namespace,
+                "cluster_name": self.cluster_name,
+                "run_dir": cfg.run_dir,
+                "submitted_at": created,
+            },
+        )
 
     def _job(self, kube: KubeClient, handle: JobHandle) -> dict[str, Any]:
         self._check_handle(handle)
         job = kube.get_job(handle.job_name)
         if job is None:
-            raise JobNotFoundError(f"no job {handle.job_name} in namespace {self.namespace}"
-                                   + (f" of cluster {self.cluster_name}" if self.cluster_name else "")
-                                   + "; deleted, or another cluster/namespace?")
+            raise JobNotFoundError(
+                f"no job {handle.job_name} in namespace {self.namespace}"
+                + (f" of cluster {self.cluster_name}" if self.cluster_name else "")
+                + "; deleted, or another cluster/namespace?"
+            )
         return job
 
     def status(self, handle: JobHandle) -> JobStatus:
         with self._kube() as kube:
             job = self._job(kube, handle)
-            return job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
-                              provisions_on_demand=self.replacement == "karpenter")
+            return job_status(
+                job,
+                kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
+                provisions_on_demand=self.replacement == "karpenter",
+            )
 
     async def status_async(self, handle: JobHandle) -> JobStatus:
         """``status`` through ``AsyncKubernetesHook``: what the triggerer calls between sleeps."""
         self._check_handle(handle)
-        job, pods = await read_job_async(self._kubeconfig() if self.cluster_name else None, self.kubernetes_conn_id,
-                                         self.namespace, handle.job_name)
+        job, pods = await read_job_async(
+            self._kubeconfig() if self.cluster_name else None, self.kubernetes_conn_id, self.namespace, handle.job_name
+        )
         return job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
 
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
@@ -320,8 +374,11 @@ class EksBackend(TrainingBackend):
             job = self._job(kube, handle)
             if job_finished(job):
                 return
-            status = job_status(job, kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
-                                provisions_on_demand=self.replacement == "karpenter")
+            status = job_status(
+                job,
+                kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
+                provisions_on_demand=self.replacement == "karpenter",
+            )
             cfg = run_config_of(job)
             run_dir = cfg.run_dir if cfg else handle.extra.get("run_dir", "")
             stall = cfg.stall_timeout_s if cfg else float("inf")
@@ -330,11 +387,14 @@ class EksBackend(TrainingBackend):
                 # verdict is that failure, kept for diagnose once the suspended Job's pods are gone.
                 verdict = {"at": time.time(), "failure_class": status.failure_class, "message": status.message}
             else:
-                verdict = verdict_at_cancel(run_dir, timestamp(job["metadata"].get("creationTimestamp")), stall,
-                                            status.state)
+                verdict = verdict_at_cancel(
+                    run_dir, timestamp(job["metadata"].get("creationTimestamp")), stall, status.state
+                )
             verdict["nodes"] = {str(n.index): n.node_id for n in status.nodes if n.node_id}
-            kube.patch_job(handle.job_name, {"metadata": {"annotations": {CANCEL_ANNOTATION: json.dumps(verdict)}},
-                                             "spec": {"suspend": True}})
+            kube.patch_job(
+                handle.job_name,
+                {"metadata": {"annotations": {CANCEL_ANNOTATION: json.dumps(verdict)}}, "spec": {"suspend": True}},
+            )
 
     def add_spare(self, handle: JobHandle, reason: str) -> NodeStatus:
         """Check that the pool of a running job is whole again after a spare took a lost node's
@@ -358,10 +418,18 @@ class EksBackend(TrainingBackend):
             job = self._job(kube, handle)
             pods = kube.list_pods(f"{LABEL_JOB}={handle.job_name}")
             status = job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
-            kube_nodes = {n.node_id: kube.get_node(n.node_id) for n in status.nodes
-                          if n.state == LOST and n.node_id}
-        return spare_status(handle.job_name, job, pods, status, kube_nodes, reason, replacement=self.replacement,
-                            namespace=self.namespace, pool_selector=self.pool_selector)
+            kube_nodes = {n.node_id: kube.get_node(n.node_id) for n in status.nodes if n.state == LOST and n.node_id}
+        return spare_status(
+            handle.job_name,
+            job,
+            pods,
+            status,
+            kube_nodes,
+            reason,
+            replacement=self.replacement,
+            namespace=self.namespace,
+            pool_selector=self.pool_selector,
+        )
 
     def diagnose(self, handle: JobHandle) -> Diagnosis:
         with self._kube() as kube:
@@ -374,8 +442,10 @@ class EksBackend(TrainingBackend):
             evidence = [f"status: {status.message}"]
             if failure not in REPLACEABLE_FAILURES:  # a user, storage or data fault; unknown: don't guess
                 return Diagnosis(failure, [], False, evidence + [f"{failure}: {what_to_do(failure)}"])
-            job_nodes = sorted({n.node_id for n in status.nodes if n.node_id}
-                               | {(p.get("spec") or {}).get("nodeName") for p in pods} - {None})
+            job_nodes = sorted(
+                {n.node_id for n in status.nodes if n.node_id}
+                | {(p.get("spec") or {}).get("nodeName") for p in pods} - {None}
+            )
             bad, why = suspect_nodes(kube, job_nodes, status, pods)
             evidence += why
             if bad:
@@ -387,12 +457,27 @@ class EksBackend(TrainingBackend):
             return Diagnosis(failure, blamed, bool(blamed), evidence + why)
         reporting = sorted({n.node_id for n in status.nodes if n.failure_class == failure and n.node_id})
         if reporting:
-            return Diagnosis(failure, reporting, True, evidence + [
-                f"run dir {run_dir} is not mounted here (no events to read); blaming the node(s) whose pod reported "
-                f"{failure}: {reporting}"])
-        return Diagnosis(failure, job_nodes, bool(job_nodes), evidence + [
-            f"run dir {run_dir} is not mounted here and no pod names a node; every node of the job is suspect: "
-            f"{job_nodes}"])
+            return Diagnosis(
+                failure,
+                reporting,
+                True,
+                evidence
+                + [
+                    f"run dir {run_dir} is not mounted here (no events to read); blaming the node(s) whose pod "
+                    "reported "
+                    f"{failure}: {reporting}"
+                ],
+            )
+        return Diagnosis(
+            failure,
+            job_nodes,
+            bool(job_nodes),
+            evidence
+            + [
+                f"run dir {run_dir} is not mounted here and no pod names a node; every node of the job is suspect: "
+                f"{job_nodes}"
+            ],
+        )
 
     # -- nodes --------------------------------------------------------------------------------
     def _pool(self, kube: KubeClient) -> list[dict[str, Any]]:
@@ -400,8 +485,9 @@ class EksBackend(TrainingBackend):
         return kube.list_nodes(selector)
 
     def _capacity(self, kube: KubeClient) -> Capacity:
-        return pool_capacity(self._pool(kube), devices_needed(self.settings),
-                             provisions_on_demand=self.replacement == "karpenter")
+        return pool_capacity(
+            self._pool(kube), devices_needed(self.settings), provisions_on_demand=self.replacement == "karpenter"
+        )
 
     def capacity(self) -> Capacity:
         with self._kube() as kube:
@@ -418,8 +504,15 @@ class EksBackend(TrainingBackend):
         condition, through the grant the worker already has), the Job recreates it for the same
         index, and the cordon and quarantine taint keep the new pod off this node."""
         with self._kube() as kube:
-            return replace_pool_nodes(kube, self._pool(kube), node_ids, reason, replacement=self.replacement,
-                                      max_unhealthy_share=self.max_unhealthy_share, autoscaling=self._autoscaling)
+            return replace_pool_nodes(
+                kube,
+                self._pool(kube),
+                node_ids,
+                reason,
+                replacement=self.replacement,
+                max_unhealthy_share=self.max_unhealthy_share,
+                autoscaling=self._autoscaling,
+            )
 
     def quarantined_nodes(self) -> list[dict[str, Any]]:
         """The pool's nodes this project quarantined that still exist. Under replacement=asg or
@@ -429,8 +522,9 @@ class EksBackend(TrainingBackend):
             pool = self._pool(kube)
         return quarantine_report(pool)
 
-    def return_nodes(self, node_ids: list[str], reason: str, *, by: str | None = None,
-                     quarantined_before: float | None = None) -> ServiceReturn:
+    def return_nodes(
+        self, node_ids: list[str], reason: str, *, by: str | None = None, quarantined_before: float | None = None
+    ) -> ServiceReturn:
         """Uncordon each node this project quarantined, remove its quarantine taint and reason
         annotation, and record the return in RETURN_ANNOTATION. Other taints stay. A node that
         no longer exists (its Auto Scaling group or Karpenter replaced it) is reported as gone;
@@ -445,8 +539,9 @@ class EksBackend(TrainingBackend):
         return ServiceReturn(returned, not_quarantined, gone)
 
     # -- evaluation ---------------------------------------------------------------------------
-    def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
-                       timeout_s: float = 3600.0) -> dict[str, Any]:
+    def run_evaluation(
+        self, cfg: RunConfig, checkpoint_id: str | None = None, timeout_s: float = 3600.0
+    ) -> dict[str, Any]:
         """Evaluate ``checkpoint_id`` (None: the newest committed one) in a one-pod Job and return
         its result (``<run_dir>/eval.json``, read from the FSx mount). One Job per checkpoint, so a
         retried task waits for the same Job rather than starting another."""
@@ -477,13 +572,16 @@ class EksBackend(TrainingBackend):
                     tail = kube.pod_log(pods[-1]["metadata"]["name"], 50) if pods else "(no pod)"
                     raise BackendError(f"evaluation job {name} failed; its log ends:\n{tail}")
                 if time.time() > deadline:
-                    raise BackendError(f"evaluation job {name} did not finish within {timeout_s:.0f}s; "
-                                       f"see `kubectl -n {self.namespace} describe job {name}`")
+                    raise BackendError(
+                        f"evaluation job {name} did not finish within {timeout_s:.0f}s; "
+                        f"see `kubectl -n {self.namespace} describe job {name}`"
+                    )
                 time.sleep(self.evaluation_poll_s)
         result = Path(cfg.run_dir, "eval.json")
         try:
             return json.loads(result.read_text())
         except (OSError, ValueError) as e:
-            raise BackendError(f"evaluation job {name} succeeded but {result} is unreadable here ({e}); is FSx "
-                               "mounted in the Airflow workers at the same path as in the pods?") from e
-
+            raise BackendError(
+                f"evaluation job {name} succeeded but {result} is unreadable here ({e}); is FSx "
+                "mounted in the Airflow workers at the same path as in the pods?"
+            ) from e

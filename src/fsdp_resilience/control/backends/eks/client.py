@@ -29,12 +29,16 @@ from fsdp_resilience.control.backends.eks.nodes import quarantine_record, quaran
 from fsdp_resilience.control.backends.eks.status import job_finished
 
 #: Where the worker's grants are (RBAC) and how Airflow outside the cluster gets them.
-RBAC_HINT = ("grant it in deploy/base/rbac.yaml (the worker's Role/ClusterRole, bound to the ServiceAccount "
-             "airflow/airflow-worker and the group fsdp-airflow-worker; the triggerer's are read-only) and apply "
-             "the kit; Airflow outside the cluster needs the EKS access entry that maps its IAM role to that "
-             "group (docs/deploy-on-eks.md, 4b)")
-_FORBIDDEN = re.compile(r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)"'
-                        r'(?: in API group "(?P<group>[^"]*)")?(?: in the namespace "(?P<ns>[^"]*)")?')
+RBAC_HINT = (
+    "grant it in deploy/base/rbac.yaml (the worker's Role/ClusterRole, bound to the ServiceAccount "
+    "airflow/airflow-worker and the group fsdp-airflow-worker; the triggerer's are read-only) and apply "
+    "the kit; Airflow outside the cluster needs the EKS access entry that maps its IAM role to that "
+    "group (docs/deploy-on-eks.md, 4b)"
+)
+_FORBIDDEN = re.compile(
+    r'User "(?P<user>[^"]*)" cannot (?P<verb>\S+) resource "(?P<resource>[^"]*)"'
+    r'(?: in API group "(?P<group>[^"]*)")?(?: in the namespace "(?P<ns>[^"]*)")?'
+)
 
 
 def _status_message(e: Exception) -> str:
@@ -56,39 +60,52 @@ def kube_error(e: Exception, doing: str, namespace: str) -> BackendError:
     says what failed and what to do. ``doing``: what the backend was doing ("create job x")."""
     status = getattr(e, "status", None)
     if status is None or not isinstance(status, int) or status == 0:
-        return BackendError(f"cannot reach the Kubernetes API to {doing}: {type(e).__name__}: {str(e)[:300]}. Check "
-                            "the Kubernetes connection (FSDP_KUBERNETES_CONN_ID) or FSDP_EKS_CLUSTER_NAME and the AWS "
-                            "connection, and that the cluster's endpoint is reachable from Airflow")
+        return BackendError(
+            f"cannot reach the Kubernetes API to {doing}: {type(e).__name__}: {str(e)[:300]}. Check "
+            "the Kubernetes connection (FSDP_KUBERNETES_CONN_ID) or FSDP_EKS_CLUSTER_NAME and the AWS "
+            "connection, and that the cluster's endpoint is reachable from Airflow"
+        )
     message = _status_message(e)
     if status == 401:
-        return BackendError(f"the Kubernetes API refused the credentials to {doing} (401 Unauthorized: {message}). "
-                            "Check the Kubernetes connection's kubeconfig or token; with FSDP_EKS_CLUSTER_NAME, that "
-                            "the AWS connection's IAM identity has an EKS access entry (docs/deploy-on-eks.md, 4b)")
+        return BackendError(
+            f"the Kubernetes API refused the credentials to {doing} (401 Unauthorized: {message}). "
+            "Check the Kubernetes connection's kubeconfig or token; with FSDP_EKS_CLUSTER_NAME, that "
+            "the AWS connection's IAM identity has an EKS access entry (docs/deploy-on-eks.md, 4b)"
+        )
     if status == 403:
         match = _FORBIDDEN.search(message)
         if match:
             where = f" in namespace {match['ns']}" if match["ns"] else " (cluster-wide)"
             group = match["group"] or "core"
-            who = (f"identity {match['user']} lacks the grant '{match['verb']}' on {match['resource']} "
-                   f"(API group {group}){where}")
+            who = (
+                f"identity {match['user']} lacks the grant '{match['verb']}' on {match['resource']} "
+                f"(API group {group}){where}"
+            )
         else:  # an admission policy (Pod Security, the kit's ValidatingAdmissionPolicies) said no
             who = "the request was refused by RBAC or an admission policy"
-        return BackendError(f"forbidden to {doing}: {who}. The apiserver said: {message}. If the grant is "
-                            f"missing, {RBAC_HINT}")
+        return BackendError(
+            f"forbidden to {doing}: {who}. The apiserver said: {message}. If the grant is missing, {RBAC_HINT}"
+        )
     if status == 404:
         if re.search(r'namespaces? "[^"]*" not found', message):
-            return BackendError(f"cannot {doing}: namespace {namespace} does not exist ({message}). Create it by "
-                                "applying the deploy kit (kubectl apply -k deploy/overlays/<cluster>; docs/deploy-on-eks.md), "
-                                "or set FSDP_EKS_NAMESPACE to the training namespace")
-        return BackendError(f"cannot {doing}: not found (404: {message}). Is this the right cluster, and is its API "
-                            "(and the kit) installed?")
+            return BackendError(
+                f"cannot {doing}: namespace {namespace} does not exist ({message}). Create it by "
+                "applying the deploy kit (kubectl apply -k deploy/overlays/<cluster>; docs/deploy-on-eks.md), "
+                "or set FSDP_EKS_NAMESPACE to the training namespace"
+            )
+        return BackendError(
+            f"cannot {doing}: not found (404: {message}). Is this the right cluster, and is its API "
+            "(and the kit) installed?"
+        )
     if status == 409:
         return BackendError(f"cannot {doing}: conflict (409: {message}); someone changed it meanwhile: retry the task")
     if status == 422:
         return BackendError(f"the apiserver rejected the request to {doing} as invalid (422): {message}")
     if status == 429 or status >= 500:
-        return BackendError(f"the Kubernetes API could not {doing} now ({status}: {message}); the apiserver is busy "
-                            "or failing: retry the task later")
+        return BackendError(
+            f"the Kubernetes API could not {doing} now ({status}: {message}); the apiserver is busy "
+            "or failing: retry the task later"
+        )
     return BackendError(f"cannot {doing}: {status} {getattr(e, 'reason', '')}: {message}")
 
 
@@ -98,8 +115,9 @@ def kube_error(e: Exception, doing: str, namespace: str) -> BackendError:
 
 
 @contextlib.contextmanager
-def eks_kubeconfig(cluster_name: str | None, *, aws_conn_id: str | None, region_name: str | None,
-                   namespace: str) -> Iterator[str | None]:
+def eks_kubeconfig(
+    cluster_name: str | None, *, aws_conn_id: str | None, region_name: str | None, namespace: str
+) -> Iterator[str | None]:
     """A kubeconfig for ``cluster_name`` (built by EksHook, removed afterwards), else None:
     the Kubernetes connection says how to reach the cluster."""
     if not cluster_name:
@@ -108,14 +126,17 @@ def eks_kubeconfig(cluster_name: str | None, *, aws_conn_id: str | None, region_
     from airflow.providers.amazon.aws.hooks.eks import EksHook
 
     hook = EksHook(aws_conn_id=aws_conn_id, region_name=region_name)
-    with hook.generate_config_file_with_credentials(eks_cluster_name=cluster_name,
-                                                    pod_namespace=namespace) as (config_file, _):
+    with hook.generate_config_file_with_credentials(eks_cluster_name=cluster_name, pod_namespace=namespace) as (
+        config_file,
+        _,
+    ):
         yield config_file
 
 
 @contextlib.contextmanager
-def connect(kubeconfig: contextlib.AbstractContextManager[str | None], kubernetes_conn_id: str | None,
-            namespace: str) -> Iterator["KubeClient"]:
+def connect(
+    kubeconfig: contextlib.AbstractContextManager[str | None], kubernetes_conn_id: str | None, namespace: str
+) -> Iterator["KubeClient"]:
     """A ``KubeClient`` on a fresh client, through the kubeconfig ``kubeconfig`` yields (None: the
     Kubernetes connection ``kubernetes_conn_id``). An API or connection error that escapes the
     block becomes a BackendError (``kube_error``); KubeClient's own calls already name what they
@@ -135,9 +156,12 @@ def connect(kubeconfig: contextlib.AbstractContextManager[str | None], kubernete
             raise kube_error(e, "call the Kubernetes API", namespace) from e
 
 
-async def read_job_async(kubeconfig: contextlib.AbstractContextManager[str | None] | None,
-                         kubernetes_conn_id: str | None, namespace: str,
-                         job_name: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+async def read_job_async(
+    kubeconfig: contextlib.AbstractContextManager[str | None] | None,
+    kubernetes_conn_id: str | None,
+    namespace: str,
+    job_name: str,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Job ``job_name`` and its pods as JSON, through ``AsyncKubernetesHook``: what the triggerer
     reads between sleeps. ``kubeconfig``: the EKS kubeconfig (with a cluster name; entered off the
     event loop), else None: the Kubernetes connection ``kubernetes_conn_id``."""
@@ -169,8 +193,9 @@ async def read_job_async(kubeconfig: contextlib.AbstractContextManager[str | Non
                         raise JobNotFoundError(f"no job {job_name} in namespace {namespace}") from None
                     raise
                 doing = f"list the pods of job {job_name}"
-                pods = api.sanitize_for_serialization(await core.list_namespaced_pod(
-                    namespace, label_selector=f"{LABEL_JOB}={job_name}"))["items"]
+                pods = api.sanitize_for_serialization(
+                    await core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job_name}")
+                )["items"]
         except (async_client.ApiException, aiohttp.ClientError, OSError) as e:
             raise kube_error(e, doing, namespace) from e
     return job, pods
@@ -239,12 +264,17 @@ class KubeClient:
         return self._or_none(f"read job {name}", self.batch.read_namespaced_job, name, self.namespace)
 
     def list_jobs(self, label_selector: str) -> list[dict[str, Any]]:
-        return self._call(f"list jobs ({label_selector})", self.batch.list_namespaced_job, self.namespace,
-                          label_selector=label_selector)["items"]
+        return self._call(
+            f"list jobs ({label_selector})",
+            self.batch.list_namespaced_job,
+            self.namespace,
+            label_selector=label_selector,
+        )["items"]
 
     def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._create(f"create job {body['metadata']['name']}", self.batch.create_namespaced_job, body,
-                            self.get_job)
+        return self._create(
+            f"create job {body['metadata']['name']}", self.batch.create_namespaced_job, body, self.get_job
+        )
 
     def patch_job(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call(f"patch job {name}", self.batch.patch_namespaced_job, name, self.namespace, body)
@@ -258,15 +288,21 @@ class KubeClient:
             if not (job.get("spec") or {}).get("suspend") or job_finished(job):
                 return job
             try:
-                return self._call(f"resume job {name}", self.batch.patch_namespaced_job, name, self.namespace,
-                                  {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]},
-                                   "spec": {"suspend": False}}, ok=(409,))
+                return self._call(
+                    f"resume job {name}",
+                    self.batch.patch_namespaced_job,
+                    name,
+                    self.namespace,
+                    {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "spec": {"suspend": False}},
+                    ok=(409,),
+                )
             except self.ApiException:
                 job = self.get_job(name)
                 if job is None:
                     raise BackendError(f"job {name} was deleted while submit resumed it; retry the task") from None
-        raise BackendError(f"job {name} kept changing while submit resumed it ({self.PATCH_TRIES} tries); retry "
-                           "the task")
+        raise BackendError(
+            f"job {name} kept changing while submit resumed it ({self.PATCH_TRIES} tries); retry the task"
+        )
 
     # services: get, create
     def get_service(self, name: str) -> dict[str, Any] | None:
@@ -274,42 +310,54 @@ class KubeClient:
 
     def ensure_service(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body["metadata"]["name"]
-        return self.get_service(name) or self._create(f"create service {name}", self.core.create_namespaced_service,
-                                                      body, self.get_service)
+        return self.get_service(name) or self._create(
+            f"create service {name}", self.core.create_namespaced_service, body, self.get_service
+        )
 
     # serviceaccounts, persistentvolumeclaims: get
     def get_service_account(self, name: str) -> dict[str, Any] | None:
-        return self._or_none(f"read service account {name}", self.core.read_namespaced_service_account, name,
-                             self.namespace)
+        return self._or_none(
+            f"read service account {name}", self.core.read_namespaced_service_account, name, self.namespace
+        )
 
     def get_claim(self, name: str) -> dict[str, Any] | None:
-        return self._or_none(f"read persistent volume claim {name}",
-                             self.core.read_namespaced_persistent_volume_claim, name, self.namespace)
+        return self._or_none(
+            f"read persistent volume claim {name}",
+            self.core.read_namespaced_persistent_volume_claim,
+            name,
+            self.namespace,
+        )
 
     # networkpolicies.networking.k8s.io: get, create
     def get_network_policy(self, name: str) -> dict[str, Any] | None:
-        return self._or_none(f"read network policy {name}", self.networking.read_namespaced_network_policy, name,
-                             self.namespace)
+        return self._or_none(
+            f"read network policy {name}", self.networking.read_namespaced_network_policy, name, self.namespace
+        )
 
     def ensure_network_policy(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body["metadata"]["name"]
         return self.get_network_policy(name) or self._create(
-            f"create network policy {name}", self.networking.create_namespaced_network_policy, body,
-            self.get_network_policy)
+            f"create network policy {name}",
+            self.networking.create_namespaced_network_policy,
+            body,
+            self.get_network_policy,
+        )
 
     # pods: list; pods/log: get; pods/eviction: create
     def list_pods(self, label_selector: str, field_selector: str | None = None) -> list[dict[str, Any]]:
         kwargs = {"label_selector": label_selector}
         if field_selector:
             kwargs["field_selector"] = field_selector
-        return self._call(f"list pods ({label_selector})", self.core.list_namespaced_pod, self.namespace,
-                          **kwargs)["items"]
+        return self._call(f"list pods ({label_selector})", self.core.list_namespaced_pod, self.namespace, **kwargs)[
+            "items"
+        ]
 
     def pod_log(self, name: str, tail: int) -> str:
         try:
             # Raw bytes: with content preloaded, this client version returns the repr of the bytes.
-            return self.core.read_namespaced_pod_log(name, self.namespace, container=CONTAINER, tail_lines=tail,
-                                                     _preload_content=False).data.decode(errors="replace")
+            return self.core.read_namespaced_pod_log(
+                name, self.namespace, container=CONTAINER, tail_lines=tail, _preload_content=False
+            ).data.decode(errors="replace")
         except self.ApiException as e:
             return f"(no log: {e.status} {e.reason})"
 
@@ -324,8 +372,14 @@ class KubeClient:
             name = pod["metadata"]["name"]
             body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=self.namespace))
             try:
-                self._call(f"evict pod {name}", self.core.create_namespaced_pod_eviction, name, self.namespace, body,
-                           ok=(404, 429))
+                self._call(
+                    f"evict pod {name}",
+                    self.core.create_namespaced_pod_eviction,
+                    name,
+                    self.namespace,
+                    body,
+                    ok=(404, 429),
+                )
             except self.ApiException as e:
                 if e.status == 404:
                     continue
@@ -355,16 +409,27 @@ class KubeClient:
             taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != QUARANTINE_TAINT]
             taints.append({"key": QUARANTINE_TAINT, "value": value, "effect": "NoSchedule"})
             try:
-                return self._call(f"cordon and taint node {name}", self.core.patch_node, name, {
-                    "metadata": {"resourceVersion": node["metadata"].get("resourceVersion"),
-                                 "annotations": {QUARANTINE_ANNOTATION: note}},
-                    "spec": {"unschedulable": True, "taints": taints}}, ok=(409,))
+                return self._call(
+                    f"cordon and taint node {name}",
+                    self.core.patch_node,
+                    name,
+                    {
+                        "metadata": {
+                            "resourceVersion": node["metadata"].get("resourceVersion"),
+                            "annotations": {QUARANTINE_ANNOTATION: note},
+                        },
+                        "spec": {"unschedulable": True, "taints": taints},
+                    },
+                    ok=(409,),
+                )
             except self.ApiException:
                 node = self.get_node(name)
                 if node is None:
                     raise BackendError(f"node {name} is gone (deleted while it was being cordoned)") from None
-        raise BackendError(f"node {name} kept changing while it was being cordoned and tainted "
-                           f"({self.PATCH_TRIES} tries got 409 Conflict); retry the task")
+        raise BackendError(
+            f"node {name} kept changing while it was being cordoned and tainted "
+            f"({self.PATCH_TRIES} tries got 409 Conflict); retry the task"
+        )
 
     def return_node(self, name: str, reason: str, by: str, quarantined_before: float | None = None) -> str:
         """Return node ``name`` to service if this project quarantined it (before
@@ -376,32 +441,57 @@ class KubeClient:
             if node is None:
                 return "gone"
             since, _ = quarantine_record(node)
-            if not quarantined_by_us(node) or (quarantined_before is not None and
-                                               (since is None or since > quarantined_before)):
+            if not quarantined_by_us(node) or (
+                quarantined_before is not None and (since is None or since > quarantined_before)
+            ):
                 return "not_quarantined"
-            note = json.dumps({"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "by": by, "reason": reason,
-                               "quarantine": (node["metadata"].get("annotations") or {}).get(QUARANTINE_ANNOTATION)})
+            note = json.dumps(
+                {
+                    "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "by": by,
+                    "reason": reason,
+                    "quarantine": (node["metadata"].get("annotations") or {}).get(QUARANTINE_ANNOTATION),
+                }
+            )
             taints = [t for t in (node.get("spec") or {}).get("taints") or [] if t.get("key") != QUARANTINE_TAINT]
             try:
-                self._call(f"return node {name} to service (uncordon, remove taint {QUARANTINE_TAINT})",
-                           self.core.patch_node, name, {
-                               "metadata": {"resourceVersion": node["metadata"].get("resourceVersion"),
-                                            "annotations": {QUARANTINE_ANNOTATION: None, RETURN_ANNOTATION: note}},
-                               "spec": {"unschedulable": None, "taints": taints}}, ok=(404, 409))
+                self._call(
+                    f"return node {name} to service (uncordon, remove taint {QUARANTINE_TAINT})",
+                    self.core.patch_node,
+                    name,
+                    {
+                        "metadata": {
+                            "resourceVersion": node["metadata"].get("resourceVersion"),
+                            "annotations": {QUARANTINE_ANNOTATION: None, RETURN_ANNOTATION: note},
+                        },
+                        "spec": {"unschedulable": None, "taints": taints},
+                    },
+                    ok=(404, 409),
+                )
                 return "returned"
             except self.ApiException as e:
                 node = None if e.status == 404 else self.get_node(name)
-        raise BackendError(f"node {name} kept changing while it was being returned to service "
-                           f"({self.PATCH_TRIES} tries got 409 Conflict); run the return again")
+        raise BackendError(
+            f"node {name} kept changing while it was being returned to service "
+            f"({self.PATCH_TRIES} tries got 409 Conflict); run the return again"
+        )
 
     # karpenter.sh nodeclaims: list, delete
     def list_nodeclaims(self) -> list[dict[str, Any]]:
-        return self._call("list Karpenter NodeClaims", self.custom.list_cluster_custom_object, "karpenter.sh", "v1",
-                          "nodeclaims")["items"]
+        return self._call(
+            "list Karpenter NodeClaims", self.custom.list_cluster_custom_object, "karpenter.sh", "v1", "nodeclaims"
+        )["items"]
 
     def delete_nodeclaim(self, name: str) -> None:
         try:
-            self._call(f"delete Karpenter NodeClaim {name}", self.custom.delete_cluster_custom_object, "karpenter.sh",
-                       "v1", "nodeclaims", name, ok=(404,))
+            self._call(
+                f"delete Karpenter NodeClaim {name}",
+                self.custom.delete_cluster_custom_object,
+                "karpenter.sh",
+                "v1",
+                "nodeclaims",
+                name,
+                ok=(404,),
+            )
         except self.ApiException:
             pass  # gone already

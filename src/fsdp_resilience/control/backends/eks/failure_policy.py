@@ -24,8 +24,7 @@ _COUNT_DISRUPTION = {"action": "Count", "onPodConditions": [{"type": "Disruption
 #: Exit codes after which another pod of the same Job cannot help: a bug or a bad config, training
 #: state that turns NaN/inf again after its rollbacks, a full or read-only run dir fail the same
 #: way anywhere (and none of them is the node's fault).
-USER_ERROR_EXIT_CODES = (ExitCode.CONFIG_ERROR, ExitCode.USER_ERROR, ExitCode.NON_FINITE,
-                         ExitCode.STORAGE_ERROR)
+USER_ERROR_EXIT_CODES = (ExitCode.CONFIG_ERROR, ExitCode.USER_ERROR, ExitCode.NON_FINITE, ExitCode.STORAGE_ERROR)
 #: Another launcher of the run holds the node's launch lock: the run is being trained elsewhere. A
 #: new pod would be refused the same way (or, worse, get the lock when the other one ends and train
 #: a run nobody asked it to), so nothing retries it blindly.
@@ -36,8 +35,10 @@ GAVE_UP_EXIT_CODES = (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NO_PROGRESS)
 
 
 def _exit_code_rule(codes: tuple[ExitCode, ...]) -> dict[str, Any]:
-    return {"action": "FailJob", "onExitCodes": {
-        "containerName": CONTAINER, "operator": "In", "values": sorted(int(c) for c in codes)}}
+    return {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": sorted(int(c) for c in codes)},
+    }
 
 
 def training_pod_failure_policy() -> dict[str, Any]:
@@ -45,8 +46,14 @@ def training_pod_failure_policy() -> dict[str, Any]:
     pod counts against backoffLimit whatever its exit code (it was killed from outside); a pod
     that exits with one of the contract's final codes fails the whole Job at once; any other
     failure (exit 1: unknown, an OOM kill) is retried by the Job controller within backoffLimit."""
-    return {"rules": [copy.deepcopy(_COUNT_DISRUPTION), _exit_code_rule(USER_ERROR_EXIT_CODES),
-                      _exit_code_rule(ALREADY_RUNNING_EXIT_CODES), _exit_code_rule(GAVE_UP_EXIT_CODES)]}
+    return {
+        "rules": [
+            copy.deepcopy(_COUNT_DISRUPTION),
+            _exit_code_rule(USER_ERROR_EXIT_CODES),
+            _exit_code_rule(ALREADY_RUNNING_EXIT_CODES),
+            _exit_code_rule(GAVE_UP_EXIT_CODES),
+        ]
+    }
 
 
 def training_backoff_limit(settings: PodTemplateSettings) -> int:
@@ -59,5 +66,9 @@ def training_backoff_limit(settings: PodTemplateSettings) -> int:
 def evaluation_pod_failure_policy() -> dict[str, Any]:
     """The evaluation Job's: a disruption is retried (within max_pod_disruptions); an evaluation
     that fails fails the same way again, so any failing exit code fails the Job at once."""
-    return {"rules": [copy.deepcopy(_COUNT_DISRUPTION), {"action": "FailJob", "onExitCodes": {
-        "containerName": CONTAINER, "operator": "NotIn", "values": [0]}}]}
+    return {
+        "rules": [
+            copy.deepcopy(_COUNT_DISRUPTION),
+            {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
+        ]
+    }

@@ -25,9 +25,11 @@ def image_repository(image: str) -> str:
     Raises ValueError for what is not a valid reference."""
     match = _IMAGE_REFERENCE.fullmatch(image) if isinstance(image, str) else None
     if not match or len(match.group("name")) > _NAME_MAX:
-        raise ValueError(f"{image!r} is not a container image reference such as "
-                         "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0' (registry/repository, "
-                         "then :tag and/or @sha256:<digest>)")
+        raise ValueError(
+            f"{image!r} is not a container image reference such as "
+            "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0' (registry/repository, "
+            "then :tag and/or @sha256:<digest>)"
+        )
     return match.group("name")
 
 
@@ -36,8 +38,10 @@ def check_image_prefix(prefix: str) -> str:
     or a repository in it (``.../fsdp-training``), never with a tag or digest."""
     text = prefix.strip().rstrip("/") if isinstance(prefix, str) else ""
     if not text or not _IMAGE_NAME.fullmatch(text):
-        raise ValueError(f"image allowlist entry {prefix!r} is not a registry or repository such as "
-                         "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training' (no :tag, no @digest)")
+        raise ValueError(
+            f"image allowlist entry {prefix!r} is not a registry or repository such as "
+            "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training' (no :tag, no @digest)"
+        )
     return text
 
 
@@ -52,6 +56,6 @@ def image_allowed(image: str, prefixes: list[str] | tuple[str, ...]) -> bool:
         return False
     for prefix in prefixes:
         wanted = check_image_prefix(prefix).split("/")
-        if components[:len(wanted)] == wanted:
+        if components[: len(wanted)] == wanted:
             return True
     return False

@@ -111,7 +111,8 @@ def _check_under_mount(cfg: RunConfig, settings: PodTemplateSettings) -> None:
                 f"RunConfig.{name}={path!r} is not under the FSx mount {mount!r}: the run would write "
                 f"outside the shared file system, where other nodes (and later launches) cannot see it; "
                 f"set {name} to a path under {mount}/ (e.g. {mount}/runs/{cfg.run_id}), or set "
-                f"PodTemplateSettings.fsx_mount_path to where the FSx volume holds it")
+                f"PodTemplateSettings.fsx_mount_path to where the FSx volume holds it"
+            )
 
 
 def _labels(cfg: RunConfig, component: str, launch_id: str | None, airflow_run_id: str | None) -> dict[str, str]:
@@ -155,8 +156,9 @@ def _env(pairs: dict[str, str], node_id_from_downward_api: bool) -> list[dict[st
     return env
 
 
-def _resources(gpus: int, efa: int, settings: PodTemplateSettings, *, hugepages: bool, cpu: str | None,
-               memory: str | None) -> dict[str, Any]:
+def _resources(
+    gpus: int, efa: int, settings: PodTemplateSettings, *, hugepages: bool, cpu: str | None, memory: str | None
+) -> dict[str, Any]:
     # Extended resources (GPU, EFA, huge pages) need requests equal to limits.
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
@@ -182,8 +184,12 @@ def _resources(gpus: int, efa: int, settings: PodTemplateSettings, *, hugepages:
 
 def _pod_security_context(settings: PodTemplateSettings) -> dict[str, Any]:
     # The images' numeric user: runAsNonRoot is checked by the kubelet before the container starts.
-    return {"runAsNonRoot": True, "runAsUser": settings.run_as_user, "runAsGroup": settings.run_as_group,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": settings.run_as_user,
+        "runAsGroup": settings.run_as_group,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _container_security_context(settings: PodTemplateSettings, efa: int) -> dict[str, Any]:
@@ -193,8 +199,14 @@ def _container_security_context(settings: PodTemplateSettings, efa: int) -> dict
     return {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": capabilities}
 
 
-def _pod_spec(settings: PodTemplateSettings, container: dict[str, Any], job_name: str,
-              *, subdomain: str | None, anti_affinity: bool) -> dict[str, Any]:
+def _pod_spec(
+    settings: PodTemplateSettings,
+    container: dict[str, Any],
+    job_name: str,
+    *,
+    subdomain: str | None,
+    anti_affinity: bool,
+) -> dict[str, Any]:
     spec: dict[str, Any] = {
         # Never: the Job controller, not the kubelet, replaces a failed pod, and podFailurePolicy
         # (which requires Never) sees every exit code.
@@ -218,17 +230,30 @@ def _pod_spec(settings: PodTemplateSettings, container: dict[str, Any], job_name
         spec["subdomain"] = subdomain
     if anti_affinity:
         # One pod per machine: a node's ranks use all of its GPUs and EFA devices.
-        spec["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-            "labelSelector": {"matchLabels": {LABEL_JOB: job_name}},
-            "topologyKey": "kubernetes.io/hostname",
-        }]}}
+        spec["affinity"] = {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "labelSelector": {"matchLabels": {LABEL_JOB: job_name}},
+                        "topologyKey": "kubernetes.io/hostname",
+                    }
+                ]
+            }
+        }
     if settings.priority_class is not None:
         spec["priorityClassName"] = settings.priority_class
     return spec
 
 
-def _container(settings: PodTemplateSettings, command: list[str], env: list[dict[str, Any]],
-               resources: dict[str, Any], ports: list[dict[str, Any]] | None, *, efa: int) -> dict[str, Any]:
+def _container(
+    settings: PodTemplateSettings,
+    command: list[str],
+    env: list[dict[str, Any]],
+    resources: dict[str, Any],
+    ports: list[dict[str, Any]] | None,
+    *,
+    efa: int,
+) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": settings.image,
@@ -253,10 +278,17 @@ def _container(settings: PodTemplateSettings, command: list[str], env: list[dict
 # --------------------------------------------------------------------------------------------
 
 
-def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
-                 airflow_run_id: str | None = None, suspend: bool = True) -> dict[str, Any]:
+def training_job(
+    cfg: RunConfig,
+    launch_id: str,
+    settings: PodTemplateSettings,
+    *,
+    airflow_run_id: str | None = None,
+    suspend: bool = True,
+) -> dict[str, Any]:
     """The Indexed Job of one launch: ``cfg.launch_nodes`` pods, one per machine, completion
-    index = node rank (src/fsdp_resilience/training/launch/config.py reads JOB_COMPLETION_INDEX), all rendezvousing at pod 0.
+    index = node rank (src/fsdp_resilience/training/launch/config.py reads JOB_COMPLETION_INDEX), all
+    rendezvousing at pod 0.
     Indices ``cfg.nodes`` and up are hot spares: their launchers wait until the training nodes
     train, then park in the rendezvous and take a lost node's place at the next in-job restart.
     Node 0 hosts the rendezvous store, so index 0 is always a training node (never a spare).
@@ -279,9 +311,11 @@ def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, 
     annotations = _annotations(launch_id, airflow_run_id)
     gpus, efa = settings.gpus(cfg), settings.efa_per_node
     if gpus > 0 and cfg.procs_per_node > gpus:
-        raise ValueError(f"RunConfig.procs_per_node={cfg.procs_per_node} is more than the {gpus} GPU(s) each pod "
-                         f"gets (PodTemplateSettings.gpus_per_node={settings.gpus_per_node}): one process per GPU; "
-                         "lower procs_per_node, or raise gpus_per_node to the GPUs of the pool's nodes")
+        raise ValueError(
+            f"RunConfig.procs_per_node={cfg.procs_per_node} is more than the {gpus} GPU(s) each pod "
+            f"gets (PodTemplateSettings.gpus_per_node={settings.gpus_per_node}): one process per GPU; "
+            "lower procs_per_node, or raise gpus_per_node to the GPUs of the pool's nodes"
+        )
 
     env = {
         # The config itself, not a path: the pod needs no file shipped before it starts.
@@ -298,9 +332,13 @@ def training_job(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, 
         env.update(NCCL_ENV)
     env.update(settings.env)
     container = _container(
-        settings, TRAINING_COMMAND, _env(env, node_id_from_downward_api=True),
+        settings,
+        TRAINING_COMMAND,
+        _env(env, node_id_from_downward_api=True),
         _resources(gpus, efa, settings, hugepages=True, cpu=settings.cpu, memory=settings.memory),
-        [{"name": RDZV_PORT_NAME, "containerPort": cfg.rdzv_port, "protocol": "TCP"}], efa=efa)
+        [{"name": RDZV_PORT_NAME, "containerPort": cfg.rdzv_port, "protocol": "TCP"}],
+        efa=efa,
+    )
     pod_spec = _pod_spec(settings, container, name, subdomain=name, anti_affinity=True)
     return {
         "apiVersion": "batch/v1",
@@ -331,31 +369,55 @@ def _owner_reference(owner: Any, job_name: str) -> dict[str, Any]:
     else:
         name, uid = getattr(meta, "name", None), getattr(meta, "uid", None)
     if not name or not uid:
-        raise ValueError("owner must be the created Job as the API returned it (with metadata.name and "
-                         f"metadata.uid), got {owner!r}")
+        raise ValueError(
+            f"owner must be the created Job as the API returned it (with metadata.name and metadata.uid), got {owner!r}"
+        )
     if name != job_name:
-        raise ValueError(f"owner is Job {name!r}, but this launch's Job is {job_name!r}: pass the Job that "
-                         "create_namespaced_job returned for the same run and launch")
-    return {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": False}
+        raise ValueError(
+            f"owner is Job {name!r}, but this launch's Job is {job_name!r}: pass the Job that "
+            "create_namespaced_job returned for the same run and launch"
+        )
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": False,
+    }
 
 
-def _launch_object_metadata(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings,
-                            owner: dict[str, Any] | None, airflow_run_id: str | None) -> tuple[str, dict[str, Any]]:
+def _launch_object_metadata(
+    cfg: RunConfig,
+    launch_id: str,
+    settings: PodTemplateSettings,
+    owner: dict[str, Any] | None,
+    airflow_run_id: str | None,
+) -> tuple[str, dict[str, Any]]:
     """The name (the Job's) and metadata of an object that belongs to one launch's Job; with
     ``owner`` (the created Job), owned by it, so it goes when the Job goes."""
     settings.validate()
     _check_ids(launch_id, airflow_run_id)
     name = job_name_for(cfg.run_id, launch_id)
-    metadata = _metadata(name, settings.namespace, _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id),
-                         _annotations(launch_id, airflow_run_id))
+    metadata = _metadata(
+        name,
+        settings.namespace,
+        _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id),
+        _annotations(launch_id, airflow_run_id),
+    )
     if owner is not None:
         metadata["ownerReferences"] = [_owner_reference(owner, name)]
     return name, metadata
 
 
-def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
-                       owner: dict[str, Any] | None = None, airflow_run_id: str | None = None) -> dict[str, Any]:
+def rendezvous_service(
+    cfg: RunConfig,
+    launch_id: str,
+    settings: PodTemplateSettings,
+    *,
+    owner: dict[str, Any] | None = None,
+    airflow_run_id: str | None = None,
+) -> dict[str, Any]:
     """The headless Service named like the launch's Job: it gives pod ``<job>-0`` the DNS name
     ``rendezvous_host(job, namespace)``. With ``owner`` (the created Job), deleting the Job
     (or its TTL expiring) deletes the Service too."""
@@ -369,15 +431,19 @@ def rendezvous_service(cfg: RunConfig, launch_id: str, settings: PodTemplateSett
             # The rendezvous happens before any pod is Ready: publish the addresses at once.
             "publishNotReadyAddresses": True,
             "selector": {LABEL_JOB: name},
-            "ports": [{"name": RDZV_PORT_NAME, "port": cfg.rdzv_port, "targetPort": cfg.rdzv_port,
-                       "protocol": "TCP"}],
+            "ports": [{"name": RDZV_PORT_NAME, "port": cfg.rdzv_port, "targetPort": cfg.rdzv_port, "protocol": "TCP"}],
         },
     }
 
 
-def rendezvous_network_policy(cfg: RunConfig, launch_id: str, settings: PodTemplateSettings, *,
-                              owner: dict[str, Any] | None = None,
-                              airflow_run_id: str | None = None) -> dict[str, Any]:
+def rendezvous_network_policy(
+    cfg: RunConfig,
+    launch_id: str,
+    settings: PodTemplateSettings,
+    *,
+    owner: dict[str, Any] | None = None,
+    airflow_run_id: str | None = None,
+) -> dict[str, Any]:
     """The NetworkPolicy named like the launch's Job: traffic into the launch's pods only from the
     same launch's pods, on every port (the rendezvous store, which has no authentication; the
     c10d store; NCCL's TCP bootstrap and socket fallback). Other pods of the namespace, and other
@@ -398,8 +464,13 @@ def rendezvous_network_policy(cfg: RunConfig, launch_id: str, settings: PodTempl
     }
 
 
-def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *, checkpoint_id: str | None = None,
-                   airflow_run_id: str | None = None) -> dict[str, Any]:
+def evaluation_job(
+    cfg: RunConfig,
+    settings: PodTemplateSettings,
+    *,
+    checkpoint_id: str | None = None,
+    airflow_run_id: str | None = None,
+) -> dict[str, Any]:
     """The one-pod Job that evaluates checkpoint ``checkpoint_id`` of the run (None: the newest
     committed one that verifies) with ``python -m fsdp_resilience.training.evaluate``, which writes
     ``<run_dir>/eval.json``."""
@@ -419,9 +490,14 @@ def evaluation_job(cfg: RunConfig, settings: PodTemplateSettings, *, checkpoint_
     if checkpoint_id is not None:
         command += ["--checkpoint", checkpoint_id]
     # No EFA (one process, no collectives), and so none of the huge pages EFA needs.
-    container = _container(settings, command, _env(env, node_id_from_downward_api=True),
-                           _resources(gpus, 0, settings, hugepages=False, cpu=settings.eval_cpu,
-                                      memory=settings.eval_memory), None, efa=0)
+    container = _container(
+        settings,
+        command,
+        _env(env, node_id_from_downward_api=True),
+        _resources(gpus, 0, settings, hugepages=False, cpu=settings.eval_cpu, memory=settings.eval_memory),
+        None,
+        efa=0,
+    )
     template_meta: dict[str, Any] = {"labels": {**labels, LABEL_JOB: name}}
     if annotations:
         template_meta["annotations"] = dict(annotations)

@@ -28,8 +28,13 @@ if TYPE_CHECKING:
 #: How a node whose restarts ran out is taken out of service, and by whom it is replaced.
 REPLACEMENT_MODES = ("asg", "karpenter", "cordon")
 #: The EKS node monitoring agent's conditions: False means the node is unhealthy for that reason.
-HEALTH_CONDITIONS = ("AcceleratedHardwareReady", "NetworkingReady", "StorageReady", "KernelReady",
-                     "ContainerRuntimeReady")
+HEALTH_CONDITIONS = (
+    "AcceleratedHardwareReady",
+    "NetworkingReady",
+    "StorageReady",
+    "KernelReady",
+    "ContainerRuntimeReady",
+)
 _INSTANCE_ID = re.compile(r"(i-[0-9a-f]{8,17})$")
 
 
@@ -56,8 +61,9 @@ def quarantined_by_us(node: dict[str, Any]) -> bool:
     """Whether this project quarantined the node (its taint or its reason annotation): only such a
     node may be returned to service; a node someone cordoned by hand stays theirs."""
     annotations = (node.get("metadata") or {}).get("annotations") or {}
-    return QUARANTINE_ANNOTATION in annotations or \
-        any(t.get("key") == QUARANTINE_TAINT for t in (node.get("spec") or {}).get("taints") or [])
+    return QUARANTINE_ANNOTATION in annotations or any(
+        t.get("key") == QUARANTINE_TAINT for t in (node.get("spec") or {}).get("taints") or []
+    )
 
 
 def quarantine_record(node: dict[str, Any]) -> tuple[float | None, str]:
@@ -75,7 +81,6 @@ def instance_id_of(node: dict[str, Any]) -> str | None:
     """The EC2 instance behind a node: ``spec.providerID`` is ``aws:///<zone>/<instance id>``."""
     match = _INSTANCE_ID.search((node.get("spec") or {}).get("providerID") or "")
     return match.group(1) if match else None
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,8 +114,13 @@ def node_healthy(node: dict[str, Any], devices: dict[str, int]) -> bool:
 def pool_capacity(pool: list[dict[str, Any]], devices: dict[str, int], *, provisions_on_demand: bool) -> Capacity:
     healthy = sorted(n["metadata"]["name"] for n in pool if node_healthy(n, devices))
     quarantined = sorted(n["metadata"]["name"] for n in pool if out_of_service(n))
-    return Capacity(total=len(pool), healthy=len(healthy), quarantined=quarantined, healthy_node_ids=healthy,
-                    provisions_on_demand=provisions_on_demand)
+    return Capacity(
+        total=len(pool),
+        healthy=len(healthy),
+        quarantined=quarantined,
+        healthy_node_ids=healthy,
+        provisions_on_demand=provisions_on_demand,
+    )
 
 
 def quarantine_report(pool: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -121,13 +131,21 @@ def quarantine_report(pool: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not quarantined_by_us(node):
             continue
         since, reason = quarantine_record(node)
-        out.append({"node_id": node["metadata"]["name"], "reason": reason, "since": since,
-                    "ready": not node_problems(node), "instance_id": instance_id_of(node)})
+        out.append(
+            {
+                "node_id": node["metadata"]["name"],
+                "reason": reason,
+                "since": since,
+                "ready": not node_problems(node),
+                "instance_id": instance_id_of(node),
+            }
+        )
     return sorted(out, key=lambda q: (q["since"] is None, q["since"] or 0, q["node_id"]))
 
 
-def suspect_nodes(kube: KubeClient, job_nodes: list[str], status: JobStatus,
-                  pods: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+def suspect_nodes(
+    kube: KubeClient, job_nodes: list[str], status: JobStatus, pods: list[dict[str, Any]]
+) -> tuple[list[str], list[str]]:
     """The nodes of a failed job to blame (in the order found) and the evidence against each: the
     nodes the job ran on (``job_nodes``) that say they are unhealthy or are gone, and every node
     that lost a pod of the job, replaced pods included."""
@@ -153,8 +171,16 @@ def suspect_nodes(kube: KubeClient, job_nodes: list[str], status: JobStatus,
 # --------------------------------------------------------------------------------------------
 
 
-def replace_pool_nodes(kube: KubeClient, pool: list[dict[str, Any]], node_ids: list[str], reason: str, *,
-                       replacement: str, max_unhealthy_share: float, autoscaling: Callable[[], Any]) -> Replacement:
+def replace_pool_nodes(
+    kube: KubeClient,
+    pool: list[dict[str, Any]],
+    node_ids: list[str],
+    reason: str,
+    *,
+    replacement: str,
+    max_unhealthy_share: float,
+    autoscaling: Callable[[], Any],
+) -> Replacement:
     """EksBackend.replace_nodes on the pool's nodes as read (``pool``): cordon and taint each node,
     evict our pods left on it, then have the platform replace it (``replace_instance``), at most
     ``max_unhealthy_share`` of the pool at once."""
@@ -193,17 +219,22 @@ def replace_instance(kube: KubeClient, node: dict[str, Any], replacement: str, a
         return f"deleted NodeClaim(s) {[c['metadata']['name'] for c in claims]}: Karpenter drains and replaces it"
     instance = instance_id_of(node)
     if not instance:
-        raise BackendError(f"node {name} has no EC2 instance in spec.providerID "
-                           f"({(node.get('spec') or {}).get('providerID')!r})")
+        raise BackendError(
+            f"node {name} has no EC2 instance in spec.providerID ({(node.get('spec') or {}).get('providerID')!r})"
+        )
     asg = autoscaling()
     found = asg.describe_auto_scaling_instances(InstanceIds=[instance])["AutoScalingInstances"]
     if not found:
-        raise BackendError(f"instance {instance} of node {name} is in no Auto Scaling group; replace it by hand "
-                           "or use replacement=karpenter/cordon")
+        raise BackendError(
+            f"instance {instance} of node {name} is in no Auto Scaling group; replace it by hand "
+            "or use replacement=karpenter/cordon"
+        )
     group = found[0]["AutoScalingGroupName"]
     tags = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[group])["AutoScalingGroups"][0].get("Tags", [])
     if not any(t["Key"] == MANAGED_ASG_TAG and t["Value"] == "true" for t in tags):
-        raise BackendError(f"Auto Scaling group {group} lacks the tag {MANAGED_ASG_TAG}=true, so this project "
-                           "may not terminate its instances; tag it (see deploy/) or replace the node by hand")
+        raise BackendError(
+            f"Auto Scaling group {group} lacks the tag {MANAGED_ASG_TAG}=true, so this project "
+            "may not terminate its instances; tag it (see deploy/) or replace the node by hand"
+        )
     asg.terminate_instance_in_auto_scaling_group(InstanceId=instance, ShouldDecrementDesiredCapacity=False)
     return f"terminated {instance} in Auto Scaling group {group} (desired capacity kept: a new node replaces it)"

@@ -73,8 +73,9 @@ class PodTemplateSettings:
     #: Where the FSx volume is mounted; RunConfig.run_dir and dataset_dir must lie under it.
     fsx_mount_path: str = "/fsx"
     node_selector: dict[str, str] = field(default_factory=lambda: {"fsdp-resilience/pool": "gpu"})
-    tolerations: list[dict[str, Any]] = field(default_factory=lambda: [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    tolerations: list[dict[str, Any]] = field(
+        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    )
     #: The EC2 instance type of the GPU pool. It decides FI_EFA_USE_DEVICE_RDMA (only on types with
     #: device RDMA, DEVICE_RDMA_FAMILIES) and is added to the pods' nodeSelector
     #: (node.kubernetes.io/instance-type), so the pods land only where that decision, and the
@@ -138,34 +139,47 @@ class PodTemplateSettings:
         try:
             image_repository(self.image)
         except ValueError:
-            raise bad("image", "must be a container image reference such as "
-                               "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0' (a digest, "
-                               "'@sha256:...', pins it)") from None
+            raise bad(
+                "image",
+                "must be a container image reference such as "
+                "'123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0' (a digest, "
+                "'@sha256:...', pins it)",
+            ) from None
         if not isinstance(self.namespace, str) or len(self.namespace) > 63 or not _DNS1123_LABEL.match(self.namespace):
-            raise bad("namespace", "must be a Kubernetes namespace name (lowercase letters, digits and '-', "
-                                   "at most 63 characters)")
+            raise bad(
+                "namespace",
+                "must be a Kubernetes namespace name (lowercase letters, digits and '-', at most 63 characters)",
+            )
         for name in ("service_account", "fsx_claim"):
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > 253 or not _DNS1123_SUBDOMAIN.match(value):
                 raise bad(name, "must be a Kubernetes object name (lowercase letters, digits, '-' and '.')")
         mount = self.fsx_mount_path
-        if (not isinstance(mount, str) or not mount.startswith("/") or posixpath.normpath(mount) != mount
-                or mount == "/"):
+        if (
+            not isinstance(mount, str)
+            or not mount.startswith("/")
+            or posixpath.normpath(mount) != mount
+            or mount == "/"
+        ):
             raise bad("fsx_mount_path", "must be a normalised absolute path below '/', such as '/fsx'")
         if mount == "/dev/shm" or mount.startswith("/dev/shm/") or "/dev/shm".startswith(mount + "/"):
-            raise bad("fsx_mount_path", "overlaps /dev/shm, where the shared-memory volume is mounted; "
-                                        "use a path such as '/fsx'")
+            raise bad(
+                "fsx_mount_path",
+                "overlaps /dev/shm, where the shared-memory volume is mounted; use a path such as '/fsx'",
+            )
         if not isinstance(self.node_selector, dict) or not all(
-                _is_label_key(k) and isinstance(v, str) and len(v) <= 63 and LABEL_VALUE_FORMAT.match(v)
-                for k, v in self.node_selector.items()):
+            _is_label_key(k) and isinstance(v, str) and len(v) <= 63 and LABEL_VALUE_FORMAT.match(v)
+            for k, v in self.node_selector.items()
+        ):
             raise bad("node_selector", "must map label keys to label values, e.g. {'fsdp-resilience/pool': 'gpu'}")
         self._validate_tolerations()
         if self.gpus_per_node is not None and not (_is_nonneg_int(self.gpus_per_node) and self.gpus_per_node <= 64):
             raise bad("gpus_per_node", "must be between 0 and 64, or None for one GPU per process (procs_per_node)")
         if not _is_nonneg_int(self.efa_per_node) or self.efa_per_node > 64:
             raise bad("efa_per_node", "must be between 0 (no EFA) and 64 (p5.48xlarge has 32)")
-        if self.instance_type is not None and (not isinstance(self.instance_type, str)
-                                               or not _INSTANCE_TYPE.match(self.instance_type)):
+        if self.instance_type is not None and (
+            not isinstance(self.instance_type, str) or not _INSTANCE_TYPE.match(self.instance_type)
+        ):
             raise bad("instance_type", "must be an EC2 instance type such as 'p5.48xlarge', or None for a mixed pool")
         for name in ("efa_ipc_lock", "guaranteed_qos"):
             if not isinstance(getattr(self, name), bool):
@@ -182,12 +196,18 @@ class PodTemplateSettings:
         if not _is_quantity(self.shm_size):
             raise bad("shm_size", "must be a Kubernetes quantity such as '64Gi'")
         if self.guaranteed_qos and (self.cpu is None or self.memory is None):
-            raise bad("guaranteed_qos", f"needs cpu and memory set (cpu={self.cpu!r}, memory={self.memory!r}): "
-                                        "QoS Guaranteed means requests = limits for both; set them or "
-                                        "guaranteed_qos=false")
+            raise bad(
+                "guaranteed_qos",
+                f"needs cpu and memory set (cpu={self.cpu!r}, memory={self.memory!r}): "
+                "QoS Guaranteed means requests = limits for both; set them or "
+                "guaranteed_qos=false",
+            )
         if self.hugepages_2mi is not None and self.memory is None:
-            raise bad("hugepages_2mi", "needs memory set too: Kubernetes rejects a pod that requests huge pages "
-                                       "without a memory (or CPU) request; set memory, e.g. '1000Gi'")
+            raise bad(
+                "hugepages_2mi",
+                "needs memory set too: Kubernetes rejects a pod that requests huge pages "
+                "without a memory (or CPU) request; set memory, e.g. '1000Gi'",
+            )
         if not _is_nonneg_int(self.backoff_limit) or self.backoff_limit > 100:
             raise bad("backoff_limit", "must be between 0 and 100 (pod failures a Job absorbs before it fails)")
         for name in ("active_deadline_s", "ttl_after_finished_s", "termination_grace_s"):
@@ -195,8 +215,9 @@ class PodTemplateSettings:
                 raise bad(name, "must be a whole number of seconds, 0 or more")
         if self.active_deadline_s == 0:
             raise bad("active_deadline_s", "must be more than 0 seconds (the most a Job may run)")
-        if self.priority_class is not None and (not isinstance(self.priority_class, str)
-                                                or not _DNS1123_SUBDOMAIN.match(self.priority_class)):
+        if self.priority_class is not None and (
+            not isinstance(self.priority_class, str) or not _DNS1123_SUBDOMAIN.match(self.priority_class)
+        ):
             raise bad("priority_class", "must be the name of a PriorityClass, or None")
         if self.image_pull_policy not in _PULL_POLICIES:
             raise bad("image_pull_policy", f"must be one of {', '.join(_PULL_POLICIES)}")
@@ -216,17 +237,19 @@ class PodTemplateSettings:
             raise ValueError(f"{where} must be a list of tolerations (dicts)")
         for t in self.tolerations:
             if not isinstance(t, dict) or not t:
-                raise ValueError(f"{where}: {t!r} is not a toleration; use e.g. "
-                                 "{'key': 'nvidia.com/gpu', 'operator': 'Exists', 'effect': 'NoSchedule'}")
+                raise ValueError(
+                    f"{where}: {t!r} is not a toleration; use e.g. "
+                    "{'key': 'nvidia.com/gpu', 'operator': 'Exists', 'effect': 'NoSchedule'}"
+                )
             unknown = sorted(set(t) - _TOLERATION_FIELDS)
             if unknown:
-                raise ValueError(f"{where}: unknown toleration field(s) {unknown}; "
-                                 f"use {sorted(_TOLERATION_FIELDS)}")
+                raise ValueError(f"{where}: unknown toleration field(s) {unknown}; use {sorted(_TOLERATION_FIELDS)}")
             if t.get("operator", "Equal") not in _TOLERATION_OPERATORS:
                 raise ValueError(f"{where}: operator must be one of {_TOLERATION_OPERATORS}")
             if t.get("operator") == "Exists" and t.get("value"):
-                raise ValueError(f"{where}: a toleration with operator Exists takes no value; remove it "
-                                 "or use operator Equal")
+                raise ValueError(
+                    f"{where}: a toleration with operator Exists takes no value; remove it or use operator Equal"
+                )
             if t.get("key") in (None, "") and t.get("operator") != "Exists":
                 raise ValueError(f"{where}: a toleration without a key must use operator Exists")
             if t.get("effect") not in (None, *_TAINT_EFFECTS):
@@ -268,4 +291,3 @@ class PodTemplateSettings:
         if validate:
             settings.validate()
         return settings
-

@@ -25,8 +25,16 @@ from fsdp_resilience.training.contract import (
 )
 
 #: Pod failure reasons that mean the pod, not the program, was taken away.
-_DISRUPTION_REASONS = ("NodeLost", "Evicted", "Preempting", "DeadlineExceeded", "Terminated", "Shutdown",
-                       "NodeShutdown", "UnexpectedAdmissionError")
+_DISRUPTION_REASONS = (
+    "NodeLost",
+    "Evicted",
+    "Preempting",
+    "DeadlineExceeded",
+    "Terminated",
+    "Shutdown",
+    "NodeShutdown",
+    "UnexpectedAdmissionError",
+)
 
 
 def timestamp(text: str | None) -> float:
@@ -42,8 +50,9 @@ def conditions_of(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def pod_index(pod: dict[str, Any]) -> int | None:
     meta = pod.get("metadata") or {}
-    value = (meta.get("labels") or {}).get("batch.kubernetes.io/job-completion-index") or \
-        (meta.get("annotations") or {}).get("batch.kubernetes.io/job-completion-index")
+    value = (meta.get("labels") or {}).get("batch.kubernetes.io/job-completion-index") or (
+        meta.get("annotations") or {}
+    ).get("batch.kubernetes.io/job-completion-index")
     return int(value) if value is not None and str(value).isdigit() else None
 
 
@@ -60,8 +69,9 @@ def node_from_pod(index: int, pod: dict[str, Any] | None, stopped: str | None) -
     deleted by the job controller or by a cancel), or None while it may still run."""
     if pod is None:
         if stopped:
-            return NodeStatus(index, None, "failed", FailureClass.UNKNOWN.value, None,
-                              f"stopped before it reported: {stopped}")
+            return NodeStatus(
+                index, None, "failed", FailureClass.UNKNOWN.value, None, f"stopped before it reported: {stopped}"
+            )
         return NodeStatus(index, None, "pending", None, None, "no pod yet")
     name = pod["metadata"]["name"]
     status = pod.get("status") or {}
@@ -79,9 +89,16 @@ def node_from_pod(index: int, pod: dict[str, Any] | None, stopped: str | None) -
             # The pod went, and the restart layers inside it with it: to the control plane the node
             # ran out of restarts (a relaunch elsewhere may succeed).
             detail = (status.get("message") or (term or {}).get("message") or "").strip()
-            return NodeStatus(index, node, LOST, FailureClass.RESTARTS_EXHAUSTED.value, code,
-                              f"{where} lost: {reason or 'disrupted'}"
-                              + (f" (exit {code})" if code is not None else "") + (f": {detail}" if detail else ""))
+            return NodeStatus(
+                index,
+                node,
+                LOST,
+                FailureClass.RESTARTS_EXHAUSTED.value,
+                code,
+                f"{where} lost: {reason or 'disrupted'}"
+                + (f" (exit {code})" if code is not None else "")
+                + (f": {detail}" if detail else ""),
+            )
         failure = failure_class_for_exit(int(code)).value
         return NodeStatus(index, node, "failed", failure, int(code), f"{where} exited {code} ({reason or 'Error'})")
     if disrupted and (pod.get("metadata") or {}).get("deletionTimestamp"):
@@ -89,8 +106,14 @@ def node_from_pod(index: int, pod: dict[str, Any] | None, stopped: str | None) -
         # manager deleted it (it stays Terminating until PodGC fails it), or an eviction runs.
         target = conditions_of(pod).get("DisruptionTarget") or {}
         why = f"{target.get('reason') or 'disrupted'}" + (f": {target['message']}" if target.get("message") else "")
-        return NodeStatus(index, node, LOST, FailureClass.RESTARTS_EXHAUSTED.value, None,
-                          f"{where} lost: {why} (terminating; the Job replaces it once it is terminal)")
+        return NodeStatus(
+            index,
+            node,
+            LOST,
+            FailureClass.RESTARTS_EXHAUSTED.value,
+            None,
+            f"{where} lost: {why} (terminating; the Job replaces it once it is terminal)",
+        )
     if stopped and (pod.get("metadata") or {}).get("deletionTimestamp"):
         return NodeStatus(index, node, "failed", FailureClass.UNKNOWN.value, None, f"{where} stopped: {stopped}")
     if phase == "Running":
@@ -135,8 +158,9 @@ def recreated_indexes(job: dict[str, Any], newest: dict[int, dict[str, Any]]) ->
     status = job.get("status") or {}
     if not status.get("failed"):
         return []
-    started = status.get("startTime") or min((p["metadata"].get("creationTimestamp") or "" for p in newest.values()),
-                                             default="")
+    started = status.get("startTime") or min(
+        (p["metadata"].get("creationTimestamp") or "" for p in newest.values()), default=""
+    )
     return sorted(i for i, p in newest.items() if (p["metadata"].get("creationTimestamp") or "") > started)
 
 
@@ -188,29 +212,52 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]], *, provisions_on
             was = was_lost.get(index)
             pod_name = newest[index]["metadata"]["name"]
             lost_on = f"pod lost on {was.node_id or 'no node'}" if was else "a failed pod"
-            why = _unschedulable(newest[index]) if nodes[index].state == "pending" and not provisions_on_demand \
-                else None
+            why = (
+                _unschedulable(newest[index]) if nodes[index].state == "pending" and not provisions_on_demand else None
+            )
             if why:
-                nodes[index] = NodeStatus(index, was.node_id if was else None, LOST,
-                                          FailureClass.RESTARTS_EXHAUSTED.value, was.exit_code if was else None,
-                                          f"{was.message if was else f'node {index} was lost'}; its replacement pod "
-                                          f"{pod_name} cannot be scheduled: {why}")
+                nodes[index] = NodeStatus(
+                    index,
+                    was.node_id if was else None,
+                    LOST,
+                    FailureClass.RESTARTS_EXHAUSTED.value,
+                    was.exit_code if was else None,
+                    f"{was.message if was else f'node {index} was lost'}; its replacement pod "
+                    f"{pod_name} cannot be scheduled: {why}",
+                )
             elif nodes[index].state in ("pending", "running"):
-                nodes[index] = dataclasses.replace(nodes[index], message=(
-                    f"{nodes[index].message} (the Job recreated it for {lost_on}; its launcher rejoins the "
-                    "rendezvous, as a spare once another node took the lost one's place)"))
+                nodes[index] = dataclasses.replace(
+                    nodes[index],
+                    message=(
+                        f"{nodes[index].message} (the Job recreated it for {lost_on}; its launcher rejoins the "
+                        "rendezvous, as a spare once another node took the lost one's place)"
+                    ),
+                )
     # Pods the job controller already replaced (their failures counted against backoffLimit) are
     # part of the story too: a node that lost a pod is suspect even if a new pod now runs there.
-    replaced = [node_from_pod(pod_index(p), p, stopped) for p in pods
-                if pod_index(p) is not None and p is not newest.get(pod_index(p))
-                and (p.get("status") or {}).get("phase") == "Failed"]
+    replaced = [
+        node_from_pod(pod_index(p), p, stopped)
+        for p in pods
+        if pod_index(p) is not None
+        and p is not newest.get(pod_index(p))
+        and (p.get("status") or {}).get("phase") == "Failed"
+    ]
     if cancel and not any(n.node_id for n in nodes):
-        nodes = [NodeStatus(n.index, cancel.get("nodes", {}).get(str(n.index)), n.state, n.failure_class,
-                            n.exit_code, n.message) for n in nodes]
+        nodes = [
+            NodeStatus(
+                n.index, cancel.get("nodes", {}).get(str(n.index)), n.state, n.failure_class, n.exit_code, n.message
+            )
+            for n in nodes
+        ]
     exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
     if "Complete" in conds or "SuccessCriteriaMet" in conds:
-        return JobStatus("succeeded", FailureClass.SUCCESS.value, exit_codes,
-                         f"all {completions} node(s) of job {name} succeeded", nodes)
+        return JobStatus(
+            "succeeded",
+            FailureClass.SUCCESS.value,
+            exit_codes,
+            f"all {completions} node(s) of job {name} succeeded",
+            nodes,
+        )
     failed = [n for n in nodes if n.state in ("failed", LOST)]
     # A node that failed with a class the Job's podFailurePolicy fails the Job on: failed now,
     # even if the job controller has not written its condition yet.
@@ -222,27 +269,37 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]], *, provisions_on
     store_lost = not stopped and any(n.index == 0 for n in lost)
     too_few = bool(lost) and not stopped and (store_lost or not job_can_train(train_nodes, nodes))
     if failed_cond or cancel or fatal or too_few:
-        failure = most_telling_failure([n.failure_class for n in failed + replaced]
-                                       + ([cancel["failure_class"]] if cancel else []))
+        failure = most_telling_failure(
+            [n.failure_class for n in failed + replaced] + ([cancel["failure_class"]] if cancel else [])
+        )
         parts = []
-        if (failure in (None, FailureClass.UNKNOWN.value) and failed_cond
-                and failed_cond.get("reason") == "BackoffLimitExceeded"
-                and not [n for n in failed + replaced if n.state == "failed" and n.exit_code is not None]):
+        if (
+            failure in (None, FailureClass.UNKNOWN.value)
+            and failed_cond
+            and failed_cond.get("reason") == "BackoffLimitExceeded"
+            and not [n for n in failed + replaced if n.state == "failed" and n.exit_code is not None]
+        ):
             # The Job used up its failure budget and no pod it kept failed on its own: the failed
             # pods were deleted, as disrupted pods are (evicted, preempted, lost with their node).
             failure = FailureClass.RESTARTS_EXHAUSTED.value
-            parts.append(f"the job's pods were disrupted (evicted, preempted or lost with their node) more often than "
-                         f"its backoffLimit={(job.get('spec') or {}).get('backoffLimit')} allows "
-                         "(PodTemplateSettings.backoff_limit + max_pod_disruptions)")
+            parts.append(
+                f"the job's pods were disrupted (evicted, preempted or lost with their node) more often than "
+                f"its backoffLimit={(job.get('spec') or {}).get('backoffLimit')} allows "
+                "(PodTemplateSettings.backoff_limit + max_pod_disruptions)"
+            )
         failure = failure or FailureClass.UNKNOWN.value
         if too_few and not (failed_cond or cancel or fatal):
             left = sum(1 for n in nodes if n.state not in ("failed", LOST))
             if store_lost:
-                parts.append("node 0 was lost, and it hosts the rendezvous store every node meets at: no spare can "
-                             "take its place")
+                parts.append(
+                    "node 0 was lost, and it hosts the rendezvous store every node meets at: no spare can "
+                    "take its place"
+                )
             if not job_can_train(train_nodes, nodes):
-                parts.append(f"too few nodes left to train: {left} of the {train_nodes} needed "
-                             f"({completions - train_nodes} spare(s) launched, {len(lost)} node(s) lost)")
+                parts.append(
+                    f"too few nodes left to train: {left} of the {train_nodes} needed "
+                    f"({completions - train_nodes} spare(s) launched, {len(lost)} node(s) lost)"
+                )
         telling = [n for n in failed + replaced if n.failure_class == failure]
         parts += [n.message for n in telling[:3]]
         if cancel and failure == cancel["failure_class"]:
@@ -252,26 +309,43 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]], *, provisions_on
         return JobStatus("failed", failure, exit_codes, f"{failure}: " + "; ".join(p for p in parts if p), nodes)
     if (job.get("spec") or {}).get("suspend"):
         # Created suspended and not yet resumed: submit has not finished (a retry resumes it).
-        return JobStatus("pending", None, exit_codes,
-                         f"job {name} is suspended until its Service and NetworkPolicy exist and submit resumes it "
-                         "(a submit that did not finish: retry the launch task)", nodes)
+        return JobStatus(
+            "pending",
+            None,
+            exit_codes,
+            f"job {name} is suspended until its Service and NetworkPolicy exist and submit resumes it "
+            "(a submit that did not finish: retry the launch task)",
+            nodes,
+        )
     if lost:
         # Covered: a spare takes each lost node's place at the next in-job restart.
         left = sum(1 for n in nodes if n.state not in ("failed", LOST))
         covered = {n.index for n in lost}
-        nodes = [dataclasses.replace(n, message=f"{n.message}; a spare covers it ({left} node(s) left for the "
-                                                f"{train_nodes} that train)") if n.index in covered else n
-                 for n in nodes]
+        nodes = [
+            dataclasses.replace(
+                n, message=f"{n.message}; a spare covers it ({left} node(s) left for the {train_nodes} that train)"
+            )
+            if n.index in covered
+            else n
+            for n in nodes
+        ]
     running = [n for n in nodes if n.state == "running"]
     if running and len(running) == len(nodes):
-        return JobStatus("running", None, exit_codes,
-                         f"{len(running)} node(s) running on {[n.node_id for n in running]}", nodes)
+        return JobStatus(
+            "running", None, exit_codes, f"{len(running)} node(s) running on {[n.node_id for n in running]}", nodes
+        )
     if running:
         waiting = [n.message for n in nodes if n.state != "running"]
-        return JobStatus("running", None, exit_codes,
-                         f"{len(running)} of {len(nodes)} node(s) running; " + "; ".join(waiting[:3]), nodes)
-    return JobStatus("pending", None, exit_codes,
-                     "; ".join(n.message for n in nodes[:3]) or f"job {name}: waiting for pods", nodes)
+        return JobStatus(
+            "running",
+            None,
+            exit_codes,
+            f"{len(running)} of {len(nodes)} node(s) running; " + "; ".join(waiting[:3]),
+            nodes,
+        )
+    return JobStatus(
+        "pending", None, exit_codes, "; ".join(n.message for n in nodes[:3]) or f"job {name}: waiting for pods", nodes
+    )
 
 
 def cancel_verdict(job: dict[str, Any]) -> dict[str, Any] | None:
@@ -287,8 +361,9 @@ def cancel_verdict(job: dict[str, Any]) -> dict[str, Any] | None:
 
 def job_finished(job: dict[str, Any]) -> bool:
     conds = {t for t, c in conditions_of(job).items() if c.get("status") == "True"}
-    return (bool(conds & {"Complete", "Failed", "SuccessCriteriaMet", "FailureTarget"})
-            or cancel_verdict(job) is not None)
+    return (
+        bool(conds & {"Complete", "Failed", "SuccessCriteriaMet", "FailureTarget"}) or cancel_verdict(job) is not None
+    )
 
 
 def run_config_of(job: dict[str, Any]) -> RunConfig | None:

@@ -59,6 +59,13 @@ from fsdp_resilience.control.backends.local.state import StateStore
 from fsdp_resilience.control.backends.local.verdict import DROPPED_SPARE, judge_job
 
 __all__ = [
-    "DROPPED_SPARE", "JOB_TAG_ENV", "REPO_ROOT", "TRAINING_PYTHON_ENV",
-    "LocalProcessBackend", "StateStore", "judge_job", "stop_job_processes", "tagged_processes",
+    "DROPPED_SPARE",
+    "JOB_TAG_ENV",
+    "REPO_ROOT",
+    "TRAINING_PYTHON_ENV",
+    "LocalProcessBackend",
+    "StateStore",
+    "judge_job",
+    "stop_job_processes",
+    "tagged_processes",
 ]

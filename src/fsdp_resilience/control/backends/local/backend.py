@@ -81,9 +81,17 @@ class LocalProcessBackend(TrainingBackend):
 
     name = "local"
 
-    def __init__(self, state_dir: str | os.PathLike, slots: int = 4, training_python: str | None = None,
-                 max_unhealthy_share: float = 0.5, repo_root: str | os.PathLike | None = None,
-                 cancel_grace_s: float = 20.0, failure_grace_s: float = 30.0, start_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        state_dir: str | os.PathLike,
+        slots: int = 4,
+        training_python: str | None = None,
+        max_unhealthy_share: float = 0.5,
+        repo_root: str | os.PathLike | None = None,
+        cancel_grace_s: float = 20.0,
+        failure_grace_s: float = 30.0,
+        start_timeout_s: float = 60.0,
+    ):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots={slots!r} must be a positive integer (the local machine's node count)")
         if not 0 < max_unhealthy_share <= 1:
@@ -91,8 +99,9 @@ class LocalProcessBackend(TrainingBackend):
         self.state_dir = Path(state_dir).resolve()
         self.slots = slots
         self.repo_root = Path(repo_root).resolve() if repo_root else REPO_ROOT
-        self.training_python = str(training_python or os.environ.get(TRAINING_PYTHON_ENV)
-                                   or self.repo_root / ".venv" / "bin" / "python")
+        self.training_python = str(
+            training_python or os.environ.get(TRAINING_PYTHON_ENV) or self.repo_root / ".venv" / "bin" / "python"
+        )
         self.max_unhealthy_share = float(max_unhealthy_share)
         self.cancel_grace_s = float(cancel_grace_s)
         self.failure_grace_s = float(failure_grace_s)
@@ -100,10 +109,17 @@ class LocalProcessBackend(TrainingBackend):
         self._store = StateStore(self.state_dir)
 
     def to_config(self) -> dict[str, Any]:
-        return {"name": self.name, "state_dir": str(self.state_dir), "slots": self.slots,
-                "training_python": self.training_python, "max_unhealthy_share": self.max_unhealthy_share,
-                "repo_root": str(self.repo_root), "cancel_grace_s": self.cancel_grace_s,
-                "failure_grace_s": self.failure_grace_s, "start_timeout_s": self.start_timeout_s}
+        return {
+            "name": self.name,
+            "state_dir": str(self.state_dir),
+            "slots": self.slots,
+            "training_python": self.training_python,
+            "max_unhealthy_share": self.max_unhealthy_share,
+            "repo_root": str(self.repo_root),
+            "cancel_grace_s": self.cancel_grace_s,
+            "failure_grace_s": self.failure_grace_s,
+            "start_timeout_s": self.start_timeout_s,
+        }
 
     @property
     def slot_ids(self) -> list[str]:
@@ -123,7 +139,8 @@ class LocalProcessBackend(TrainingBackend):
             raise InsufficientCapacityError(
                 f"run {cfg.run_id} needs {cfg.launch_nodes} nodes{_spares_note(cfg)} but this machine has only "
                 f"{self.slots} slot(s); lower nodes (or spare_nodes) or start the local backend with slots >= "
-                f"{cfg.launch_nodes}")
+                f"{cfg.launch_nodes}"
+            )
         self._supersede_failed_launches(cfg.run_id, launch_id)
 
         with self._store.locked():
@@ -136,7 +153,8 @@ class LocalProcessBackend(TrainingBackend):
                     raise JobConflictError(
                         f"run {cfg.run_id} already has launch {other['launch_id']!r} active (job "
                         f"{other['job_name']}); two launches would share one run dir. Wait for it to end, "
-                        f"or cancel it, before submitting launch {launch_id!r}")
+                        f"or cancel it, before submitting launch {launch_id!r}"
+                    )
             busy = {n["node_id"] for r in active for n in r["nodes"]}
             quarantined = set(self._store.quarantined())
             free = [s for s in self.slot_ids if s not in quarantined and s not in busy]
@@ -145,10 +163,20 @@ class LocalProcessBackend(TrainingBackend):
                     f"run {cfg.run_id} needs {cfg.launch_nodes} free healthy slot(s){_spares_note(cfg)}; "
                     f"capacity: {self.slots} slots, "
                     f"{len(quarantined)} quarantined {sorted(quarantined)}, {len(busy)} busy {sorted(busy)}, "
-                    f"{len(free)} free. Wait for running jobs to end, or return repaired slots to service")
-            record = new_job_record(self._store, cfg, launch_id, job_name, free[: cfg.launch_nodes],
-                                    self.training_python, cwd=self.repo_root, failure_grace_s=self.failure_grace_s,
-                                    cancel_grace_s=self.cancel_grace_s, start_timeout_s=self.start_timeout_s)
+                    f"{len(free)} free. Wait for running jobs to end, or return repaired slots to service"
+                )
+            record = new_job_record(
+                self._store,
+                cfg,
+                launch_id,
+                job_name,
+                free[: cfg.launch_nodes],
+                self.training_python,
+                cwd=self.repo_root,
+                failure_grace_s=self.failure_grace_s,
+                cancel_grace_s=self.cancel_grace_s,
+                start_timeout_s=self.start_timeout_s,
+            )
             record["airflow_run_id"] = airflow_run_id
             self._store.write_job(record)
 
@@ -168,30 +196,44 @@ class LocalProcessBackend(TrainingBackend):
     def _absolute(self, cfg: RunConfig) -> RunConfig:
         """Paths as the launcher (working directory: the repo root) will read them."""
         run_dir, dataset_dir = (os.path.normpath(self.repo_root / p) for p in (cfg.run_dir, cfg.dataset_dir))
-        return cfg if (run_dir, dataset_dir) == (cfg.run_dir, cfg.dataset_dir) else \
-            cfg.replace(run_dir=run_dir, dataset_dir=dataset_dir)
+        return (
+            cfg
+            if (run_dir, dataset_dir) == (cfg.run_dir, cfg.dataset_dir)
+            else cfg.replace(run_dir=run_dir, dataset_dir=dataset_dir)
+        )
 
     def _existing(self, record: dict[str, Any], cfg: RunConfig, launch_id: str) -> JobHandle:
         if (record["run_id"], record["launch_id"]) != (cfg.run_id, launch_id):
-            raise BackendError(f"job name {record['job_name']} is taken by run {record['run_id']!r} launch "
-                               f"{record['launch_id']!r}; use another launch_id")
+            raise BackendError(
+                f"job name {record['job_name']} is taken by run {record['run_id']!r} launch "
+                f"{record['launch_id']!r}; use another launch_id"
+            )
         return self._handle(record)
 
     def _handle(self, record: dict[str, Any]) -> JobHandle:
-        return JobHandle(backend=self.name, run_id=record["run_id"], launch_id=record["launch_id"],
-                         job_name=record["job_name"],
-                         extra={"state_dir": str(self.state_dir), "run_dir": record["run_dir"],
-                                "submitted_at": record["created_at"],
-                                "config_path": record["config_path"],
-                                "node_ids": [n["node_id"] for n in record["nodes"]]})
+        return JobHandle(
+            backend=self.name,
+            run_id=record["run_id"],
+            launch_id=record["launch_id"],
+            job_name=record["job_name"],
+            extra={
+                "state_dir": str(self.state_dir),
+                "run_dir": record["run_dir"],
+                "submitted_at": record["created_at"],
+                "config_path": record["config_path"],
+                "node_ids": [n["node_id"] for n in record["nodes"]],
+            },
+        )
 
     def check_training_environment(self) -> None:
         if not os.access(self.training_python, os.X_OK):
-            raise BackendError(f"the local backend needs a training environment, and training_python "
-                               f"{self.training_python} is not an executable Python: set {TRAINING_PYTHON_ENV} or "
-                               f"run `make setup` (it creates {self.repo_root / '.venv'}). An Airflow deployment "
-                               "without one (the images/airflow image) trains on EKS: backend=eks, or "
-                               "FSDP_DEFAULT_BACKEND=eks in its environment")
+            raise BackendError(
+                f"the local backend needs a training environment, and training_python "
+                f"{self.training_python} is not an executable Python: set {TRAINING_PYTHON_ENV} or "
+                f"run `make setup` (it creates {self.repo_root / '.venv'}). An Airflow deployment "
+                "without one (the images/airflow image) trains on EKS: backend=eks, or "
+                "FSDP_DEFAULT_BACKEND=eks in its environment"
+            )
 
     def check_launch(self, cfg: RunConfig) -> None:
         self.check_training_environment()
@@ -205,13 +247,15 @@ class LocalProcessBackend(TrainingBackend):
                 f"run {cfg.run_id} needs {cfg.launch_nodes} node(s){_spares_note(cfg)}; "
                 f"of {capacity.total} local slots, "
                 f"{len(capacity.quarantined)} are quarantined {capacity.quarantined} and {capacity.healthy} healthy. "
-                "Lower nodes, or return repaired slots to service (docs/backends.md: \"Quarantined nodes\")")
+                'Lower nodes, or return repaired slots to service (docs/backends.md: "Quarantined nodes")'
+            )
         max_procs = MAX_PROCS_PER_CPU * (os.cpu_count() or 1)
         if cfg.world_size > max_procs:
             raise InsufficientCapacityError(
                 f"run {cfg.run_id} asks for {cfg.world_size} training processes (nodes {cfg.nodes} x procs_per_node "
                 f"{cfg.procs_per_node}); this machine has {os.cpu_count()} CPU(s), which run at most {max_procs} "
-                "usefully: lower nodes or procs_per_node")
+                "usefully: lower nodes or procs_per_node"
+            )
         return capacity
 
     def _supersede_failed_launches(self, run_id: str, launch_id: str) -> None:
@@ -228,31 +272,48 @@ class LocalProcessBackend(TrainingBackend):
         # and the launchers it starts inherit the caller's environment untouched (no PYTHONPATH of ours).
         with open(record["supervisor"]["log_path"], "ab") as log:
             intermediate = subprocess.Popen(
-                [sys.executable, "-m", SUPERVISOR_MODULE, "--state-dir", str(self.state_dir),
-                 "--job", record["job_name"]],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    SUPERVISOR_MODULE,
+                    "--state-dir",
+                    str(self.state_dir),
+                    "--job",
+                    record["job_name"],
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         # It forks the supervisor and exits at once; reaping it here leaves no zombie behind.
         if intermediate.wait(timeout=self.start_timeout_s) != 0:
-            raise OSError(f"the supervisor failed to start (exit {intermediate.returncode}); "
-                          f"see {record['supervisor']['log_path']}")
+            raise OSError(
+                f"the supervisor failed to start (exit {intermediate.returncode}); "
+                f"see {record['supervisor']['log_path']}"
+            )
 
     def _wait_started(self, job_name: str) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             record = self._store.read_job(job_name)
             if record["error"]:
-                raise BackendError(f"job {job_name} did not start: {record['error']} "
-                                   f"(see {record['supervisor']['log_path']})")
+                raise BackendError(
+                    f"job {job_name} did not start: {record['error']} (see {record['supervisor']['log_path']})"
+                )
             if all(n["pid"] is not None for n in record["nodes"]):
                 return
             supervisor = record["supervisor"]
             if supervisor["pid"] is not None and not process_alive(supervisor["pid"], supervisor["start_ticks"]):
-                raise BackendError(f"job {job_name}: the supervisor died before starting its launchers; "
-                                   f"see {supervisor['log_path']}")
+                raise BackendError(
+                    f"job {job_name}: the supervisor died before starting its launchers; see {supervisor['log_path']}"
+                )
             if time.monotonic() > deadline:
-                raise BackendError(f"job {job_name}: the supervisor did not start its launchers within "
-                                   f"{self.start_timeout_s:.0f}s; see {record['supervisor']['log_path']}. "
-                                   "Submitting again with the same launch_id returns this job")
+                raise BackendError(
+                    f"job {job_name}: the supervisor did not start its launchers within "
+                    f"{self.start_timeout_s:.0f}s; see {record['supervisor']['log_path']}. "
+                    "Submitting again with the same launch_id returns this job"
+                )
             time.sleep(0.02)
 
     # -- status -------------------------------------------------------------------------------
@@ -280,23 +341,30 @@ class LocalProcessBackend(TrainingBackend):
             record = self._record(handle)
             status = judge_job(self._store, record)
             if status.state != "running":
-                raise BackendError(f"job {job_name} is {status.state}, not running: a spare is added only to a "
-                                   f"running job ({status.message})")
+                raise BackendError(
+                    f"job {job_name} is {status.state}, not running: a spare is added only to a "
+                    f"running job ({status.message})"
+                )
             if not promotion_pending(record, status) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         with self._store.locked():
             record = self._store.read_job(job_name)
             supervisor = record["supervisor"]
-            if record["cancel"] or supervisor.get("ended_at") or \
-                    not process_alive(supervisor["pid"], supervisor["start_ticks"]):
+            if (
+                record["cancel"]
+                or supervisor.get("ended_at")
+                or not process_alive(supervisor["pid"], supervisor["start_ticks"])
+            ):
                 raise BackendError(f"job {job_name} is ending (cancelled, or its supervisor is gone): no spare added")
             index = len(record["nodes"])
             limit = record.get("node_rank_limit", index)
             if index >= limit:
-                raise BackendError(f"job {job_name} has used all {limit} node indices its config allows "
-                                   f"(launch_nodes + MAX_SPARE_REFILLS): no more spares can join this launch; "
-                                   "let the ladder relaunch it")
+                raise BackendError(
+                    f"job {job_name} has used all {limit} node indices its config allows "
+                    f"(launch_nodes + MAX_SPARE_REFILLS): no more spares can join this launch; "
+                    "let the ladder relaunch it"
+                )
             active = [r for r in self._store.jobs() if job_active(r)]
             busy = {n["node_id"] for r in active for n in r["nodes"]} | {n["node_id"] for n in record["nodes"]}
             quarantined = set(self._store.quarantined())
@@ -305,9 +373,19 @@ class LocalProcessBackend(TrainingBackend):
                 raise InsufficientCapacityError(
                     f"no free healthy slot for a spare of job {job_name}: {self.slots} slots, {len(quarantined)} "
                     f"quarantined {sorted(quarantined)}, {len(busy)} busy {sorted(busy)}. Return repaired slots to "
-                    "service, or go on without a spare")
-            node = node_entry(self.training_python, job_name, record["launch_id"], record["config_path"],
-                              record["run_dir"], index, free[0], standby=True, added_reason=reason)
+                    "service, or go on without a spare"
+                )
+            node = node_entry(
+                self.training_python,
+                job_name,
+                record["launch_id"],
+                record["config_path"],
+                record["run_dir"],
+                index,
+                free[0],
+                standby=True,
+                added_reason=reason,
+            )
             record["nodes"].append(node)
             self._store.write_job(record)
         return self._wait_added(job_name, index)
@@ -323,13 +401,16 @@ class LocalProcessBackend(TrainingBackend):
             if supervisor.get("ended_at") or not process_alive(supervisor["pid"], supervisor["start_ticks"]):
                 break  # judged below: a node the supervisor never started is a failed one
             if time.monotonic() > deadline:
-                raise BackendError(f"job {job_name}: the supervisor did not start spare node {index} within "
-                                   f"{self.start_timeout_s:.0f}s; see {supervisor['log_path']}")
+                raise BackendError(
+                    f"job {job_name}: the supervisor did not start spare node {index} within "
+                    f"{self.start_timeout_s:.0f}s; see {supervisor['log_path']}"
+                )
             time.sleep(0.05)
         status = judge_job(self._store, record).nodes[index]
         if node["pid"] is None:
-            raise BackendError(f"job {job_name}: spare node {index} ({node['node_id']}) was not started: "
-                               f"{status.message}")
+            raise BackendError(
+                f"job {job_name}: spare node {index} ({node['node_id']}) was not started: {status.message}"
+            )
         return status
 
     def change_paths(self, handle: JobHandle) -> list[str]:
@@ -341,8 +422,10 @@ class LocalProcessBackend(TrainingBackend):
         self._check_handle(handle)
         record = self._store.read_job(handle.job_name)
         if record is None:
-            raise JobNotFoundError(f"no local job {handle.job_name} under {self.state_dir}; was it submitted "
-                                   f"with another state_dir ({handle.extra.get('state_dir')})?")
+            raise JobNotFoundError(
+                f"no local job {handle.job_name} under {self.state_dir}; was it submitted "
+                f"with another state_dir ({handle.extra.get('state_dir')})?"
+            )
         return record
 
     # -- logs ---------------------------------------------------------------------------------
@@ -355,8 +438,10 @@ class LocalProcessBackend(TrainingBackend):
                 raise BackendError(f"job {handle.job_name} has nodes 0..{len(record['nodes']) - 1}, not {node}")
         if len(nodes) == 1 and node is not None:
             return tail_lines(Path(nodes[0]["log_path"]), tail)
-        return "\n".join(f"==> node {n['index']} ({n['node_id']}): {n['log_path']} <==\n"
-                         + tail_lines(Path(n["log_path"]), tail) for n in nodes)
+        return "\n".join(
+            f"==> node {n['index']} ({n['node_id']}): {n['log_path']} <==\n" + tail_lines(Path(n["log_path"]), tail)
+            for n in nodes
+        )
 
     # -- cancel -------------------------------------------------------------------------------
     def cancel(self, handle: JobHandle) -> None:
@@ -371,8 +456,11 @@ class LocalProcessBackend(TrainingBackend):
         if not (job_active(record) or tagged_processes(record["job_name"])):
             return
         status = self.status(handle)
-        verdict = None if status.done or record["cancel"] else verdict_at_cancel(
-            record["run_dir"], record["created_at"], record["stall_timeout_s"], status.state)
+        verdict = (
+            None
+            if status.done or record["cancel"]
+            else verdict_at_cancel(record["run_dir"], record["created_at"], record["stall_timeout_s"], status.state)
+        )
         # Only nodes still going are stopped by us: one that reported, or died by itself, keeps
         # its own story (a lost node stays lost).
         going = {n.index for n in status.nodes if n.state in ("pending", "running")}
@@ -386,8 +474,9 @@ class LocalProcessBackend(TrainingBackend):
         record = self._store.update_job(handle.job_name, mark)
         left = stop_job_processes(record, grace_s=self.cancel_grace_s)
         if left:
-            raise BackendError(f"job {handle.job_name}: processes {left} survived SIGKILL (stuck in the kernel?); "
-                               "check them with ps")
+            raise BackendError(
+                f"job {handle.job_name}: processes {left} survived SIGKILL (stuck in the kernel?); check them with ps"
+            )
 
     # -- diagnose -----------------------------------------------------------------------------
     def diagnose(self, handle: JobHandle) -> Diagnosis:
@@ -402,8 +491,12 @@ class LocalProcessBackend(TrainingBackend):
             return Diagnosis(failure, [], False, evidence + [f"{failure}: {what_to_do(failure)}"])
         lost = [n for n in status.nodes if n.state == LOST]
         if lost:
-            return Diagnosis(failure, [n.node_id for n in lost], True,
-                             evidence + [f"node {n.index} ({n.node_id}): {n.message}" for n in lost])
+            return Diagnosis(
+                failure,
+                [n.node_id for n in lost],
+                True,
+                evidence + [f"node {n.index} ({n.node_id}): {n.message}" for n in lost],
+            )
         bad, why = blame_from_events(record["run_dir"], record["launch_id"], status, list(slots.values()))
         return Diagnosis(failure, bad, bool(bad), evidence + why)
 
@@ -423,8 +516,14 @@ class LocalProcessBackend(TrainingBackend):
             if replace:
                 self._store.write_slots(slots)
         healthy = self.slots - len(set(out) | set(replace))
-        parts = [f"quarantined {replace}: {reason}; capacity now {healthy} of {self.slots} slot(s) "
-                 "(local slots are not replaced by new ones)"] if replace else []
+        parts = (
+            [
+                f"quarantined {replace}: {reason}; capacity now {healthy} of {self.slots} slot(s) "
+                "(local slots are not replaced by new ones)"
+            ]
+            if replace
+            else []
+        )
         stopped = self._stop_parked_spares(replace)
         if stopped:
             parts.append(f"stopped the spare(s) parked there, never to be promoted: {', '.join(stopped)}")
@@ -442,9 +541,15 @@ class LocalProcessBackend(TrainingBackend):
                 continue
             trained = trained_nodes(record["run_dir"], record["launch_id"])
             finals = final_events(Path(record["run_dir"]), record["launch_id"])
-            parked = [n["index"] for n in hosted if n["index"] not in trained and n["index"] not in finals
-                      and n["exit_code"] is None and not n.get("start_error")
-                      and (n["pid"] is None or process_alive(n["pid"], n["start_ticks"]))]
+            parked = [
+                n["index"]
+                for n in hosted
+                if n["index"] not in trained
+                and n["index"] not in finals
+                and n["exit_code"] is None
+                and not n.get("start_error")
+                and (n["pid"] is None or process_alive(n["pid"], n["start_ticks"]))
+            ]
             if not parked:
                 continue
             stop_nodes(self._store, record["job_name"], parked, "quarantine (its slot was taken out of service)")
@@ -453,12 +558,16 @@ class LocalProcessBackend(TrainingBackend):
 
     def quarantined_nodes(self) -> list[dict[str, Any]]:
         slots = self._store.read_slots()
-        out = [{"node_id": s, "reason": slots[s].get("reason", ""), "since": slots[s].get("since")}
-               for s in self.slot_ids if slots.get(s, {}).get("state") == "quarantined"]
+        out = [
+            {"node_id": s, "reason": slots[s].get("reason", ""), "since": slots[s].get("since")}
+            for s in self.slot_ids
+            if slots.get(s, {}).get("state") == "quarantined"
+        ]
         return sorted(out, key=lambda q: q["since"] or 0)
 
-    def return_nodes(self, node_ids: list[str], reason: str, *, by: str | None = None,
-                     quarantined_before: float | None = None) -> ServiceReturn:
+    def return_nodes(
+        self, node_ids: list[str], reason: str, *, by: str | None = None, quarantined_before: float | None = None
+    ) -> ServiceReturn:
         """Mark quarantined slots healthy again. slots.json keeps why and by whom, and the
         quarantine it ended. A name that is not a slot of this backend is refused before anything
         changes (a typo must not pass for a return)."""
@@ -466,28 +575,40 @@ class LocalProcessBackend(TrainingBackend):
         wanted = list(dict.fromkeys(node_ids))
         unknown = [n for n in wanted if n not in self.slot_ids]
         if unknown:
-            raise BackendError(f"unknown local node(s) {unknown}: this backend's slots are {self.slot_ids} "
-                               f"(state dir {self.state_dir}); list the quarantined ones with "
-                               "`python -m fsdp_resilience.control.quarantine list`")
+            raise BackendError(
+                f"unknown local node(s) {unknown}: this backend's slots are {self.slot_ids} "
+                f"(state dir {self.state_dir}); list the quarantined ones with "
+                "`python -m fsdp_resilience.control.quarantine list`"
+            )
         by = by or current_operator()
         with self._store.locked():
             slots = self._store.read_slots()
             now = time.time()
-            returned = [s for s in wanted if slots.get(s, {}).get("state") == "quarantined"
-                        and (quarantined_before is None or (slots[s].get("since") or 0) <= quarantined_before)]
+            returned = [
+                s
+                for s in wanted
+                if slots.get(s, {}).get("state") == "quarantined"
+                and (quarantined_before is None or (slots[s].get("since") or 0) <= quarantined_before)
+            ]
             for slot in returned:
                 old = slots[slot]
-                slots[slot] = {"state": "healthy", "reason": f"returned to service: {reason}", "since": now,
-                               "returned_by": by, "quarantine_reason": old.get("reason", ""),
-                               "quarantined_since": old.get("since")}
+                slots[slot] = {
+                    "state": "healthy",
+                    "reason": f"returned to service: {reason}",
+                    "since": now,
+                    "returned_by": by,
+                    "quarantine_reason": old.get("reason", ""),
+                    "quarantined_since": old.get("since"),
+                }
             if returned:
                 self._store.write_slots(slots)
         not_quarantined = [s for s in wanted if s not in returned]
         return ServiceReturn(returned, not_quarantined, [])
 
     # -- evaluation ---------------------------------------------------------------------------
-    def run_evaluation(self, cfg: RunConfig, checkpoint_id: str | None = None,
-                       timeout_s: float = 3600.0) -> dict[str, Any]:
+    def run_evaluation(
+        self, cfg: RunConfig, checkpoint_id: str | None = None, timeout_s: float = 3600.0
+    ) -> dict[str, Any]:
         """``python -m fsdp_resilience.training.evaluate`` in the training venv (this process never imports torch)."""
         cfg = self._absolute(cfg)
         self.check_training_environment()
@@ -500,13 +621,18 @@ class LocalProcessBackend(TrainingBackend):
             raise BackendError(f"evaluation of run {cfg.run_id} did not finish within {timeout_s:.0f}s") from None
         print(out.stdout + out.stderr, end="")
         if out.returncode != 0:
-            raise BackendError(f"evaluation of run {cfg.run_id} failed (exit {out.returncode}): "
-                               f"{out.stderr.strip()[-2000:]}")
+            raise BackendError(
+                f"evaluation of run {cfg.run_id} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}"
+            )
         return json.loads((Path(cfg.run_dir) / "eval.json").read_text())
 
     def capacity(self) -> Capacity:
         quarantined = set(self._store.quarantined())
         pool = self.slot_ids
         healthy = [s for s in pool if s not in quarantined]
-        return Capacity(total=len(pool), healthy=len(healthy), quarantined=[s for s in pool if s in quarantined],
-                        healthy_node_ids=healthy)
+        return Capacity(
+            total=len(pool),
+            healthy=len(healthy),
+            quarantined=[s for s in pool if s in quarantined],
+            healthy_node_ids=healthy,
+        )

@@ -31,7 +31,7 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
         data = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
-    fields = data[data.rindex(b")") + 2:].split()  # the command name may hold spaces and ')'
+    fields = data[data.rindex(b")") + 2 :].split()  # the command name may hold spaces and ')'
     return fields[0].decode(), int(fields[2]), int(fields[19])
 
 
@@ -72,7 +72,7 @@ def tagged_processes(job_name: str, node: int | None = None) -> list[int]:
             except OSError:
                 continue
             for var in env.split(b"\0"):
-                if var.startswith(prefix) and (node is None or var[len(prefix):] == str(node).encode()):
+                if var.startswith(prefix) and (node is None or var[len(prefix) :] == str(node).encode()):
                     if process_alive(int(entry.name)):
                         found.append(int(entry.name))
                     break
@@ -105,8 +105,9 @@ def signal_processes(pids: list[int], sig: int, groups: list[int] = ()) -> None:
             pass
 
 
-def stop_job_processes(record: dict[str, Any], grace_s: float, nodes: list[int] | None = None,
-                       reap: Callable[[], Any] = lambda: None) -> list[int]:
+def stop_job_processes(
+    record: dict[str, Any], grace_s: float, nodes: list[int] | None = None, reap: Callable[[], Any] = lambda: None
+) -> list[int]:
     """Stop the job's processes (of ``nodes``, default all): SIGTERM to each live launcher's group
     (the launcher passes it on to ft_launcher's session and writes its ``final`` event), and to any
     process whose launcher is already gone; SIGKILL whatever is left after ``grace_s``. Returns the
@@ -126,8 +127,9 @@ def stop_job_processes(record: dict[str, Any], grace_s: float, nodes: list[int] 
         return [n["pid"] for n in selected if process_alive(n["pid"], n["start_ticks"])]
 
     launchers = live_launchers()
-    orphans = [p for n in selected if not process_alive(n["pid"], n["start_ticks"])
-               for p in tagged_processes(job, n["index"])]
+    orphans = [
+        p for n in selected if not process_alive(n["pid"], n["start_ticks"]) for p in tagged_processes(job, n["index"])
+    ]
     signal_processes(orphans, signal.SIGTERM, groups=launchers)
     deadline = time.monotonic() + grace_s
     pause = 0.02  # a launcher that already reported is gone within a few of these; a busy one backs off
@@ -163,8 +165,9 @@ def job_active(record: dict[str, Any]) -> bool:
     return False
 
 
-def stop_nodes(store: "StateStore", job_name: str, indices: list[int], why: str,
-               reap: Callable[[], Any] = lambda: None) -> None:
+def stop_nodes(
+    store: "StateStore", job_name: str, indices: list[int], why: str, reap: Callable[[], Any] = lambda: None
+) -> None:
     """Mark nodes ``indices`` stopped by ``why`` (a mark set earlier stays), then stop them."""
     print(f"stopping nodes {indices} of {job_name}: {why}", flush=True)
 

@@ -110,37 +110,96 @@ def tail_lines(path: Path, lines: int) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def new_job_record(store: StateStore, cfg: RunConfig, launch_id: str, job_name: str, slots: list[str],
-                   training_python: str, *, cwd: Path, failure_grace_s: float, cancel_grace_s: float,
-                   start_timeout_s: float) -> dict[str, Any]:
+def new_job_record(
+    store: StateStore,
+    cfg: RunConfig,
+    launch_id: str,
+    job_name: str,
+    slots: list[str],
+    training_python: str,
+    *,
+    cwd: Path,
+    failure_grace_s: float,
+    cancel_grace_s: float,
+    start_timeout_s: float,
+) -> dict[str, Any]:
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", launch_id)
     if safe != launch_id:
         safe = f"{safe}-{job_name.rsplit('-', 1)[-1]}"  # keep it unique per launch id
     config_path = cfg.layout.launch_config(safe)
-    nodes = [node_entry(training_python, job_name, launch_id, str(config_path), cfg.run_dir, index, slot,
-                        standby=index >= cfg.nodes)
-             for index, slot in enumerate(slots)]
-    return {"version": RECORD_VERSION, "job_name": job_name, "run_id": cfg.run_id, "launch_id": launch_id,
-            "run_dir": cfg.run_dir, "config_path": str(config_path), "cwd": str(cwd),
-            "train_nodes": cfg.nodes, "node_rank_limit": cfg.node_rank_limit,
-            "created_at": time.time(), "stall_timeout_s": cfg.stall_timeout_s,
-            "failure_grace_s": failure_grace_s,
-            "cancel_grace_s": cancel_grace_s, "start_timeout_s": start_timeout_s,
-            "supervisor": {"pid": None, "start_ticks": None,
-                           "log_path": str(store.job_path(job_name).with_suffix(".supervisor.log"))},
-            "cancel": None, "error": None, "nodes": nodes}
+    nodes = [
+        node_entry(
+            training_python, job_name, launch_id, str(config_path), cfg.run_dir, index, slot, standby=index >= cfg.nodes
+        )
+        for index, slot in enumerate(slots)
+    ]
+    return {
+        "version": RECORD_VERSION,
+        "job_name": job_name,
+        "run_id": cfg.run_id,
+        "launch_id": launch_id,
+        "run_dir": cfg.run_dir,
+        "config_path": str(config_path),
+        "cwd": str(cwd),
+        "train_nodes": cfg.nodes,
+        "node_rank_limit": cfg.node_rank_limit,
+        "created_at": time.time(),
+        "stall_timeout_s": cfg.stall_timeout_s,
+        "failure_grace_s": failure_grace_s,
+        "cancel_grace_s": cancel_grace_s,
+        "start_timeout_s": start_timeout_s,
+        "supervisor": {
+            "pid": None,
+            "start_ticks": None,
+            "log_path": str(store.job_path(job_name).with_suffix(".supervisor.log")),
+        },
+        "cancel": None,
+        "error": None,
+        "nodes": nodes,
+    }
 
 
-def node_entry(training_python: str, job_name: str, launch_id: str, config_path: str, run_dir: str, index: int,
-               slot: str, standby: bool, added_reason: str | None = None) -> dict[str, Any]:
+def node_entry(
+    training_python: str,
+    job_name: str,
+    launch_id: str,
+    config_path: str,
+    run_dir: str,
+    index: int,
+    slot: str,
+    standby: bool,
+    added_reason: str | None = None,
+) -> dict[str, Any]:
     """One node of the job record: what the supervisor starts, and what it learns of it."""
     return {
-        "index": index, "node_id": slot, "standby": standby, "added_reason": added_reason,
-        "command": [training_python, "-m", "fsdp_resilience.training.launch", "--config", config_path,
-                    "--node-rank", str(index), "--rdzv-host", "127.0.0.1"],
-        "env": {LAUNCH_ID_ENV: launch_id, NODE_ID_ENV: slot, "PYTHONUNBUFFERED": "1",
-                JOB_TAG_ENV: f"{job_name}/{index}"},
+        "index": index,
+        "node_id": slot,
+        "standby": standby,
+        "added_reason": added_reason,
+        "command": [
+            training_python,
+            "-m",
+            "fsdp_resilience.training.launch",
+            "--config",
+            config_path,
+            "--node-rank",
+            str(index),
+            "--rdzv-host",
+            "127.0.0.1",
+        ],
+        "env": {
+            LAUNCH_ID_ENV: launch_id,
+            NODE_ID_ENV: slot,
+            "PYTHONUNBUFFERED": "1",
+            JOB_TAG_ENV: f"{job_name}/{index}",
+        },
         "log_path": str(RunDir(run_dir).logs / f"{job_name}-node{index}.log"),
-        "pid": None, "pgid": None, "start_ticks": None, "started_at": None,
-        "exit_code": None, "ended_at": None, "stopped_by": None, "start_error": None,
+        "pid": None,
+        "pgid": None,
+        "start_ticks": None,
+        "started_at": None,
+        "exit_code": None,
+        "ended_at": None,
+        "stopped_by": None,
+        "start_error": None,
     }

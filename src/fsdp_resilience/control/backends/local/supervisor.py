@@ -39,9 +39,10 @@ SUPERVISOR_POLL_S = 0.5
 
 
 def supervisor_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="local-backend-supervisor",
-                                     description="Start and watch the node launchers of one local job "
-                                                 "(started by LocalProcessBackend.submit).")
+    parser = argparse.ArgumentParser(
+        prog="local-backend-supervisor",
+        description="Start and watch the node launchers of one local job (started by LocalProcessBackend.submit).",
+    )
     parser.add_argument("--state-dir", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--foreground", action="store_true", help="do not fork (debugging)")
@@ -58,8 +59,9 @@ def supervise(state_dir: Path, job_name: str) -> int:
         print(f"no job {job_name} under {state_dir}", file=sys.stderr)
         return 1
     me, my_ticks = os.getpid(), process_start_ticks(os.getpid())
-    record = store.update_job(job_name, lambda r: r["supervisor"].update(pid=me, start_ticks=my_ticks,
-                                                                         started_at=time.time()))
+    record = store.update_job(
+        job_name, lambda r: r["supervisor"].update(pid=me, start_ticks=my_ticks, started_at=time.time())
+    )
     if record["cancel"]:
         store.update_job(job_name, lambda r: r.update(error="cancelled before it started"))
         return 0
@@ -73,18 +75,29 @@ def supervise(state_dir: Path, job_name: str) -> int:
         with open(node["log_path"], "ab") as log:
             # Own session per launcher: cancel can signal the node as a group, and the
             # launcher's own SIGTERM handling (pod deletion) applies unchanged.
-            proc = subprocess.Popen(node["command"], cwd=record["cwd"], env={**os.environ, **node["env"]},
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                node["command"],
+                cwd=record["cwd"],
+                env={**os.environ, **node["env"]},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         procs[node["index"]] = proc
         exits.add(node["index"], proc)
-        return {"pid": proc.pid, "pgid": proc.pid, "start_ticks": process_start_ticks(proc.pid),
-                "started_at": time.time()}
+        return {
+            "pid": proc.pid,
+            "pgid": proc.pid,
+            "start_ticks": process_start_ticks(proc.pid),
+            "started_at": time.time(),
+        }
 
     def record_started(started: dict[int, dict[str, Any]]) -> Callable[[dict[str, Any]], None]:
         def change(r: dict[str, Any]) -> None:
             for index, fields in started.items():
                 r["nodes"][index].update(fields)
+
         return change
 
     started: dict[int, dict[str, Any]] = {}
@@ -103,8 +116,7 @@ def supervise(state_dir: Path, job_name: str) -> int:
     record = store.update_job(job_name, record_started(started))
     if record["cancel"]:  # cancelled while we were starting: cancel saw no launcher to stop
         stop_job_processes(record, grace_s=record["cancel_grace_s"])
-    print(f"supervisor {me}: started {len(procs)} launcher(s): "
-          f"{ {i: p.pid for i, p in procs.items()} }", flush=True)
+    print(f"supervisor {me}: started {len(procs)} launcher(s): { {i: p.pid for i, p in procs.items()} }", flush=True)
 
     def reap() -> bool:
         """Record the exit of every launcher that ended; whether any did."""
@@ -154,8 +166,11 @@ def supervise(state_dir: Path, job_name: str) -> int:
                 r["nodes"][index]["start_error"] = why
 
         r = store.update_job(job_name, change)
-        print(f"supervisor {me}: added node(s) started { {i: f['pid'] for i, f in started.items()} }"
-              + (f", not started {refused}" if refused else ""), flush=True)
+        print(
+            f"supervisor {me}: added node(s) started { {i: f['pid'] for i, f in started.items()} }"
+            + (f", not started {refused}" if refused else ""),
+            flush=True,
+        )
         # Marked to stop (quarantine, cancel) between our read and our record: stop them now.
         stop_now = [i for i in started if r["nodes"][i]["stopped_by"] or r["cancel"]]
         if stop_now:

@@ -42,8 +42,11 @@ def judge_job(store: "StateStore", record: dict[str, Any]) -> JobStatus:
     nodes = [_node_status(store, record, n, alive[n["index"]], finals.get(n["index"])) for n in record["nodes"]]
     # A standby that ended without ever training: its launcher left the rendezvous (NVRx's health
     # check at join turned it away, the launch ended), or we stopped it (its slot was quarantined).
-    dropped = {n["index"] for n, s in zip(record["nodes"], nodes)
-               if n.get("standby") and n["index"] not in trained and s.state == "failed"}
+    dropped = {
+        n["index"]
+        for n, s in zip(record["nodes"], nodes)
+        if n.get("standby") and n["index"] not in trained and s.state == "failed"
+    }
     nodes = [_dropped_spare(s, n) if s.index in dropped else s for n, s in zip(record["nodes"], nodes)]
     return _verdict(record, nodes, dropped)
 
@@ -74,11 +77,12 @@ DROPPED_SPARE = "spare dropped before it trained: "
 def _dropped_spare(status: NodeStatus, node: dict[str, Any]) -> NodeStatus:
     reason = status.message
     if reason.startswith(DROPPED_SPARE):
-        reason = reason[len(DROPPED_SPARE):]  # its launcher already said why (NVRx's reason)
+        reason = reason[len(DROPPED_SPARE) :]  # its launcher already said why (NVRx's reason)
     elif not node.get("stopped_by"):
         # Not stopped by us: the launcher's log says why it left (NVRx names the failed check).
-        lines = [line.strip() for line in tail_lines(Path(node["log_path"]), 60).splitlines()
-                 if _DROP_REASON.search(line)]
+        lines = [
+            line.strip() for line in tail_lines(Path(node["log_path"]), 60).splitlines() if _DROP_REASON.search(line)
+        ]
         if lines:
             reason += f"; its log: {lines[-1][:300]}"
     return dataclasses.replace(status, message=DROPPED_SPARE + reason)
@@ -113,25 +117,38 @@ def _verdict(record: dict[str, Any], nodes: list[NodeStatus], dropped: set[int])
             message += f" ({left} node(s) left to train, the launch needs {train_nodes})"
         return JobStatus("failed", failure, exit_codes, message, nodes)
     # The job can train: a lost node has a spare behind it, a dropped spare is one fewer.
-    notes = [f"node {n.index} ({n.node_id}) lost ({n.message}): a spare covers it (in-job restart, no relaunch)"
-             for n in nodes if n.state == LOST]
+    notes = [
+        f"node {n.index} ({n.node_id}) lost ({n.message}): a spare covers it (in-job restart, no relaunch)"
+        for n in nodes
+        if n.state == LOST
+    ]
     notes += [f"node {n.index} ({n.node_id}): {n.message}" for n in nodes if n.index in dropped]
     suffix = "; " + "; ".join(notes) if notes else ""
     counted = [n for n in nodes if n.state != LOST and n.index not in dropped]
     if all(n.state == "succeeded" for n in counted):
         count = f"all {len(nodes)}" if len(counted) == len(nodes) else f"{len(counted)} of {len(nodes)}"
-        return JobStatus("succeeded", FailureClass.SUCCESS.value, exit_codes,
-                         f"{count} node(s) succeeded: {counted[0].message}{suffix}", nodes)
+        return JobStatus(
+            "succeeded",
+            FailureClass.SUCCESS.value,
+            exit_codes,
+            f"{count} node(s) succeeded: {counted[0].message}{suffix}",
+            nodes,
+        )
     running = [n for n in nodes if n.state == "running"]
     if running:
-        return JobStatus("running", None, exit_codes,
-                         f"{len(running)} of {len(nodes)} node(s) running on {[n.node_id for n in running]}{suffix}",
-                         nodes)
+        return JobStatus(
+            "running",
+            None,
+            exit_codes,
+            f"{len(running)} of {len(nodes)} node(s) running on {[n.node_id for n in running]}{suffix}",
+            nodes,
+        )
     return JobStatus("pending", None, exit_codes, f"waiting for {len(nodes)} node(s) to start{suffix}", nodes)
 
 
-def _node_status(store: "StateStore", record: dict[str, Any], node: dict[str, Any], alive: bool,
-                 final: dict[str, Any] | None) -> NodeStatus:
+def _node_status(
+    store: "StateStore", record: dict[str, Any], node: dict[str, Any], alive: bool, final: dict[str, Any] | None
+) -> NodeStatus:
     index, slot = node["index"], node["node_id"]
     if final is not None:
         failure = final.get("failure_class")
@@ -147,18 +164,30 @@ def _node_status(store: "StateStore", record: dict[str, Any], node: dict[str, An
             return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None, node["start_error"])
         supervisor = record["supervisor"]
         started = supervisor["pid"] is not None
-        if (started and not process_alive(supervisor["pid"], supervisor["start_ticks"])) or \
-                (not started and time.time() - record["created_at"] > 2 * record["start_timeout_s"]):
-            return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value, None,
-                              f"the supervisor ended before starting this node; see {supervisor['log_path']}")
+        if (started and not process_alive(supervisor["pid"], supervisor["start_ticks"])) or (
+            not started and time.time() - record["created_at"] > 2 * record["start_timeout_s"]
+        ):
+            return NodeStatus(
+                index,
+                slot,
+                "failed",
+                FailureClass.UNKNOWN.value,
+                None,
+                f"the supervisor ended before starting this node; see {supervisor['log_path']}",
+            )
         return NodeStatus(index, slot, "pending", None, None, "starting")
     if alive:
         return NodeStatus(index, slot, "running", None, None, f"launcher pid {node['pid']}")
     rc = node["exit_code"]
     if node["stopped_by"]:  # we stopped it (SIGKILL after the grace period): not a lost node
-        return NodeStatus(index, slot, "failed", FailureClass.UNKNOWN.value,
-                          rc if rc is not None and rc >= 0 else None,
-                          f"stopped by {node['stopped_by']} before it reported (exit {rc})")
+        return NodeStatus(
+            index,
+            slot,
+            "failed",
+            FailureClass.UNKNOWN.value,
+            rc if rc is not None and rc >= 0 else None,
+            f"stopped by {node['stopped_by']} before it reported (exit {rc})",
+        )
     if rc is None:
         # Gone, and no exit code in the record read above. Its supervisor reaps it within a poll
         # and records the code before it ends itself: look again after checking on it. Judging
@@ -168,14 +197,27 @@ def _node_status(store: "StateStore", record: dict[str, Any], node: dict[str, An
         supervising = process_alive(supervisor["pid"], supervisor["start_ticks"])
         rc = ((store.read_job(record["job_name"]) or record)["nodes"][index]).get("exit_code")
         if rc is None and supervising:
-            return NodeStatus(index, slot, "running", None, None,
-                              f"launcher pid {node['pid']} ended; its exit code is being recorded")
+            return NodeStatus(
+                index, slot, "running", None, None, f"launcher pid {node['pid']} ended; its exit code is being recorded"
+            )
     if rc is not None and rc >= 0:
         # Exited without a final event: rejected before training started (exit 2), or crashed.
         failure = failure_class_for_exit(rc).value
-        return NodeStatus(index, slot, "failed", failure, rc,
-                          f"the launcher exited {rc} without a final event; see {node['log_path']}")
+        return NodeStatus(
+            index,
+            slot,
+            "failed",
+            failure,
+            rc,
+            f"the launcher exited {rc} without a final event; see {node['log_path']}",
+        )
     how = f"killed by signal {-rc}" if rc is not None else "gone"
     # The restart layers went with the node: to the control plane this is restarts exhausted.
-    return NodeStatus(index, slot, LOST, FailureClass.RESTARTS_EXHAUSTED.value, None,
-                      f"node lost: launcher pid {node['pid']} {how} without reporting")
+    return NodeStatus(
+        index,
+        slot,
+        LOST,
+        FailureClass.RESTARTS_EXHAUSTED.value,
+        None,
+        f"node lost: launcher pid {node['pid']} {how} without reporting",
+    )
