@@ -156,7 +156,8 @@ def test_quick_training_plane_bench_measures_every_method(tmp_path):
     evaluation = result["eval_load"]
     assert evaluation["saved_world_size"] == 2 and evaluation["model_mb"] < evaluation["file_mb"]
     seconds = evaluation["seconds"]
-    assert seconds["load_model"]["median"] > seconds["build_model_only"]["median"] > 0
+    # Both measured (which is larger is the benchmark's finding, not something a loaded machine keeps).
+    assert seconds["load_model"]["median"] > 0 and seconds["build_model_only"]["median"] > 0
     assert seconds["verify_checksums"]["median"] > 0 and evaluation["ratios"]["verify_gib_per_s"] > 0
     assert evaluation["ratios"]["load_over_raw_read_model_bytes"] == pytest.approx(
         seconds["load_model"]["median"] / seconds["raw_read_model_bytes"]["median"], rel=0.01

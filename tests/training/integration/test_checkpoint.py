@@ -95,7 +95,7 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     run_dir, sync_dir = tmp / "run", tmp / "run-sync"
     layout = RunDir(run_dir)
     events = EventLog(layout.events, rank=rank)
-    # Built before the process group, as train.py does: the writer boots while we set up.
+    # Built before the process group, as train/loop.py does: the writer boots while we set up.
     ckpt = AsyncCheckpointer(run_dir, rank=rank, world_size=2, events=events, keep=KEEP)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)

@@ -216,7 +216,7 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     ]:
         damage(what)
         results["D"][name] = resume()
-    ckpt.trust(results["D"]["load_fails"]["step"])  # as train.py does after a resume
+    ckpt.trust(results["D"]["load_fails"]["step"])  # as train/loop.py does after a resume
 
     # R. Retention keeps our newest commit although a newer committed checkpoint exists that is
     # damaged (here: a copy of step 10 as step 90 with flipped bytes, sizes intact).
