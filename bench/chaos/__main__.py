@@ -56,10 +56,10 @@ from bench.common import (
     machine,
     write_json,
 )
-from bench.drive import drive  # noqa: E402
-from fsdp_resilience.control.report.build import build_report  # noqa: E402
-from fsdp_resilience.control.task_data import Run  # noqa: E402
-from fsdp_resilience.training.contract import RunConfig  # noqa: E402
+from bench.drive import drive
+from fsdp_resilience.control.report.build import build_report
+from fsdp_resilience.control.task_data import Run
+from fsdp_resilience.training.contract import RunConfig
 
 
 def main(argv: list[str] | None = None) -> int:

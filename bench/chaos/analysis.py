@@ -8,17 +8,12 @@ import math
 import statistics
 from typing import Any
 
-from bench.common import (
-    daly_interval,
-    ettr_model,
-    summarize,
-    young_interval,
-)
-from bench.drive import relaunch_trials, spare_trials  # noqa: E402
-from bench.restarts import injected_faults, launcher_marks, restart_trials, step_cadence  # noqa: E402
-from fsdp_resilience.control.report.goodput import goodput  # noqa: E402
-from fsdp_resilience.control.report.records import save_windows, step_executions, steps_during_saves  # noqa: E402
-from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
+from bench.common import daly_interval, ettr_model, summarize, young_interval
+from bench.drive import relaunch_trials, spare_trials
+from bench.restarts import injected_faults, launcher_marks, restart_trials, step_cadence
+from fsdp_resilience.control.report.goodput import goodput
+from fsdp_resilience.control.report.records import save_windows, step_executions, steps_during_saves
+from fsdp_resilience.training.contract import RunConfig, read_events
 
 #: Job-level MTBF of Llama 3 405B pre-training: 54 days, 419 unexpected interruptions.
 LLAMA3_MTBF_S = 54 * 86400 / 419

@@ -9,17 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos.analysis import save_costs
-from bench.common import (
-    REPO,
-    RUN_SETTINGS,
-    TRAINING_PYTHON,
-    free_port,
-    nvrx_version,
-    read_json,
-)
-from bench.restarts import step_cadence  # noqa: E402
-from fsdp_resilience.control.report.goodput import goodput  # noqa: E402
-from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
+from bench.common import REPO, RUN_SETTINGS, TRAINING_PYTHON, free_port, nvrx_version, read_json
+from bench.restarts import step_cadence
+from fsdp_resilience.control.report.goodput import goodput
+from fsdp_resilience.training.contract import RunConfig, read_events
 
 #: Seconds a fault of each kind costs on this machine when no calibration is at hand (restart,
 #: without lost progress): used only to size the run so it lasts the requested duration.

@@ -9,15 +9,9 @@ import time
 from typing import Any, Callable
 
 from bench.chaos.calibration import DEFAULT_COST_S, STARTUP_S
-from bench.common import (
-    apportion,
-    assign_attempts,
-    drill_weights,
-    spread_schedule,
-    young_interval,
-)
-from bench.restarts import injected_faults  # noqa: E402
-from fsdp_resilience.training.contract import RunConfig, read_events  # noqa: E402
+from bench.common import apportion, assign_attempts, drill_weights, spread_schedule, young_interval
+from bench.restarts import injected_faults
+from fsdp_resilience.training.contract import RunConfig, read_events
 
 
 def plan(args: argparse.Namespace, cal: dict[str, Any]) -> dict[str, Any]:

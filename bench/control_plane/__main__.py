@@ -41,17 +41,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    PLUGINS,
-    REPO,
-    RESULTS,
-    TRAINING_PYTHON,
-    LoadMonitor,
-    log,
-    machine,
-    read_json,
-    write_json,
-)
+from bench.common import PLUGINS, REPO, RESULTS, TRAINING_PYTHON, LoadMonitor, log, machine, read_json, write_json
 from bench.control_plane.hot_spare import bench_spare
 from bench.control_plane.parse_time import bench_parse
 from bench.control_plane.relaunch import RELAUNCH_FAULTS, bench_relaunch

@@ -8,15 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    RUN_SETTINGS,
-    TRAINING_PYTHON,
-    ensure_dataset,
-    log,
-    nvrx_version,
-    summarize,
-)
-from fsdp_resilience.control.task_data import Run  # noqa: E402
+from bench.common import RUN_SETTINGS, TRAINING_PYTHON, ensure_dataset, log, nvrx_version, summarize
+from fsdp_resilience.control.task_data import Run
 
 
 def _recovered_and_refilled(cfg: Any) -> Any:

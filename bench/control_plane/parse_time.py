@@ -8,10 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    REPO,
-    summarize,
-)
+from bench.common import REPO, summarize
 
 
 def bench_parse(trials: int) -> dict[str, Any]:

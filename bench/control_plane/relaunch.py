@@ -7,13 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    RUN_SETTINGS,
-    TRAINING_PYTHON,
-    ensure_dataset,
-    summarize,
-)
-from fsdp_resilience.control.task_data import Run  # noqa: E402
+from bench.common import RUN_SETTINGS, TRAINING_PYTHON, ensure_dataset, summarize
+from fsdp_resilience.control.task_data import Run
 
 #: Bad nodes, one per launch: a rank killed on every attempt (restarts run out), a lost node.
 RELAUNCH_FAULTS = ("sigkill", "node_loss", "sigkill")

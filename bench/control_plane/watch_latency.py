@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    summarize,
-)
-from fsdp_resilience.control.backends import JobStatus, TrainingBackend  # noqa: E402
+from bench.common import summarize
+from fsdp_resilience.control.backends import JobStatus, TrainingBackend
 
 
 def _stand_in_status(self: Any, handle: Any) -> JobStatus:

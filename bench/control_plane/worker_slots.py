@@ -9,11 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    REPO,
-    RUN_SETTINGS,
-    ensure_dataset,
-)
+from bench.common import REPO, RUN_SETTINGS, ensure_dataset
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
