@@ -5,6 +5,7 @@
 - ``formats``: how figures, statistics and tables are written
 - ``targets``: the issue's targets, measured and met or missed
 - ``benchmarks_md``: docs/benchmarks.md, a pure function of the summary
+- ``sections``: its numbered sections, a module each (stall, recovery, chaos, control_plane, evaluation)
 - ``readme``: the README's short block of headline figures
 - ``plots``: stall, recovery and Young/Daly plots (matplotlib)
 """

@@ -1,4 +1,4 @@
-"""A quick smoke run of the control-plane benchmark (bench/control_plane.py): DAG parse time with
+"""A quick smoke run of the control-plane benchmark (bench/control_plane/): DAG parse time with
 torch blocked, and the deferrable trigger seeing a checkpoint commit; then the summary renders."""
 
 from __future__ import annotations
