@@ -1,4 +1,4 @@
-"""The backend interface (base.py): job names, JSON round trips, the registry, the share rule.
+"""The backend interface (base.py): job names, JSON round trips, the registry.
 No processes start here; the local backend's real jobs are in tests/control/integration/test_local_backend.py."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from fsdp_resilience.control.backends import (
     get_backend,
     job_name_for,
 )
-from fsdp_resilience.control.backends.base import plan_replacement, replacement_limit
 
 
 def test_job_names_are_deterministic_dns_labels():
@@ -75,13 +74,3 @@ def test_backends_are_built_by_name_and_from_their_config(tmp_path):
     assert get_backend(**json.loads(json.dumps(eks.to_config()))).to_config() == eks.to_config()
     with pytest.raises(BackendError, match="belongs to the 'eks' backend"):
         b.status(JobHandle("eks", "r", "1", "r-1"))
-
-
-def test_the_share_rule():
-    assert [replacement_limit(n, 0.2) for n in (1, 4, 5, 10, 64)] == [1, 1, 1, 2, 12]  # at least one
-    pool = [f"n{i}" for i in range(10)]
-    assert plan_replacement(["n1", "n2"], pool, [], 0.2)[:2] == (["n1", "n2"], [])
-    replaced, refused, reason = plan_replacement(["n1", "n2", "n3"], pool, [], 0.2)
-    assert replaced == [] and refused == ["n1", "n2", "n3"] and "max_unhealthy_share=0.2 allows 2" in reason
-    replaced, refused, reason = plan_replacement(["n1", "zz", "n1", "n0"], pool, ["n0"], 0.2)
-    assert replaced == ["n1"] and refused == ["zz"] and "already out of service: ['n0']" in reason

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_resilience.control.backends.base import (
-    DEFAULT_MAX_UNHEALTHY_SHARE,
     LOST,
     BackendError,
     Capacity,
@@ -32,6 +31,7 @@ from fsdp_resilience.control.backends.base import (
     job_name_for,
     register_backend,
 )
+from fsdp_resilience.control.backends.replacement import DEFAULT_MAX_UNHEALTHY_SHARE
 
 __all__ = [
     "DEFAULT_MAX_UNHEALTHY_SHARE",

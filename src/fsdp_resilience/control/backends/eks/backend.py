@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_resilience.control.backends.base import (
-    DEFAULT_MAX_UNHEALTHY_SHARE,
     LOST,
     BackendError,
     Capacity,
@@ -102,6 +101,7 @@ from fsdp_resilience.control.backends.eks.status import (
     timestamp,
 )
 from fsdp_resilience.control.backends.evidence import blame_from_events, verdict_at_cancel
+from fsdp_resilience.control.backends.replacement import DEFAULT_MAX_UNHEALTHY_SHARE
 from fsdp_resilience.training.contract import REPLACEABLE_FAILURES, RunConfig, what_to_do
 
 

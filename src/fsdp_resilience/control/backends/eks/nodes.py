@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Callable
 
-from fsdp_resilience.control.backends.base import LOST, BackendError, Capacity, JobStatus, Replacement, plan_replacement
+from fsdp_resilience.control.backends.base import LOST, BackendError, Capacity, JobStatus, Replacement
 from fsdp_resilience.control.backends.eks.constants import (
     EFA_RESOURCE,
     GPU_RESOURCE,
@@ -21,6 +21,7 @@ from fsdp_resilience.control.backends.eks.constants import (
 )
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 from fsdp_resilience.control.backends.eks.status import conditions_of, node_from_pod, pod_index, timestamp
+from fsdp_resilience.control.backends.replacement import plan_replacement
 
 if TYPE_CHECKING:
     from fsdp_resilience.control.backends.eks.client import KubeClient

@@ -14,8 +14,9 @@ import json
 import time
 from typing import Any
 
-from fsdp_resilience.control.backends.base import LOST, JobStatus, NodeStatus, job_can_train
+from fsdp_resilience.control.backends.base import LOST, JobStatus, NodeStatus
 from fsdp_resilience.control.backends.eks.constants import CANCEL_ANNOTATION, CONFIG_ENV, CONTAINER
+from fsdp_resilience.control.backends.replacement import job_can_train
 from fsdp_resilience.training.contract import (
     FINAL_FAILURES,
     FailureClass,

@@ -45,8 +45,10 @@ Each launch's config is written to ``<run_dir>/launches/<launch_id>.json`` and e
 on a submitted job record.
 
 The modules: ``backend`` (``LocalProcessBackend``), ``state`` (the files above), ``verdict``
-(``judge_job``), ``processes`` (/proc, process groups, liveness, stopping) and ``supervisor`` (run
-as a module by ``submit``; nothing here imports it).
+(``judge_job``), ``processes`` (/proc, process groups, liveness, stopping), ``launching`` (starting
+the supervisor and waiting for its launchers), ``supervisor`` (run as a module by ``submit``; nothing
+here imports it), ``slots`` (quarantine, return to service, capacity) and ``evaluation``
+(``run_evaluation``'s subprocess).
 """
 
 from fsdp_resilience.control.backends.local.backend import (

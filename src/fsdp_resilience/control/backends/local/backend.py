@@ -1,12 +1,10 @@
 """``LocalProcessBackend``: the ``TrainingBackend`` of training jobs as process groups on this machine
-(the package docstring says how; state.py, verdict.py, processes.py and supervisor.py do it)."""
+(the package docstring says how; state.py, verdict.py, processes.py, launching.py, supervisor.py,
+slots.py and evaluation.py do it)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,18 +23,23 @@ from fsdp_resilience.control.backends.base import (
     Replacement,
     ServiceReturn,
     TrainingBackend,
-    current_operator,
     job_name_for,
-    plan_replacement,
-    require_reason,
 )
-from fsdp_resilience.control.backends.evidence import blame_from_events, final_events, trained_nodes, verdict_at_cancel
+from fsdp_resilience.control.backends.evidence import blame_from_events, verdict_at_cancel
+from fsdp_resilience.control.backends.local.evaluation import evaluate_checkpoint
+from fsdp_resilience.control.backends.local.launching import spawn_supervisor, wait_added, wait_started
 from fsdp_resilience.control.backends.local.processes import (
     job_active,
     process_alive,
     stop_job_processes,
-    stop_nodes,
     tagged_processes,
+)
+from fsdp_resilience.control.backends.local.slots import (
+    quarantine_slots,
+    quarantined_slots,
+    return_slots,
+    slot_capacity,
+    slot_names,
 )
 from fsdp_resilience.control.backends.local.state import StateStore, new_job_record, node_entry, tail_lines
 from fsdp_resilience.control.backends.local.verdict import judge_job, promotion_pending
@@ -47,9 +50,6 @@ from fsdp_resilience.training.contract import REPLACEABLE_FAILURES, RunConfig, a
 REPO_ROOT = Path(__file__).resolve().parents[5]
 
 TRAINING_PYTHON_ENV = "TRAINING_PYTHON"
-SLOT_PREFIX = "slot-"
-#: What ``submit`` runs (with ``sys.executable``) to start a job's supervisor.
-SUPERVISOR_MODULE = "fsdp_resilience.control.backends.local.supervisor"
 #: How long ``add_spare`` waits for a spare to take a lost node's place before it adds the new
 #: spare anyway (measured: ~15 s on NVRx 0.4.1, ~5 s on 0.7, plus the restart; more on a busy host).
 PROMOTION_WAIT_S = 120.0
@@ -123,7 +123,7 @@ class LocalProcessBackend(TrainingBackend):
 
     @property
     def slot_ids(self) -> list[str]:
-        return [f"{SLOT_PREFIX}{i}" for i in range(self.slots)]
+        return slot_names(self.slots)
 
     # -- submit -------------------------------------------------------------------------------
     def submit(self, cfg: RunConfig, launch_id: str, *, airflow_run_id: str | None = None) -> JobHandle:
@@ -185,12 +185,12 @@ class LocalProcessBackend(TrainingBackend):
             config_path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(config_path, cfg.to_json() + "\n")
             cfg.layout.logs.mkdir(parents=True, exist_ok=True)
-            self._spawn_supervisor(record)
+            spawn_supervisor(record, self.state_dir, self.start_timeout_s)
         except OSError as e:
             error = f"could not start the job: {e}"
             self._store.update_job(job_name, lambda r: r.update(error=error))
             raise BackendError(f"could not start job {job_name}: {e}") from e
-        self._wait_started(job_name)
+        wait_started(self._store, job_name, self.start_timeout_s)
         return self._handle(record)
 
     def _absolute(self, cfg: RunConfig) -> RunConfig:
@@ -267,55 +267,6 @@ class LocalProcessBackend(TrainingBackend):
                 if self.status(handle).state == "failed":
                     self.cancel(handle)
 
-    def _spawn_supervisor(self, record: dict[str, Any]) -> None:
-        # The supervisor is its own module (nothing in this package imports it), so -m runs it once,
-        # and the launchers it starts inherit the caller's environment untouched (no PYTHONPATH of ours).
-        with open(record["supervisor"]["log_path"], "ab") as log:
-            intermediate = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    SUPERVISOR_MODULE,
-                    "--state-dir",
-                    str(self.state_dir),
-                    "--job",
-                    record["job_name"],
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        # It forks the supervisor and exits at once; reaping it here leaves no zombie behind.
-        if intermediate.wait(timeout=self.start_timeout_s) != 0:
-            raise OSError(
-                f"the supervisor failed to start (exit {intermediate.returncode}); "
-                f"see {record['supervisor']['log_path']}"
-            )
-
-    def _wait_started(self, job_name: str) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            record = self._store.read_job(job_name)
-            if record["error"]:
-                raise BackendError(
-                    f"job {job_name} did not start: {record['error']} (see {record['supervisor']['log_path']})"
-                )
-            if all(n["pid"] is not None for n in record["nodes"]):
-                return
-            supervisor = record["supervisor"]
-            if supervisor["pid"] is not None and not process_alive(supervisor["pid"], supervisor["start_ticks"]):
-                raise BackendError(
-                    f"job {job_name}: the supervisor died before starting its launchers; see {supervisor['log_path']}"
-                )
-            if time.monotonic() > deadline:
-                raise BackendError(
-                    f"job {job_name}: the supervisor did not start its launchers within "
-                    f"{self.start_timeout_s:.0f}s; see {record['supervisor']['log_path']}. "
-                    "Submitting again with the same launch_id returns this job"
-                )
-            time.sleep(0.02)
-
     # -- status -------------------------------------------------------------------------------
     def status(self, handle: JobHandle) -> JobStatus:
         return judge_job(self._store, self._record(handle))
@@ -388,30 +339,7 @@ class LocalProcessBackend(TrainingBackend):
             )
             record["nodes"].append(node)
             self._store.write_job(record)
-        return self._wait_added(job_name, index)
-
-    def _wait_added(self, job_name: str, index: int) -> NodeStatus:
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            record = self._store.read_job(job_name)
-            node = record["nodes"][index]
-            if node["pid"] is not None or node.get("start_error"):
-                break
-            supervisor = record["supervisor"]
-            if supervisor.get("ended_at") or not process_alive(supervisor["pid"], supervisor["start_ticks"]):
-                break  # judged below: a node the supervisor never started is a failed one
-            if time.monotonic() > deadline:
-                raise BackendError(
-                    f"job {job_name}: the supervisor did not start spare node {index} within "
-                    f"{self.start_timeout_s:.0f}s; see {supervisor['log_path']}"
-                )
-            time.sleep(0.05)
-        status = judge_job(self._store, record).nodes[index]
-        if node["pid"] is None:
-            raise BackendError(
-                f"job {job_name}: spare node {index} ({node['node_id']}) was not started: {status.message}"
-            )
-        return status
+        return wait_added(self._store, job_name, index, self.start_timeout_s)
 
     def change_paths(self, handle: JobHandle) -> list[str]:
         """The job record: its supervisor records each launcher's exit there as it reaps it."""
@@ -506,64 +434,10 @@ class LocalProcessBackend(TrainingBackend):
         slots, so capacity drops). A job still training on a quarantined slot is left alone; a
         spare parked on one (a standby that has not trained) is stopped, so that a bad slot's
         spare is never promoted."""
-        with self._store.locked():
-            slots = self._store.read_slots()
-            out = [s for s, info in slots.items() if info.get("state") == "quarantined"]
-            replace, refused, note = plan_replacement(list(node_ids), self.slot_ids, out, self.max_unhealthy_share)
-            now = time.time()
-            for slot in replace:
-                slots[slot] = {"state": "quarantined", "reason": reason, "since": now}
-            if replace:
-                self._store.write_slots(slots)
-        healthy = self.slots - len(set(out) | set(replace))
-        parts = (
-            [
-                f"quarantined {replace}: {reason}; capacity now {healthy} of {self.slots} slot(s) "
-                "(local slots are not replaced by new ones)"
-            ]
-            if replace
-            else []
-        )
-        stopped = self._stop_parked_spares(replace)
-        if stopped:
-            parts.append(f"stopped the spare(s) parked there, never to be promoted: {', '.join(stopped)}")
-        if note:
-            parts.append(note)
-        return Replacement(replace, refused, "; ".join(parts) or "nothing to replace")
-
-    def _stop_parked_spares(self, slots: list[str]) -> list[str]:
-        """Stop every standby on ``slots`` that has not trained, in every active job. One still
-        being started is marked, and its supervisor stops it (or never starts it)."""
-        stopped = []
-        for record in self._store.jobs():
-            hosted = [n for n in record["nodes"] if n["node_id"] in slots and n.get("standby")]
-            if not hosted or not job_active(record):
-                continue
-            trained = trained_nodes(record["run_dir"], record["launch_id"])
-            finals = final_events(Path(record["run_dir"]), record["launch_id"])
-            parked = [
-                n["index"]
-                for n in hosted
-                if n["index"] not in trained
-                and n["index"] not in finals
-                and n["exit_code"] is None
-                and not n.get("start_error")
-                and (n["pid"] is None or process_alive(n["pid"], n["start_ticks"]))
-            ]
-            if not parked:
-                continue
-            stop_nodes(self._store, record["job_name"], parked, "quarantine (its slot was taken out of service)")
-            stopped += [f"node {i} of job {record['job_name']}" for i in parked]
-        return stopped
+        return quarantine_slots(self._store, self.slot_ids, node_ids, reason, self.max_unhealthy_share)
 
     def quarantined_nodes(self) -> list[dict[str, Any]]:
-        slots = self._store.read_slots()
-        out = [
-            {"node_id": s, "reason": slots[s].get("reason", ""), "since": slots[s].get("since")}
-            for s in self.slot_ids
-            if slots.get(s, {}).get("state") == "quarantined"
-        ]
-        return sorted(out, key=lambda q: q["since"] or 0)
+        return quarantined_slots(self._store, self.slot_ids)
 
     def return_nodes(
         self, node_ids: list[str], reason: str, *, by: str | None = None, quarantined_before: float | None = None
@@ -571,39 +445,15 @@ class LocalProcessBackend(TrainingBackend):
         """Mark quarantined slots healthy again. slots.json keeps why and by whom, and the
         quarantine it ended. A name that is not a slot of this backend is refused before anything
         changes (a typo must not pass for a return)."""
-        reason = require_reason(reason)
-        wanted = list(dict.fromkeys(node_ids))
-        unknown = [n for n in wanted if n not in self.slot_ids]
-        if unknown:
-            raise BackendError(
-                f"unknown local node(s) {unknown}: this backend's slots are {self.slot_ids} "
-                f"(state dir {self.state_dir}); list the quarantined ones with "
-                "`python -m fsdp_resilience.control.quarantine list`"
-            )
-        by = by or current_operator()
-        with self._store.locked():
-            slots = self._store.read_slots()
-            now = time.time()
-            returned = [
-                s
-                for s in wanted
-                if slots.get(s, {}).get("state") == "quarantined"
-                and (quarantined_before is None or (slots[s].get("since") or 0) <= quarantined_before)
-            ]
-            for slot in returned:
-                old = slots[slot]
-                slots[slot] = {
-                    "state": "healthy",
-                    "reason": f"returned to service: {reason}",
-                    "since": now,
-                    "returned_by": by,
-                    "quarantine_reason": old.get("reason", ""),
-                    "quarantined_since": old.get("since"),
-                }
-            if returned:
-                self._store.write_slots(slots)
-        not_quarantined = [s for s in wanted if s not in returned]
-        return ServiceReturn(returned, not_quarantined, [])
+        return return_slots(
+            self._store,
+            self.slot_ids,
+            self.state_dir,
+            node_ids,
+            reason,
+            by=by,
+            quarantined_before=quarantined_before,
+        )
 
     # -- evaluation ---------------------------------------------------------------------------
     def run_evaluation(
@@ -612,27 +462,7 @@ class LocalProcessBackend(TrainingBackend):
         """``python -m fsdp_resilience.training.evaluate`` in the training venv (this process never imports torch)."""
         cfg = self._absolute(cfg)
         self.check_training_environment()
-        command = [self.training_python, "-m", "fsdp_resilience.training.evaluate", "--config", str(cfg.layout.config)]
-        if checkpoint_id is not None:
-            command += ["--checkpoint", checkpoint_id]
-        try:
-            out = subprocess.run(command, cwd=self.repo_root, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise BackendError(f"evaluation of run {cfg.run_id} did not finish within {timeout_s:.0f}s") from None
-        print(out.stdout + out.stderr, end="")
-        if out.returncode != 0:
-            raise BackendError(
-                f"evaluation of run {cfg.run_id} failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}"
-            )
-        return json.loads((Path(cfg.run_dir) / "eval.json").read_text())
+        return evaluate_checkpoint(self.training_python, self.repo_root, cfg, checkpoint_id, timeout_s)
 
     def capacity(self) -> Capacity:
-        quarantined = set(self._store.quarantined())
-        pool = self.slot_ids
-        healthy = [s for s in pool if s not in quarantined]
-        return Capacity(
-            total=len(pool),
-            healthy=len(healthy),
-            quarantined=[s for s in pool if s in quarantined],
-            healthy_node_ids=healthy,
-        )
+        return slot_capacity(self._store, self.slot_ids)

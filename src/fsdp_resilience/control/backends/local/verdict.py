@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_resilience.control.backends.base import LOST, BackendError, JobStatus, NodeStatus, job_can_train
+from fsdp_resilience.control.backends.base import LOST, BackendError, JobStatus, NodeStatus
 from fsdp_resilience.control.backends.evidence import final_events, trained_nodes
 from fsdp_resilience.control.backends.local.processes import process_alive
 from fsdp_resilience.control.backends.local.state import StateStore, read_json, tail_lines
+from fsdp_resilience.control.backends.replacement import job_can_train
 from fsdp_resilience.training.contract import FailureClass, RunDir, failure_class_for_exit, most_telling_failure
 
 #: Lines of a dropped spare's log searched for why its launcher left the rendezvous.
