@@ -44,7 +44,8 @@ def test_layered_and_injob_runs_use_ft_launcher(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["inprocess", "none"])
-def test_runs_without_in_job_restarts_use_torchrun(tmp_path, mode):
+def test_runs_without_in_job_restarts_use_torchrun(tmp_path, monkeypatch, mode):
+    monkeypatch.delenv("USE_LIBUV", raising=False)  # the NVRx 0.7 lane sets it (Debian's torch has no libuv)
     cmd = build_command(config(tmp_path, restart_mode=mode), 0, "127.0.0.1", tmp_path / "ft.yaml", tmp_path)
     assert cmd[:4] == [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0"]
     assert "--rdzv-conf=is_host=true,join_timeout=600" in cmd
