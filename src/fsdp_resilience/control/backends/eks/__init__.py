@@ -10,6 +10,9 @@ headless Service + one NetworkPolicy on an EKS cluster's GPU node pool.
     status.py          a Job's and its pods' JSON -> JobStatus / NodeStatus
     nodes.py           the node pool: healthy capacity, quarantine, replacement (ASG, Karpenter, cordon)
     spares.py          whether the spare pool is whole again after a lost node
+    launch_checks.py   what submit checks first: no other launch, enough healthy nodes, the pods' objects
+    diagnosis.py       which nodes a failed launch blames, and why
+    evaluation.py      running the evaluation Job to its end and reading its result
     client.py          the Kubernetes API client and what its errors mean
 
 Importing this package needs no Kubernetes client: the clients are imported on first use.
