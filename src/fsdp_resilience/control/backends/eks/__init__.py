@@ -2,7 +2,9 @@
 headless Service + one NetworkPolicy on an EKS cluster's GPU node pool.
 
     backend.py         EksBackend, the TrainingBackend implementation
-    manifests.py       the Job, Service and NetworkPolicy objects (pure functions)
+    manifests.py       the training and evaluation Jobs (pure functions)
+    networking.py      the launch's rendezvous Service and NetworkPolicy (pure functions)
+    object_metadata.py the objects' labels, annotations and owner reference
     failure_policy.py  the Jobs' podFailurePolicy and backoffLimit: exit codes -> the Job controller
     pod_settings.py    PodTemplateSettings: the pods' own settings and their validation
     images.py          image references and the image allowlist
@@ -30,12 +32,8 @@ from fsdp_resilience.control.backends.eks.constants import (
     RETURN_ANNOTATION,
 )
 from fsdp_resilience.control.backends.eks.images import check_image_prefix, image_allowed, image_repository
-from fsdp_resilience.control.backends.eks.manifests import (
-    evaluation_job,
-    rendezvous_network_policy,
-    rendezvous_service,
-    training_job,
-)
+from fsdp_resilience.control.backends.eks.manifests import evaluation_job, training_job
+from fsdp_resilience.control.backends.eks.networking import rendezvous_network_policy, rendezvous_service
 from fsdp_resilience.control.backends.eks.nodes import REPLACEMENT_MODES
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 

@@ -8,11 +8,12 @@ NetworkPolicy, all named ``job_name_for(run_id, launch_id)`` (a DNS-1035 label).
 Kubernetes is reached through the cncf.kubernetes provider's hooks (client.py: a Kubernetes
 connection, or with ``cluster_name`` a kubeconfig from the amazon provider's ``EksHook``; the
 triggerer polls with ``AsyncKubernetesHook`` in ``status_async``). AWS (Auto Scaling) is reached
-through ``AwsBaseHook``. The objects come from manifests.py, the state from status.py (the Job's
-conditions and its pods, read fresh on every call, so any process can pick up a job another
-process submitted; a cancel verdict and the nodes a cancelled job ran on are kept in the Job's
-annotations), the node pool's logic from nodes.py, the spare pool's from spares.py, the checks
-before a launch from launch_checks.py, the blame from diagnosis.py, the evaluation run from evaluation.py.
+through ``AwsBaseHook``. The objects come from manifests.py and networking.py, the state from
+status.py (the Job's conditions and its pods, read fresh on every call, so any process can pick up
+a job another process submitted; a cancel verdict and the nodes a cancelled job ran on are kept in
+the Job's annotations), the node pool's logic from nodes.py, the spare pool's from spares.py, the
+checks before a launch from launch_checks.py, the blame from diagnosis.py, the evaluation run from
+evaluation.py.
 
 ``submit`` is safe to retry and never leaves pods running without their Service: it creates the
 Job suspended, then its Service and NetworkPolicy (both owned by the Job), then resumes it
@@ -73,12 +74,8 @@ from fsdp_resilience.control.backends.eks.diagnosis import diagnose_job
 from fsdp_resilience.control.backends.eks.evaluation import read_evaluation_result, wait_for_evaluation_job
 from fsdp_resilience.control.backends.eks.images import check_image_prefix, image_allowed, image_repository
 from fsdp_resilience.control.backends.eks.launch_checks import check_capacity, check_no_other_launch, check_references
-from fsdp_resilience.control.backends.eks.manifests import (
-    evaluation_job,
-    rendezvous_network_policy,
-    rendezvous_service,
-    training_job,
-)
+from fsdp_resilience.control.backends.eks.manifests import evaluation_job, training_job
+from fsdp_resilience.control.backends.eks.networking import rendezvous_network_policy, rendezvous_service
 from fsdp_resilience.control.backends.eks.nodes import (
     REPLACEMENT_MODES,
     devices_needed,
