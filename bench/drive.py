@@ -11,7 +11,7 @@ at once, then every 10 s), relaunch from the newest committed checkpoint. With h
 (``spare_nodes``) the pool keeper runs next to the watch, as the DAG's ``keep_spare_pool`` task
 does: the spare pool trigger (``fsdp_resilience.control.triggers.spare_pool.SparePoolTrigger``)
 fires when a node of the running launch is out of the job (a spare takes its place in-job; the job
-stays running), and ``ladder.keep_spare_pool`` quarantines that node and adds a new spare, then the
+stays running), and ``spare_refill.keep_spare_pool`` quarantines that node and adds a new spare, then the
 trigger is started again.
 What this leaves out of a real deployment: the scheduler starting each task (seconds per task in
 a busy Airflow) and the triggerer's own loop. Torch-free: runs in the control-plane venv.
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from bench.common import log
 from bench.restarts import injected_faults
-from fsdp_resilience.control import ladder  # noqa: E402
+from fsdp_resilience.control import ladder, spare_refill  # noqa: E402
 from fsdp_resilience.control.backends import JobHandle, get_backend  # noqa: E402
 from fsdp_resilience.control.task_data import Launch, Outcome, Run  # noqa: E402
 from fsdp_resilience.control.triggers.base import LAUNCH_ENDED  # noqa: E402
@@ -49,11 +49,11 @@ async def _first_event(trigger: Any) -> dict[str, Any]:
 
 async def keep_spare_pool(run: Run, launch: Launch, since: float, poll_s: float, refills: list[dict[str, Any]]) -> None:
     """The DAG's keep_spare_pool task for one launch, minus Airflow: wait on the spare pool
-    trigger, make up for the nodes it names with ``ladder.keep_spare_pool`` (``since``: the run's
+    trigger, make up for the nodes it names with ``spare_refill.keep_spare_pool`` (``since``: the run's
     first launch, which bounds the replacements counted), and wait again, until the launch ends.
     Appends each node's result, with when the pool keeper saw it and when it was done, to
     ``refills``."""
-    handled = ladder.handled_nodes(run, launch)
+    handled = spare_refill.handled_nodes(run, launch)
     while True:
         trigger = SparePoolTrigger(
             backend=launch.backend,
@@ -67,7 +67,7 @@ async def keep_spare_pool(run: Run, launch: Launch, since: float, poll_s: float,
         if event["status"] == LAUNCH_ENDED:
             return
         seen_at = time.time()
-        results = await asyncio.to_thread(ladder.keep_spare_pool, run, launch, event["nodes"], since, log)
+        results = await asyncio.to_thread(spare_refill.keep_spare_pool, run, launch, event["nodes"], since, log)
         done_at = time.time()
         refills += [{**r, "launch_id": launch.launch_id, "seen_at": seen_at, "done_at": done_at} for r in results]
         # As the DAG's task: a node not refilled (budget spent, no capacity) is not retried.

@@ -5,9 +5,9 @@ training Job, its rendezvous Service and NetworkPolicy, and an evaluation Job. T
     python deploy/backend_objects.py --out DIR    # one YAML file per object
     python deploy/backend_objects.py --check      # validate at K8S_VERSIONS
 
-The objects come from the backend's own builders (``fsdp_resilience.control.backends.eks.manifests``)
-with the default ``PodTemplateSettings`` (sized for p5.48xlarge, EFA on), so what is scanned is
-what a real launch submits.
+The objects come from the backend's own builders (``fsdp_resilience.control.backends.eks``:
+manifests.py and networking.py) with the default ``PodTemplateSettings`` (sized for p5.48xlarge,
+EFA on), so what is scanned is what a real launch submits.
 """
 
 from __future__ import annotations

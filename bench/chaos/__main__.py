@@ -21,7 +21,7 @@ size the run, from bench/results/training_plane.json when it exists).
 With ``--spare-nodes N`` (N >= 1; 2 nodes x 1 process unless --nodes/--procs-per-node say
 otherwise) the run keeps N hot spares: node losses hit the last training node, never node 0
 (it hosts the rendezvous store, which no spare covers), a spare takes its place in an in-job
-restart, and the spare pool is refilled while training goes on (``ladder.keep_spare_pool``, run
+restart, and the spare pool is refilled while training goes on (``spare_refill.keep_spare_pool``, run
 by ``bench.drive`` next to the watch as the DAG's keep_spare_pool task; each refill spends one of
 max_node_replacements). Results go to chaos_spares.json (plots chaos_spares-*.png), so a run
 with and one without spares sit side by side. Which launchers train after an in-job restart is

@@ -118,6 +118,6 @@ def bench_spare(work: Path, trials: int, poll_s: float, relaunch: dict[str, Any]
         "note": "fault (the node's launcher and ranks SIGKILLed: fault_injected) -> the first completed step "
         "after it (restart_end.latency_s); the spare takes the lost node's place at an in-job restart "
         "(no relaunch). refill: fault -> spare_added (the lost slot quarantined and a new spare started "
-        "by ladder.keep_spare_pool, run next to the watch as the DAG's keep_spare_pool task runs). "
+        "by spare_refill.keep_spare_pool, run next to the watch as the DAG's keep_spare_pool task runs). "
         "Each trial is a run of its own, stopped once both happened",
     }

@@ -21,7 +21,7 @@ def _spare_section(spare: dict[str, Any], relaunch: dict[str, Any] | None, cp: d
         f"Node loss with a hot spare (local backend, {spare['nodes']} nodes × {spare['procs_per_node']} ranks + "
         f"{spare['spare_nodes']} spare, NVRx {spare.get('nvrx') or '?'}): node 1's launcher and ranks SIGKILLed "
         "(node 0 hosts the rendezvous store, which no spare covers), a run per trial, driven like the DAG: the "
-        "watch watches on while the job stays running, and the pool keeper (`ladder.keep_spare_pool`) "
+        "watch watches on while the job stays running, and the pool keeper (`spare_refill.keep_spare_pool`) "
         "quarantines the lost slot and starts a new spare meanwhile. No relaunch: "
         + (
             "every loss was covered in-job."

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_resilience.control import ladder
+from fsdp_resilience.control import ladder, spare_refill
 from fsdp_resilience.control.backends import JobHandle, get_backend
 from fsdp_resilience.control.progress import LaunchChanges, check_progress
 from fsdp_resilience.control.task_data import Launch, Run
@@ -421,9 +421,9 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     assert backend.status(handle).state == "running"
 
     # A retried task (or a stale event) never handles the same node twice.
-    again = ladder.keep_spare_pool(run, launch, event["nodes"], since=launch.launched_at, log=lambda _: None)
+    again = spare_refill.keep_spare_pool(run, launch, event["nodes"], since=launch.launched_at, log=lambda _: None)
     assert [r["refilled"] for r in again] == [False] and "already handled" in again[0]["why"]
-    assert ladder.handled_nodes(run, launch) == [f"1@{lost_slot}"]
+    assert spare_refill.handled_nodes(run, launch) == [f"1@{lost_slot}"]
     assert len(read_events(Path(launch.run_dir) / "events.jsonl", "spare_added")) == 1
 
     # The launch ends (here: stopped): the keeper ends quietly, with what it did.
@@ -454,7 +454,7 @@ def test_keep_spare_pool_refills_nothing_past_its_budget_and_says_why(spared):
     while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
         time.sleep(0.1)
     said = []
-    results = ladder.keep_spare_pool(
+    results = spare_refill.keep_spare_pool(
         run, launch, [n.to_dict() for n in lost], since=launch.launched_at - 1, log=said.append
     )
     assert [r["refilled"] for r in results] == [False] and "max_node_replacements=1 spent" in results[0]["why"]
@@ -488,7 +488,7 @@ def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path)
         lost_slot = _lose(backend, launch, 2)  # the spare's machine goes, before it ever trained
         while not (lost := [n for n in backend.status(handle).nodes if n.state == "lost"]) and time.time() < deadline:
             time.sleep(0.1)
-        results = ladder.keep_spare_pool(
+        results = spare_refill.keep_spare_pool(
             run, launch, [n.to_dict() for n in lost], since=launch.launched_at, log=lambda _: None
         )
         assert [r["refilled"] for r in results] == [False], results

@@ -37,14 +37,13 @@ from fsdp_resilience.control.backends.eks.constants import (  # noqa: E402
     OLDEST_SUPPORTED_K8S,
 )
 from fsdp_resilience.control.backends.eks.failure_policy import training_backoff_limit  # noqa: E402
-from fsdp_resilience.control.backends.eks.manifests import (  # noqa: E402
-    evaluation_job,
-    label_value,
+from fsdp_resilience.control.backends.eks.manifests import evaluation_job, training_job  # noqa: E402
+from fsdp_resilience.control.backends.eks.networking import (  # noqa: E402
     rendezvous_host,
     rendezvous_network_policy,
     rendezvous_service,
-    training_job,
 )
+from fsdp_resilience.control.backends.eks.object_metadata import label_value  # noqa: E402
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings  # noqa: E402
 from fsdp_resilience.training.contract import ExitCode, FailureClass, RunConfig, failure_class_for_exit  # noqa: E402
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from fsdp_resilience.control import ladder
+from fsdp_resilience.control import spare_refill
 from fsdp_resilience.control.task_data import Launch, Run
 from fsdp_resilience.control.triggers.base import LAUNCH_ENDED, NODES_OUT, read_event
 from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
@@ -17,7 +17,7 @@ class SparePoolKeeper(BaseOperator):
     """Keeps a launch's pool of hot spares whole while it trains (``spare_nodes`` > 0; skipped
     otherwise): deferred, holding no worker slot, until the launch shows a node out of the job (a
     lost node whose place a spare takes, or a spare that dropped out), then takes that node out of
-    service and adds a new spare (``ladder.keep_spare_pool``: bounded by max_node_replacements),
+    service and adds a new spare (``spare_refill.keep_spare_pool``: bounded by max_node_replacements),
     and defers again. It ends, successfully, when the launch ends, however it ended: what the
     launch's end means is the watch's and the ladder's to say. A refill it could not do is logged,
     never a failure; a bug fails it loudly.
@@ -51,7 +51,7 @@ class SparePoolKeeper(BaseOperator):
         spares = int(run.config.get("spare_nodes") or 0)
         if not spares:
             raise AirflowSkipException(f"spare_nodes=0: launch {launch.launch_id} has no spare pool to keep")
-        handled = ladder.handled_nodes(run, launch)
+        handled = spare_refill.handled_nodes(run, launch)
         self.log.info(
             "launch %s: keeping its %d spare(s) (%s); nodes already made up for: %s",
             launch.launch_id,
@@ -83,7 +83,7 @@ class SparePoolKeeper(BaseOperator):
         event = read_event(event, LAUNCH_ENDED, NODES_OUT)
         handled = sorted(set(event.get("handled") or []))
         if event["status"] == LAUNCH_ENDED:
-            added = ladder.spares_added(run, launch)
+            added = spare_refill.spares_added(run, launch)
             self.log.info(
                 "launch %s ended (%s: %s); spares added while it trained: %s",
                 launch_id,
@@ -102,7 +102,9 @@ class SparePoolKeeper(BaseOperator):
                 ],
             }
         first = Launch.of(context["ti"].xcom_pull(task_ids=self.first_launch_from) or launch)
-        results = ladder.keep_spare_pool(run, launch, event["nodes"], since=float(first.launched_at), log=self.log.info)
+        results = spare_refill.keep_spare_pool(
+            run, launch, event["nodes"], since=float(first.launched_at), log=self.log.info
+        )
         # Handled either way: a node not refilled (budget spent, no capacity) is not retried on
         # every poll; the launch trains on with one spare fewer.
         self._wait(sorted(set(handled) | {r["key"] for r in results}))

@@ -2,7 +2,9 @@
 headless Service + one NetworkPolicy on an EKS cluster's GPU node pool.
 
     backend.py         EksBackend, the TrainingBackend implementation
-    manifests.py       the Job, Service and NetworkPolicy objects (pure functions)
+    manifests.py       the training and evaluation Jobs (pure functions)
+    networking.py      the launch's rendezvous Service and NetworkPolicy (pure functions)
+    object_metadata.py the objects' labels, annotations and owner reference
     failure_policy.py  the Jobs' podFailurePolicy and backoffLimit: exit codes -> the Job controller
     pod_settings.py    PodTemplateSettings: the pods' own settings and their validation
     images.py          image references and the image allowlist
@@ -10,6 +12,9 @@ headless Service + one NetworkPolicy on an EKS cluster's GPU node pool.
     status.py          a Job's and its pods' JSON -> JobStatus / NodeStatus
     nodes.py           the node pool: healthy capacity, quarantine, replacement (ASG, Karpenter, cordon)
     spares.py          whether the spare pool is whole again after a lost node
+    launch_checks.py   what submit checks first: no other launch, enough healthy nodes, the pods' objects
+    diagnosis.py       which nodes a failed launch blames, and why
+    evaluation.py      running the evaluation Job to its end and reading its result
     client.py          the Kubernetes API client and what its errors mean
 
 Importing this package needs no Kubernetes client: the clients are imported on first use.
@@ -27,12 +32,8 @@ from fsdp_resilience.control.backends.eks.constants import (
     RETURN_ANNOTATION,
 )
 from fsdp_resilience.control.backends.eks.images import check_image_prefix, image_allowed, image_repository
-from fsdp_resilience.control.backends.eks.manifests import (
-    evaluation_job,
-    rendezvous_network_policy,
-    rendezvous_service,
-    training_job,
-)
+from fsdp_resilience.control.backends.eks.manifests import evaluation_job, training_job
+from fsdp_resilience.control.backends.eks.networking import rendezvous_network_policy, rendezvous_service
 from fsdp_resilience.control.backends.eks.nodes import REPLACEMENT_MODES
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 

@@ -8,10 +8,12 @@ NetworkPolicy, all named ``job_name_for(run_id, launch_id)`` (a DNS-1035 label).
 Kubernetes is reached through the cncf.kubernetes provider's hooks (client.py: a Kubernetes
 connection, or with ``cluster_name`` a kubeconfig from the amazon provider's ``EksHook``; the
 triggerer polls with ``AsyncKubernetesHook`` in ``status_async``). AWS (Auto Scaling) is reached
-through ``AwsBaseHook``. The objects come from manifests.py, the state from status.py (the Job's
-conditions and its pods, read fresh on every call, so any process can pick up a job another
-process submitted; a cancel verdict and the nodes a cancelled job ran on are kept in the Job's
-annotations), the node pool's logic from nodes.py, the spare pool's from spares.py.
+through ``AwsBaseHook``. The objects come from manifests.py and networking.py, the state from
+status.py (the Job's conditions and its pods, read fresh on every call, so any process can pick up
+a job another process submitted; a cancel verdict and the nodes a cancelled job ran on are kept in
+the Job's annotations), the node pool's logic from nodes.py, the spare pool's from spares.py, the
+checks before a launch from launch_checks.py, the blame from diagnosis.py, the evaluation run from
+evaluation.py.
 
 ``submit`` is safe to retry and never leaves pods running without their Service: it creates the
 Job suspended, then its Service and NetworkPolicy (both owned by the Job), then resumes it
@@ -47,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from fsdp_resilience.control.backends.base import (
@@ -55,7 +56,6 @@ from fsdp_resilience.control.backends.base import (
     BackendError,
     Capacity,
     Diagnosis,
-    InsufficientCapacityError,
     JobConflictError,
     JobHandle,
     JobNotFoundError,
@@ -68,41 +68,32 @@ from fsdp_resilience.control.backends.base import (
     require_reason,
 )
 from fsdp_resilience.control.backends.eks.client import KubeClient, connect, eks_kubeconfig, read_job_async
-from fsdp_resilience.control.backends.eks.constants import (
-    CANCEL_ANNOTATION,
-    COMPONENT_TRAINING,
-    LABEL_COMPONENT,
-    LABEL_JOB,
-    LABEL_RUN,
-)
+from fsdp_resilience.control.backends.eks.constants import CANCEL_ANNOTATION, LABEL_JOB, LABEL_RUN
+from fsdp_resilience.control.backends.eks.diagnosis import diagnose_job
+from fsdp_resilience.control.backends.eks.evaluation import read_evaluation_result, wait_for_evaluation_job
 from fsdp_resilience.control.backends.eks.images import check_image_prefix, image_allowed, image_repository
-from fsdp_resilience.control.backends.eks.manifests import (
-    evaluation_job,
-    rendezvous_network_policy,
-    rendezvous_service,
-    training_job,
-)
+from fsdp_resilience.control.backends.eks.launch_checks import check_capacity, check_no_other_launch, check_references
+from fsdp_resilience.control.backends.eks.manifests import evaluation_job, training_job
+from fsdp_resilience.control.backends.eks.networking import rendezvous_network_policy, rendezvous_service
 from fsdp_resilience.control.backends.eks.nodes import (
     REPLACEMENT_MODES,
     devices_needed,
     pool_capacity,
     quarantine_report,
     replace_pool_nodes,
-    suspect_nodes,
 )
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 from fsdp_resilience.control.backends.eks.spares import spare_status
 from fsdp_resilience.control.backends.eks.status import (
-    conditions_of,
     job_finished,
     job_status,
     newest_pods,
     run_config_of,
     timestamp,
 )
-from fsdp_resilience.control.backends.evidence import blame_from_events, verdict_at_cancel
+from fsdp_resilience.control.backends.evidence import verdict_at_cancel
 from fsdp_resilience.control.backends.replacement import DEFAULT_MAX_UNHEALTHY_SHARE
-from fsdp_resilience.training.contract import REPLACEABLE_FAILURES, RunConfig, what_to_do
+from fsdp_resilience.training.contract import RunConfig
 
 
 class EksBackend(TrainingBackend):
@@ -206,16 +197,10 @@ class EksBackend(TrainingBackend):
         with self._kube() as kube:
             existing = kube.get_job(job_name)
             if existing is None:
-                self._check_no_other_launch(kube, cfg.run_id, job_name)
+                check_no_other_launch(kube, cfg.run_id, job_name)
                 if self.replacement != "karpenter":  # Karpenter provisions nodes for pending pods
-                    capacity = self._capacity(kube)
-                    if capacity.healthy < cfg.nodes:
-                        raise InsufficientCapacityError(
-                            f"run {cfg.run_id} needs {cfg.nodes} healthy node(s) in the pool {self.pool_selector}; "
-                            f"{capacity.healthy} of {capacity.total} are (out of service: {capacity.quarantined}). "
-                            "Wait for replacements to join, or scale the node group up"
-                        )
-                self._check_references(kube)
+                    check_capacity(self._capacity(kube), cfg, self.pool_selector)
+                check_references(kube, self.settings, self.namespace)
                 existing = kube.create_job(job)  # suspended: no pod starts yet
             elif (existing["metadata"].get("labels") or {}).get(LABEL_RUN) != cfg.run_id:
                 owner = (existing["metadata"].get("labels") or {}).get(LABEL_RUN)
@@ -274,34 +259,6 @@ class EksBackend(TrainingBackend):
                 "registry/repository to FSDP_EKS_IMAGE_ALLOWLIST (comma-separated prefixes) in "
                 "Airflow's environment"
             )
-
-    def _check_references(self, kube: KubeClient) -> None:
-        """The objects the pods name must exist, or the Job controller retries pod creation forever
-        (a missing ServiceAccount: FailedCreate events) or the pods stay Pending (a missing claim),
-        and the launch only fails at its stall timeout. Checked before the Job is created, so the
-        error comes at once and says what to apply. (A ``priority_class`` is the user's own
-        setting and not checked: that would need a cluster-wide grant.)"""
-        s = self.settings
-        missing = []
-        if kube.get_service_account(s.service_account) is None:
-            missing.append(f"ServiceAccount {s.service_account}")
-        if kube.get_claim(s.fsx_claim) is None:
-            missing.append(f"PersistentVolumeClaim {s.fsx_claim} (the FSx for Lustre volume)")
-        if missing:
-            raise BackendError(
-                f"the training pods need {', '.join(missing)} in namespace {self.namespace}, which "
-                "the cluster lacks: apply the deploy kit (kubectl apply -k deploy/overlays/<yours>, "
-                "docs/deploy-on-eks.md), or set FSDP_EKS_POD's service_account / fsx_claim / "
-                "priority_class to objects that exist"
-            )
-
-    def _check_no_other_launch(self, kube: KubeClient, run_id: str, job_name: str) -> None:
-        for other in kube.list_jobs(f"{LABEL_RUN}={run_id},{LABEL_COMPONENT}={COMPONENT_TRAINING}"):
-            if other["metadata"]["name"] != job_name and not job_finished(other):
-                raise JobConflictError(
-                    f"run {run_id} already has job {other['metadata']['name']} active; two launches would share one "
-                    "run dir. Wait for it to end, or cancel it, before submitting another launch"
-                )
 
     def _handle(self, cfg: RunConfig, launch_id: str, job: dict[str, Any]) -> JobHandle:
         created = timestamp(job["metadata"].get("creationTimestamp")) or time.time()
@@ -434,50 +391,7 @@ class EksBackend(TrainingBackend):
     def diagnose(self, handle: JobHandle) -> Diagnosis:
         with self._kube() as kube:
             job = self._job(kube, handle)
-            pods = kube.list_pods(f"{LABEL_JOB}={handle.job_name}")
-            status = job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
-            failure = status.failure_class
-            if status.state != "failed":
-                return Diagnosis(failure, [], False, [f"job {handle.job_name} is {status.state}: nothing to diagnose"])
-            evidence = [f"status: {status.message}"]
-            if failure not in REPLACEABLE_FAILURES:  # a user, storage or data fault; unknown: don't guess
-                return Diagnosis(failure, [], False, evidence + [f"{failure}: {what_to_do(failure)}"])
-            job_nodes = sorted(
-                {n.node_id for n in status.nodes if n.node_id}
-                | {(p.get("spec") or {}).get("nodeName") for p in pods} - {None}
-            )
-            bad, why = suspect_nodes(kube, job_nodes, status, pods)
-            evidence += why
-            if bad:
-                return Diagnosis(failure, sorted(bad), True, evidence)
-        cfg = run_config_of(job)
-        run_dir = cfg.run_dir if cfg else handle.extra.get("run_dir")
-        if run_dir and Path(run_dir).is_dir():  # FSx mounted in this worker
-            blamed, why = blame_from_events(run_dir, handle.launch_id, status, job_nodes)
-            return Diagnosis(failure, blamed, bool(blamed), evidence + why)
-        reporting = sorted({n.node_id for n in status.nodes if n.failure_class == failure and n.node_id})
-        if reporting:
-            return Diagnosis(
-                failure,
-                reporting,
-                True,
-                evidence
-                + [
-                    f"run dir {run_dir} is not mounted here (no events to read); blaming the node(s) whose pod "
-                    "reported "
-                    f"{failure}: {reporting}"
-                ],
-            )
-        return Diagnosis(
-            failure,
-            job_nodes,
-            bool(job_nodes),
-            evidence
-            + [
-                f"run dir {run_dir} is not mounted here and no pod names a node; every node of the job is suspect: "
-                f"{job_nodes}"
-            ],
-        )
+            return diagnose_job(kube, handle, job, provisions_on_demand=self.replacement == "karpenter")
 
     # -- nodes --------------------------------------------------------------------------------
     def _pool(self, kube: KubeClient) -> list[dict[str, Any]]:
@@ -557,31 +471,8 @@ class EksBackend(TrainingBackend):
             job = evaluation_job(cfg, self.settings, checkpoint_id=checkpoint_id)
         except ValueError as e:
             raise BackendError(f"cannot evaluate run {cfg.run_id} on EKS: {e}") from e
-        name = job["metadata"]["name"]
-        deadline = time.time() + timeout_s
         with self._kube() as kube:
-            if kube.get_job(name) is None:
-                kube.create_job(job)
-            while True:
-                current = kube.get_job(name) or {}
-                conds = {t for t, c in conditions_of(current).items() if c.get("status") == "True"}
-                if conds & {"Complete", "SuccessCriteriaMet"}:
-                    break
-                if conds & {"Failed", "FailureTarget"}:
-                    pods = kube.list_pods(f"{LABEL_JOB}={name}")  # our label: on every pod of the Job
-                    tail = kube.pod_log(pods[-1]["metadata"]["name"], 50) if pods else "(no pod)"
-                    raise BackendError(f"evaluation job {name} failed; its log ends:\n{tail}")
-                if time.time() > deadline:
-                    raise BackendError(
-                        f"evaluation job {name} did not finish within {timeout_s:.0f}s; "
-                        f"see `kubectl -n {self.namespace} describe job {name}`"
-                    )
-                time.sleep(self.evaluation_poll_s)
-        result = Path(cfg.run_dir, "eval.json")
-        try:
-            return json.loads(result.read_text())
-        except (OSError, ValueError) as e:
-            raise BackendError(
-                f"evaluation job {name} succeeded but {result} is unreadable here ({e}); is FSx "
-                "mounted in the Airflow workers at the same path as in the pods?"
-            ) from e
+            wait_for_evaluation_job(
+                kube, job, timeout_s=timeout_s, poll_s=self.evaluation_poll_s, namespace=self.namespace
+            )
+        return read_evaluation_result(cfg.run_dir, job["metadata"]["name"])

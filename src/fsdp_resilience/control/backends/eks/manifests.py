@@ -13,7 +13,9 @@ privilege escalation and every capability dropped, except IPC_LOCK on EFA pods (
 the memory it registers with the NIC; the EKS runtime's default memlock limit is too small).
 Training pods are QoS Guaranteed by default (cpu and memory requests = limits), sized for
 p5.48xlarge. The pods' settings (``PodTemplateSettings``) and their validation are in
-pod_settings.py, the image allowlist in images.py, the names and labels in constants.py.
+pod_settings.py, the image allowlist in images.py, the names and labels in constants.py, the
+objects' labels, annotations and owner reference in object_metadata.py, and the rendezvous
+Service and NetworkPolicy in networking.py.
 
 Pure functions: no Kubernetes client, no clock, no randomness. The same inputs give the same
 objects, so a retried Airflow task submits byte-for-byte what the first try did.
@@ -24,15 +26,11 @@ Torch-free and client-free: the control plane imports this module.
 from __future__ import annotations
 
 import copy
-import hashlib
 import posixpath
-import re
 from typing import Any
 
 from fsdp_resilience.control.backends.base import job_name_for
 from fsdp_resilience.control.backends.eks.constants import (
-    ANNOTATION_AIRFLOW_RUN,
-    ANNOTATION_LAUNCH,
     COMPONENT_EVALUATION,
     COMPONENT_TRAINING,
     CONFIG_ENV,
@@ -45,15 +43,8 @@ from fsdp_resilience.control.backends.eks.constants import (
     FSX_VOLUME,
     GPU_RESOURCE,
     HUGEPAGES_RESOURCE,
-    LABEL_AIRFLOW_RUN,
-    LABEL_COMPONENT,
     LABEL_JOB,
-    LABEL_LAUNCH,
-    LABEL_RUN,
-    LABEL_VALUE_FORMAT,
-    LABEL_VALUE_MAX,
     LAUNCH_ID_ENV,
-    MANAGED_BY,
     NCCL_ENV,
     NODE_ID_ENV,
     RDZV_HOST_ENV,
@@ -66,35 +57,15 @@ from fsdp_resilience.control.backends.eks.failure_policy import (
     training_backoff_limit,
     training_pod_failure_policy,
 )
+from fsdp_resilience.control.backends.eks.networking import rendezvous_host
+from fsdp_resilience.control.backends.eks.object_metadata import (
+    check_ids,
+    object_annotations,
+    object_labels,
+    object_metadata,
+)
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 from fsdp_resilience.training.contract import RunConfig, checkpoint_step
-
-_LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-_LABEL_EDGE = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
-_HASH_LEN = 8
-
-
-def label_value(text: str) -> str:
-    """``text`` as a valid label value: unchanged if it already is one, else cleaned and cut to fit,
-    with a short hash of the exact text appended (so two ids that clean up alike stay distinct).
-
-    ``manual__2026-11-30T07:35:43.123456+00:00`` -> ``manual__2026-11-30T07-35-43.123456-00-00-<hash>``.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"label_value needs a string, got {type(text).__name__}")
-    if text and len(text) <= LABEL_VALUE_MAX and LABEL_VALUE_FORMAT.match(text):
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:_HASH_LEN]
-    readable = _LABEL_UNSAFE.sub("-", text)[: LABEL_VALUE_MAX - _HASH_LEN - 1]
-    readable = _LABEL_EDGE.sub("", readable)
-    return f"{readable}-{digest}" if readable else digest
-
-
-def rendezvous_host(job_name: str, namespace: str) -> str:
-    """The DNS name of the pod with completion index 0: an Indexed Job's pod is named
-    ``<job>-<index>`` and, with ``subdomain=<job>``, resolvable through the headless Service."""
-    return f"{job_name}-0.{job_name}.{namespace}.svc"
-
 
 # --------------------------------------------------------------------------------------------
 # Shared pieces
@@ -113,38 +84,6 @@ def _check_under_mount(cfg: RunConfig, settings: PodTemplateSettings) -> None:
                 f"set {name} to a path under {mount}/ (e.g. {mount}/runs/{cfg.run_id}), or set "
                 f"PodTemplateSettings.fsx_mount_path to where the FSx volume holds it"
             )
-
-
-def _labels(cfg: RunConfig, component: str, launch_id: str | None, airflow_run_id: str | None) -> dict[str, str]:
-    labels = {**MANAGED_BY, LABEL_COMPONENT: component, LABEL_RUN: cfg.run_id}
-    if launch_id is not None:
-        labels[LABEL_LAUNCH] = label_value(launch_id)
-    if airflow_run_id is not None:
-        labels[LABEL_AIRFLOW_RUN] = label_value(airflow_run_id)
-    return labels
-
-
-def _annotations(launch_id: str | None, airflow_run_id: str | None) -> dict[str, str]:
-    annotations = {}
-    if launch_id is not None:
-        annotations[ANNOTATION_LAUNCH] = launch_id
-    if airflow_run_id is not None:
-        annotations[ANNOTATION_AIRFLOW_RUN] = airflow_run_id
-    return annotations
-
-
-def _metadata(name: str, namespace: str, labels: dict[str, str], annotations: dict[str, str]) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels}
-    if annotations:
-        meta["annotations"] = annotations
-    return meta
-
-
-def _check_ids(launch_id: Any, airflow_run_id: Any) -> None:
-    if not isinstance(launch_id, str) or not launch_id.strip() or len(launch_id) > 200:
-        raise ValueError(f"launch_id={launch_id!r} must be a non-empty string of at most 200 characters")
-    if airflow_run_id is not None and (not isinstance(airflow_run_id, str) or not airflow_run_id):
-        raise ValueError(f"airflow_run_id={airflow_run_id!r} must be the DAG run's id, or None")
 
 
 def _env(pairs: dict[str, str], node_id_from_downward_api: bool) -> list[dict[str, Any]]:
@@ -304,11 +243,11 @@ def training_job(
     Service and NetworkPolicy and resumes it (``spec.suspend: false``), so no pod ever runs
     without the DNS name it rendezvouses at."""
     settings.validate()
-    _check_ids(launch_id, airflow_run_id)
+    check_ids(launch_id, airflow_run_id)
     _check_under_mount(cfg, settings)
     name = job_name_for(cfg.run_id, launch_id)
-    labels = _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id)
-    annotations = _annotations(launch_id, airflow_run_id)
+    labels = object_labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id)
+    annotations = object_annotations(launch_id, airflow_run_id)
     gpus, efa = settings.gpus(cfg), settings.efa_per_node
     if gpus > 0 and cfg.procs_per_node > gpus:
         raise ValueError(
@@ -343,7 +282,7 @@ def training_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata(name, settings.namespace, labels, annotations),
+        "metadata": object_metadata(name, settings.namespace, labels, annotations),
         "spec": {
             "completionMode": "Indexed",
             "completions": cfg.launch_nodes,
@@ -361,109 +300,6 @@ def training_job(
     }
 
 
-def _owner_reference(owner: Any, job_name: str) -> dict[str, Any]:
-    # A dict (the API's JSON) or the client's V1Job model: both have metadata.name and .uid.
-    meta = owner.get("metadata") if isinstance(owner, dict) else getattr(owner, "metadata", None)
-    if isinstance(meta, dict):
-        name, uid = meta.get("name"), meta.get("uid")
-    else:
-        name, uid = getattr(meta, "name", None), getattr(meta, "uid", None)
-    if not name or not uid:
-        raise ValueError(
-            f"owner must be the created Job as the API returned it (with metadata.name and metadata.uid), got {owner!r}"
-        )
-    if name != job_name:
-        raise ValueError(
-            f"owner is Job {name!r}, but this launch's Job is {job_name!r}: pass the Job that "
-            "create_namespaced_job returned for the same run and launch"
-        )
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "name": name,
-        "uid": uid,
-        "controller": True,
-        "blockOwnerDeletion": False,
-    }
-
-
-def _launch_object_metadata(
-    cfg: RunConfig,
-    launch_id: str,
-    settings: PodTemplateSettings,
-    owner: dict[str, Any] | None,
-    airflow_run_id: str | None,
-) -> tuple[str, dict[str, Any]]:
-    """The name (the Job's) and metadata of an object that belongs to one launch's Job; with
-    ``owner`` (the created Job), owned by it, so it goes when the Job goes."""
-    settings.validate()
-    _check_ids(launch_id, airflow_run_id)
-    name = job_name_for(cfg.run_id, launch_id)
-    metadata = _metadata(
-        name,
-        settings.namespace,
-        _labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id),
-        _annotations(launch_id, airflow_run_id),
-    )
-    if owner is not None:
-        metadata["ownerReferences"] = [_owner_reference(owner, name)]
-    return name, metadata
-
-
-def rendezvous_service(
-    cfg: RunConfig,
-    launch_id: str,
-    settings: PodTemplateSettings,
-    *,
-    owner: dict[str, Any] | None = None,
-    airflow_run_id: str | None = None,
-) -> dict[str, Any]:
-    """The headless Service named like the launch's Job: it gives pod ``<job>-0`` the DNS name
-    ``rendezvous_host(job, namespace)``. With ``owner`` (the created Job), deleting the Job
-    (or its TTL expiring) deletes the Service too."""
-    name, metadata = _launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata,
-        "spec": {
-            "clusterIP": "None",
-            # The rendezvous happens before any pod is Ready: publish the addresses at once.
-            "publishNotReadyAddresses": True,
-            "selector": {LABEL_JOB: name},
-            "ports": [{"name": RDZV_PORT_NAME, "port": cfg.rdzv_port, "targetPort": cfg.rdzv_port, "protocol": "TCP"}],
-        },
-    }
-
-
-def rendezvous_network_policy(
-    cfg: RunConfig,
-    launch_id: str,
-    settings: PodTemplateSettings,
-    *,
-    owner: dict[str, Any] | None = None,
-    airflow_run_id: str | None = None,
-) -> dict[str, Any]:
-    """The NetworkPolicy named like the launch's Job: traffic into the launch's pods only from the
-    same launch's pods, on every port (the rendezvous store, which has no authentication; the
-    c10d store; NCCL's TCP bootstrap and socket fallback). Other pods of the namespace, and other
-    launches of the same run, are refused (the kit also denies all other ingress to the training
-    namespace). EFA traffic is OS-bypass and never meets the CNI's policy. Egress is not limited
-    (FSx, the registry, S3). With ``owner`` (the created Job), it goes with the Job."""
-    name, metadata = _launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
-    launch_pods = {"matchLabels": {LABEL_JOB: name}}
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": metadata,
-        "spec": {
-            "podSelector": copy.deepcopy(launch_pods),
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": copy.deepcopy(launch_pods)}]}],
-        },
-    }
-
-
 def evaluation_job(
     cfg: RunConfig,
     settings: PodTemplateSettings,
@@ -475,15 +311,15 @@ def evaluation_job(
     committed one that verifies) with ``python -m fsdp_resilience.training.evaluate``, which writes
     ``<run_dir>/eval.json``."""
     settings.validate()
-    _check_ids(EVAL_LAUNCH_ID, airflow_run_id)
+    check_ids(EVAL_LAUNCH_ID, airflow_run_id)
     _check_under_mount(cfg, settings)
     if checkpoint_id is not None and checkpoint_step(checkpoint_id) is None:
         raise ValueError(f"checkpoint_id={checkpoint_id!r} is not a checkpoint folder name such as 'step_00000100'")
     # One Job per checkpoint: a retried task finds the same Job, a later checkpoint gets its own.
     name = job_name_for(cfg.run_id, EVAL_LAUNCH_ID if checkpoint_id is None else f"{EVAL_LAUNCH_ID}-{checkpoint_id}")
     # No launch label: the evaluation belongs to the run, not to one launch of it.
-    labels = _labels(cfg, COMPONENT_EVALUATION, None, airflow_run_id)
-    annotations = _annotations(None, airflow_run_id)
+    labels = object_labels(cfg, COMPONENT_EVALUATION, None, airflow_run_id)
+    annotations = object_annotations(None, airflow_run_id)
     gpus = 1 if settings.gpus(cfg) > 0 else 0
     env = {"PYTHONUNBUFFERED": "1", **settings.env}
     command = ["python", "-m", "fsdp_resilience.training.evaluate", "--config", f"{cfg.run_dir}/run.json"]
@@ -504,7 +340,7 @@ def evaluation_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _metadata(name, settings.namespace, labels, annotations),
+        "metadata": object_metadata(name, settings.namespace, labels, annotations),
         "spec": {
             "completions": 1,
             "parallelism": 1,
