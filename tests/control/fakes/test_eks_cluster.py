@@ -42,8 +42,14 @@ def test_the_kubelet_plays_a_launch_that_succeeds_and_one_that_fails(cluster, tm
         add_gpu_node(cluster, f"gpu-{i}")
     backend = backend_for(tmp_path)
     cfg = run_config(tmp_path, run_id="played", steps=20, checkpoint_interval=5)
-    codes = {"0": 0, "1": int(ExitCode.RESTARTS_EXHAUSTED)}
-    with FakeKubelet(cluster, lambda launch_id, index, node: codes[launch_id], fail_at_step=10):
+
+    def scenario(launch_id: str, index: int, node: str) -> int | None:
+        if launch_id == "0":
+            return 0
+        # launch 1: node 0 gives up; node 1 keeps running until the Job's failure stops its pod
+        return int(ExitCode.RESTARTS_EXHAUSTED) if index == 0 else None
+
+    with FakeKubelet(cluster, scenario, fail_at_step=10):
         handle = backend.submit(cfg, "0")
         wait_for(lambda: backend.status(handle).state == "succeeded", 60, "launch 0 to succeed")
         assert [c.step for c in CheckpointCatalog(cfg.run_dir).committed()] == [5, 10, 15, 20]
