@@ -7,7 +7,7 @@ in its own processes and bounded by its own timeout, so one that hangs cannot bl
 
   train       bf16 FSDP2 training with the product command, ``python -m fsdp_resilience.training.launch``
               (``small`` preset, NCCL, layered restarts): step time, tokens/s, final loss, exit 0
-  checkpoint  fsdp_resilience.training.checkpointing.AsyncCheckpointer on CUDA with a few hundred MB of state: its
+  checkpoint  checkpointing.checkpointer.AsyncCheckpointer on CUDA with a few hundred MB of state: its
               stall against a pinned-memory memcpy of the same bytes, peak /dev/shm use during
               saves, and that the writer process holds no CUDA context
   exception   an exception in rank 0, recovered in-process on NCCL (restart latency)

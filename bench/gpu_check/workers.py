@@ -28,7 +28,8 @@ def training_api() -> SimpleNamespace:
     import torch
     import torch.distributed as dist
 
-    from fsdp_resilience.training.checkpointing import AsyncCheckpointer, app_state
+    from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing.snapshot import app_state
     from fsdp_resilience.training.contract import EventLog
     from fsdp_resilience.training.model import (
         BYTE_VOCAB,

@@ -110,7 +110,7 @@ def _run_stall_rank(rank: int, world: int, port: int, spec: dict[str, Any]) -> d
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_resilience.training.checkpointing import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
 
     device = (
         torch.device(spec["device"], rank % max(1, torch.cuda.device_count()))
@@ -194,7 +194,7 @@ def _stall_size(
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_resilience.training.checkpointing.checkpointer as checkpoint_module
-    from fsdp_resilience.training.checkpointing import app_state
+    from fsdp_resilience.training.checkpointing.snapshot import app_state
     from fsdp_resilience.training.checkpointing.write_job import write_then_checksum as real_job
 
     scratch = Path(spec["scratch"])
@@ -419,7 +419,7 @@ def _save_eval_checkpoint(
     after one step), committed by the project's checkpointer: what evaluation loads."""
     import torch
 
-    from fsdp_resilience.training.checkpointing import app_state
+    from fsdp_resilience.training.checkpointing.snapshot import app_state
     from fsdp_resilience.training.model import cross_entropy_loss
     from fsdp_resilience.training.parallelize import build_sharded_model
 

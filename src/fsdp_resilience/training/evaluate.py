@@ -43,12 +43,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_resilience.training.checkpointing import (
-    NotDirectlyReadable,
-    load_checkpoint,
-    plan_direct_read,
-    read_model_bytes,
-)
+from fsdp_resilience.training.checkpointing.model_bytes import NotDirectlyReadable, plan_direct_read, read_model_bytes
+from fsdp_resilience.training.checkpointing.resume import load_checkpoint
 from fsdp_resilience.training.contract import (
     CheckpointCatalog,
     CheckpointInfo,

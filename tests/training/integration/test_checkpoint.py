@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch
 
-from fsdp_resilience.training.checkpointing import load_latest
+from fsdp_resilience.training.checkpointing.resume import load_latest
 from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, Event, EventLog, RunDir, read_events
 
 from shared import run_on_two_ranks
@@ -84,13 +84,10 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_resilience.training.checkpointing import (
-        AsyncCheckpointer,
-        CheckpointWriterError,
-        app_state,
-        load_checkpoint,
-        restore_app_state,
-    )
+    from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing.resume import load_checkpoint
+    from fsdp_resilience.training.checkpointing.rounds import CheckpointWriterError
+    from fsdp_resilience.training.checkpointing.snapshot import app_state, restore_app_state
 
     run_dir, sync_dir = tmp / "run", tmp / "run-sync"
     layout = RunDir(run_dir)

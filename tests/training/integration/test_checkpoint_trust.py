@@ -31,7 +31,7 @@ import pytest
 import torch
 from test_checkpoint import _flat, _mismatches, _running
 
-from fsdp_resilience.training.checkpointing import CheckpointMismatchError, load_latest
+from fsdp_resilience.training.checkpointing.resume import CheckpointMismatchError, load_latest
 from fsdp_resilience.training.contract import (
     COMMIT_MARKER,
     QUARANTINE_RECORD,
@@ -87,7 +87,9 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_resilience.training.checkpointing import AsyncCheckpointer, CheckpointWriterError, app_state
+    from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing.rounds import CheckpointWriterError
+    from fsdp_resilience.training.checkpointing.snapshot import app_state
 
     run_dir = tmp / "run"
     layout = RunDir(run_dir)

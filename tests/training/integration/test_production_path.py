@@ -40,7 +40,7 @@ NVRX_07 = _BUCKETS_IN_WRITER
 TRAINER = textwrap.dedent("""
     import json, os, sys, threading, time
     import torch, torch.distributed as dist
-    from fsdp_resilience.training.checkpointing import AsyncCheckpointer
+    from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
 
     def shm_used():
         st = os.statvfs("/dev/shm")

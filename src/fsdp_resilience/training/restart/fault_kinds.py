@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from fsdp_resilience.training.checkpointing import CheckpointWriterError
+from fsdp_resilience.training.checkpointing.rounds import CheckpointWriterError
 
 
 class UserErrorAbort(BaseException):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp_resilience.training import faults
-from fsdp_resilience.training.checkpointing import CheckpointMismatchError
+from fsdp_resilience.training.checkpointing.resume import CheckpointMismatchError
 from fsdp_resilience.training.contract import (
     Event,
     FailureClass,

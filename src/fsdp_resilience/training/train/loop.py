@@ -14,14 +14,10 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess import CallWrapper
 
 from fsdp_resilience.training import faults
-from fsdp_resilience.training.checkpointing import (
-    AsyncCheckpointer,
-    app_state,
-    choose_checkpoint,
-    restore_app_state,
-    restore_checkpoint,
-    writer_stall_bound,
-)
+from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
+from fsdp_resilience.training.checkpointing.resume import choose_checkpoint, restore_checkpoint
+from fsdp_resilience.training.checkpointing.snapshot import app_state, restore_app_state
+from fsdp_resilience.training.checkpointing.writer import writer_stall_bound
 from fsdp_resilience.training.contract import (
     CheckpointInfo,
     Event,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_resilience.training.checkpointing import load_latest
+from fsdp_resilience.training.checkpointing.resume import load_latest
 from fsdp_resilience.training.contract import Event, EventLog, RunDir, read_events
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 
-from fsdp_resilience.training.checkpointing import CheckpointWriterError
+from fsdp_resilience.training.checkpointing.rounds import CheckpointWriterError
 
 
 def test_writer_error_survives_copy_and_pickle():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_resilience.training.checkpointing import NotDirectlyReadable, plan_direct_read, read_model_bytes
+from fsdp_resilience.training.checkpointing.model_bytes import NotDirectlyReadable, plan_direct_read, read_model_bytes
 from fsdp_resilience.training.checkpointing.write_job import model_digest
 
 # One process, no process group: DCP says it saves as a single process, which is the point here.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fsdp_resilience.training.checkpointing import CheckpointWriterError
+from fsdp_resilience.training.checkpointing.rounds import CheckpointWriterError
 from fsdp_resilience.training.restart.fault_kinds import UserErrorAbort, is_platform_fault
 
 
