@@ -25,6 +25,7 @@ from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunCo
 
 from control.fakes.stand_in_launcher import script_backend
 from control.support import REPO, TRAINING_PYTHON, make_dataset
+from control.support.dag_runs import XComs
 from shared import FAST_RUN
 
 FAST = FAST_RUN
@@ -313,16 +314,6 @@ exec sleep 300
 """
 
 
-class _XComs:
-    """What ``SparePoolKeeper`` pulls from the task instance: task id -> XCom."""
-
-    def __init__(self, **by_task):
-        self.by_task = by_task
-
-    def xcom_pull(self, task_ids):
-        return self.by_task[task_ids]
-
-
 @pytest.fixture()
 def spared(tmp_path):
     """A local backend of 4 slots with idle stand-in launchers, and launch 0 of a run of 2 nodes and
@@ -399,7 +390,7 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     backend, run, launch = spared
     handle = JobHandle.from_dict(launch.handle)
     keeper = SparePoolKeeper(task_id="keep_spare_pool", launch=launch)
-    context = {"ti": _XComs(validate_config=run, launch_training=launch)}
+    context = {"ti": XComs(validate_config=run, launch_training=launch)}
     with pytest.raises(TaskDeferred) as deferred:
         keeper.execute(context)
     lost_slot = _lose(backend, launch, 1)
@@ -516,7 +507,7 @@ def test_a_run_without_spares_skips_its_keepers_and_spares_count_in_capacity(lau
         launched_at=0.0,
     )
     with pytest.raises(AirflowSkipException, match="spare_nodes=0"):
-        SparePoolKeeper(task_id="keep_spare_pool", launch=launch).execute({"ti": _XComs(validate_config=run)})
+        SparePoolKeeper(task_id="keep_spare_pool", launch=launch).execute({"ti": XComs(validate_config=run)})
     spared = run_config("with-spares", nodes=2, spare_nodes=1, restart_mode="injob")
     assert spared.config["spare_nodes"] == 1
     with pytest.raises(ConfigError, match="needs in-job restarts"):
