@@ -47,6 +47,8 @@ from fsdp_resilience.control.backends.eks.object_metadata import label_value  # 
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings  # noqa: E402
 from fsdp_resilience.training.contract import ExitCode, FailureClass, RunConfig, failure_class_for_exit  # noqa: E402
 
+from control.support.eks_pods import make_cfg, make_settings  # noqa: E402
+
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is missing: pip install '.[test-eks]'"
 )
@@ -59,24 +61,6 @@ DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 #: What a Service name must be (and so the Job and NetworkPolicy named like it).
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-
-
-def make_cfg(**overrides) -> RunConfig:
-    values = dict(
-        run_id="llama-8b-resilience",
-        run_dir="/fsx/runs/llama-8b-resilience",
-        dataset_dir="/fsx/datasets/fineweb",
-        nodes=4,
-        procs_per_node=8,
-    )
-    values.update(overrides)
-    return RunConfig(**values)
-
-
-def make_settings(**overrides) -> PodTemplateSettings:
-    values = dict(image="123456789012.dkr.ecr.us-west-2.amazonaws.com/fsdp-training:1.0")
-    values.update(overrides)
-    return PodTemplateSettings(**values)
 
 
 def roundtrip(obj: dict) -> dict:
