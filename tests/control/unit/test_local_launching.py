@@ -4,90 +4,46 @@ start time (gone). Real jobs: tests/control/integration/test_local_backend.py.""
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 
 from fsdp_resilience.control.backends import BackendError
 from fsdp_resilience.control.backends.local.launching import spawn_supervisor, wait_added, wait_started
-from fsdp_resilience.control.backends.local.processes import process_start_ticks
-from fsdp_resilience.control.backends.local.state import StateStore
 
-ME = os.getpid()
-ALIVE = {"pid": ME, "start_ticks": process_start_ticks(ME)}
-GONE = {"pid": ME, "start_ticks": -1}
-
-
-def node(index: int, **fields) -> dict:
-    entry = {
-        "index": index,
-        "node_id": f"slot-{index}",
-        "standby": False,
-        "log_path": f"/nonexistent/n{index}.log",
-        "pid": None,
-        "start_ticks": None,
-        "exit_code": None,
-        "ended_at": None,
-        "stopped_by": None,
-        "start_error": None,
-    }
-    entry.update(fields)
-    return entry
-
-
-def make_record(tmp_path: Path, nodes: list[dict], supervisor: dict | None = None, **fields) -> StateStore:
-    store = StateStore(tmp_path / "state")
-    record = {
-        "job_name": "job",
-        "run_id": "r",
-        "launch_id": "1",
-        "run_dir": str(tmp_path / "run"),
-        "train_nodes": len(nodes),
-        "created_at": time.time(),
-        "start_timeout_s": 60.0,
-        "cancel": None,
-        "error": None,
-        "nodes": nodes,
-        "supervisor": {"pid": None, "start_ticks": None, "log_path": "/nonexistent/supervisor.log"},
-    }
-    record["supervisor"].update(supervisor or {})
-    record.update(fields)
-    store.write_job(record)
-    return store
+from control.support.local_jobs import ALIVE, GONE, make_record, node
 
 
 def test_wait_started_returns_once_every_launcher_has_a_pid(tmp_path):
-    store = make_record(tmp_path, [node(0, **ALIVE), node(1, **ALIVE)], supervisor=ALIVE)
+    store, _ = make_record(tmp_path, [node(0, **ALIVE), node(1, **ALIVE)], supervisor=ALIVE)
     wait_started(store, "job", 5.0)
 
 
 def test_wait_started_reports_why_a_job_did_not_start(tmp_path):
-    store = make_record(tmp_path, [node(0)], error="boom")
+    store, _ = make_record(tmp_path, [node(0)], error="boom")
     with pytest.raises(BackendError, match="job job did not start: boom"):
         wait_started(store, "job", 5.0)
-    store = make_record(tmp_path, [node(0)], supervisor=GONE)
+    store, _ = make_record(tmp_path, [node(0)], supervisor=GONE)
     with pytest.raises(BackendError, match="the supervisor died before starting its launchers"):
         wait_started(store, "job", 5.0)
-    store = make_record(tmp_path, [node(0)])  # a supervisor not started yet, and no time to wait
+    store, _ = make_record(tmp_path, [node(0)])  # a supervisor not started yet, and no time to wait
     with pytest.raises(BackendError, match="did not start its launchers within 0s.*same launch_id returns this job"):
         wait_started(store, "job", 0.0)
 
 
 def test_wait_added_returns_the_started_spares_status(tmp_path):
-    store = make_record(tmp_path, [node(0, **ALIVE), node(1, standby=True, **ALIVE)], supervisor=ALIVE)
+    store, _ = make_record(tmp_path, [node(0, **ALIVE), node(1, standby=True, **ALIVE)], supervisor=ALIVE)
     status = wait_added(store, "job", 1, 5.0)
     assert status.index == 1 and status.node_id == "slot-1" and status.state in ("pending", "running")
 
 
 def test_wait_added_raises_for_a_spare_never_started(tmp_path):
-    store = make_record(
+    store, _ = make_record(
         tmp_path, [node(0, **ALIVE), node(1, standby=True, start_error="no such file")], supervisor=ALIVE
     )
     with pytest.raises(BackendError, match=r"spare node 1 \(slot-1\) was not started"):
         wait_added(store, "job", 1, 5.0)
-    store = make_record(tmp_path, [node(0, **ALIVE), node(1, standby=True)], supervisor=ALIVE)
+    store, _ = make_record(tmp_path, [node(0, **ALIVE), node(1, standby=True)], supervisor=ALIVE)
     with pytest.raises(BackendError, match="did not start spare node 1 within 0s"):
         wait_added(store, "job", 1, 0.0)
 

@@ -5,56 +5,14 @@ is this one (alive), or a pid whose start time does not match (gone)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from fsdp_resilience.control.backends import LOST
-from fsdp_resilience.control.backends.local.processes import process_start_ticks
-from fsdp_resilience.control.backends.local.state import StateStore
 from fsdp_resilience.control.backends.local.verdict import DROPPED_SPARE, judge_job, promotion_pending
 from fsdp_resilience.training.contract import FailureClass, failure_class_for_exit
 
-ME = os.getpid()
-ALIVE = {"pid": ME, "start_ticks": process_start_ticks(ME)}
-GONE = {"pid": ME, "start_ticks": -1}  # this pid, another start: the process we started is gone
-
-
-def node(index: int, standby: bool = False, **fields) -> dict:
-    entry = {
-        "index": index,
-        "node_id": f"slot-{index}",
-        "standby": standby,
-        "log_path": f"/nonexistent/n{index}.log",
-        "pid": None,
-        "start_ticks": None,
-        "exit_code": None,
-        "ended_at": None,
-        "stopped_by": None,
-        "start_error": None,
-    }
-    entry.update(fields)
-    return entry
-
-
-def make_record(tmp_path: Path, nodes: list[dict], train_nodes: int | None = None, **fields) -> tuple[StateStore, dict]:
-    store = StateStore(tmp_path / "state")
-    record = {
-        "job_name": "job",
-        "run_id": "r",
-        "launch_id": "1",
-        "run_dir": str(tmp_path / "run"),
-        "train_nodes": len(nodes) if train_nodes is None else train_nodes,
-        "created_at": time.time(),
-        "start_timeout_s": 60.0,
-        "cancel": None,
-        "error": None,
-        "nodes": nodes,
-        "supervisor": {"pid": None, "start_ticks": None, "log_path": "/nonexistent/supervisor.log"},
-    }
-    record.update(fields)
-    store.write_job(record)
-    return store, record
+from control.support.local_jobs import ALIVE, GONE, make_record, node
 
 
 def write_events(tmp_path: Path, *events: dict) -> None:
