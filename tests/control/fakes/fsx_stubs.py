@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 import boto3
 import pytest
-from botocore.stub import Stubber
+from botocore.stub import ANY, Stubber
 
 from fsdp_resilience.control.hooks.fsx import FsxHook
 
@@ -94,3 +94,19 @@ def expect_in_flight(stub, tasks=()):
 
 def expect_describe(stub, task):
     stub.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task]}, {"TaskIds": [task["TaskId"]]})
+
+
+def expect_create(stub, paths, type_="IMPORT_METADATA_FROM_REPOSITORY", token=ANY, report=None, task_paths=None):
+    """create_data_repository_task for exactly ``paths`` (``report``: its Report, default off; ``token``:
+    its ClientRequestToken), answered with a PENDING task (of ``task_paths``, default ``paths``)."""
+    stub.add_response(
+        "create_data_repository_task",
+        {"DataRepositoryTask": a_task("PENDING", type_, task_paths or paths)},
+        {
+            "Type": type_,
+            "FileSystemId": FS,
+            "Paths": list(paths),
+            "Report": report or {"Enabled": False},
+            "ClientRequestToken": token,
+        },
+    )

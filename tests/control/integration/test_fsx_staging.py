@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
-from botocore.stub import ANY
 
 from fsdp_resilience.control import fsx
 from fsdp_resilience.control.fsx import FsxStagingError
@@ -35,6 +34,7 @@ from control.fakes.fsx_stubs import (  # noqa: F401  (stub is a fixture)
     TASK,
     a_task,
     expect_associations,
+    expect_create,
     expect_describe,
     expect_file_system,
     expect_in_flight,
@@ -137,22 +137,13 @@ def test_an_import_is_created_with_the_shapes_fsx_wants(stub):
     expect_associations(stub)
     expect_in_flight(stub, [a_task("SUCCEEDED")])  # an ended task is history, not in flight
     token = fsx.request_token("import", FS, ["s3://bucket/datasets/c4/"], "dag.run.try1")
-    stub.add_response(
-        "create_data_repository_task",
-        {"DataRepositoryTask": a_task("PENDING")},
-        {
-            "Type": "IMPORT_METADATA_FROM_REPOSITORY",
-            "FileSystemId": FS,
-            "Paths": ["s3://bucket/datasets/c4/"],
-            "Report": {
-                "Enabled": True,
-                "Path": "s3://bucket/datasets/reports",
-                "Format": "REPORT_CSV_20191124",
-                "Scope": "FAILED_FILES_ONLY",
-            },
-            "ClientRequestToken": token,
-        },
-    )
+    report = {
+        "Enabled": True,
+        "Path": "s3://bucket/datasets/reports",
+        "Format": "REPORT_CSV_20191124",
+        "Scope": "FAILED_FILES_ONLY",
+    }
+    expect_create(stub, ["s3://bucket/datasets/c4/"], token=token, report=report, task_paths=a_task()["Paths"])
     task = FsxHook().start_task(
         "import", FS, ["/datasets/c4/"], report_path="s3://bucket/datasets/reports/", request_key="dag.run.try1"
     )
@@ -166,21 +157,7 @@ def test_an_export_names_paths_relative_to_the_file_system_root(stub):
     expect_file_system(stub)
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response(
-        "create_data_repository_task",
-        {
-            "DataRepositoryTask": a_task(
-                "PENDING", type_="EXPORT_TO_REPOSITORY", paths=["runs/r1/checkpoints", "runs/r1/eval.json"]
-            )
-        },
-        {
-            "Type": "EXPORT_TO_REPOSITORY",
-            "FileSystemId": FS,
-            "Paths": ["runs/r1/checkpoints", "runs/r1/eval.json"],
-            "Report": {"Enabled": False},
-            "ClientRequestToken": ANY,
-        },
-    )
+    expect_create(stub, ["runs/r1/checkpoints", "runs/r1/eval.json"], "EXPORT_TO_REPOSITORY")
     FsxHook().start_task("export", FS, ["/runs/r1/eval.json", "s3://bucket/exports/runs/r1/checkpoints/"])
 
 
@@ -243,19 +220,8 @@ def test_the_operator_starts_the_task_then_defers_to_the_trigger(stub):
     expect_file_system(stub)
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response(
-        "create_data_repository_task",
-        {"DataRepositoryTask": a_task("PENDING")},
-        {
-            "Type": "IMPORT_METADATA_FROM_REPOSITORY",
-            "FileSystemId": FS,
-            "Paths": ["s3://bucket/datasets/c4/"],
-            "Report": {"Enabled": False},
-            "ClientRequestToken": fsx.request_token(
-                "import", FS, ["s3://bucket/datasets/c4/"], "stage_dataset.manual__1.import_to_fsx.-1.1"
-            ),
-        },
-    )
+    token = fsx.request_token("import", FS, ["s3://bucket/datasets/c4/"], "stage_dataset.manual__1.import_to_fsx.-1.1")
+    expect_create(stub, ["s3://bucket/datasets/c4/"], token=token, task_paths=a_task()["Paths"])
     op = FsxDataRepositoryTaskOperator(
         task_id="import_to_fsx",
         kind="import",
@@ -338,17 +304,7 @@ def test_stage_dataset_imports_an_s3_dataset_into_fsx_and_verifies_it(stub, tmp_
     expect_file_system(stub)  # import_to_fsx
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response(
-        "create_data_repository_task",
-        {"DataRepositoryTask": a_task("PENDING")},
-        {
-            "Type": "IMPORT_METADATA_FROM_REPOSITORY",
-            "FileSystemId": FS,
-            "Paths": ["s3://bucket/datasets/c4/"],
-            "Report": {"Enabled": False},
-            "ClientRequestToken": ANY,
-        },
-    )
+    expect_create(stub, ["s3://bucket/datasets/c4/"], task_paths=a_task()["Paths"])
     expect_describe(stub, a_task("SUCCEEDED", Status={"TotalCount": 3, "SucceededCount": 3, "FailedCount": 0}))
     from airflow.dag_processing.dagbag import DagBag
 

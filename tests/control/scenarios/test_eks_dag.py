@@ -18,7 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from botocore.stub import ANY
 
 from fsdp_resilience.control.backends.eks import QUARANTINE_TAINT
 from fsdp_resilience.training.contract import (
@@ -37,6 +36,7 @@ from control.fakes.fsx_stubs import (  # noqa: F401
     FS,
     a_task,
     expect_associations,
+    expect_create,
     expect_describe,
     expect_file_system,
     expect_in_flight,
@@ -73,17 +73,7 @@ def expect_export(stub, paths: list[str]) -> None:
     expect_file_system(stub)
     expect_associations(stub)
     expect_in_flight(stub)
-    stub.add_response(
-        "create_data_repository_task",
-        {"DataRepositoryTask": a_task("PENDING", "EXPORT_TO_REPOSITORY", paths)},
-        {
-            "Type": "EXPORT_TO_REPOSITORY",
-            "FileSystemId": FS,
-            "Paths": paths,
-            "Report": {"Enabled": False},
-            "ClientRequestToken": ANY,
-        },
-    )
+    expect_create(stub, paths, "EXPORT_TO_REPOSITORY")
     expect_describe(
         stub,
         a_task(
