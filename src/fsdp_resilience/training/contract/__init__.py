@@ -60,7 +60,9 @@ from fsdp_resilience.training.contract.dataset import (
 )
 from fsdp_resilience.training.contract.events import (
     EVENT_TYPES,
+    LAUNCH_UID_ENV,
     NODE_ID_ENV,
+    POD_UID_ENV,
     Event,
     EventLog,
     EventRecord,
@@ -70,6 +72,7 @@ from fsdp_resilience.training.contract.events import (
 from fsdp_resilience.training.contract.failures import (
     FAILURE_PRIORITY,
     FINAL_FAILURES,
+    LAUNCH_ENDING_FAILURES,
     REPLACEABLE_FAILURES,
     STOP_CLASSES,
     STORAGE_ERRNOS,
@@ -88,6 +91,7 @@ from fsdp_resilience.training.contract.rundir import (
     RunDir,
     declare_stop,
     final_status,
+    launch_ended_by,
     read_stop,
     record_membership,
 )
@@ -136,6 +140,10 @@ __all__ = [
     "MODEL_PRESETS",
     "NCCL_TIMEOUT_MARGIN_S",
     "NODE_ID_ENV",
+    "POD_UID_ENV",
+    "LAUNCH_UID_ENV",
+    "LAUNCH_ENDING_FAILURES",
+    "launch_ended_by",
     "QUARANTINE_DIR",
     "QUARANTINE_RECORD",
     "REPLACEABLE_FAILURES",

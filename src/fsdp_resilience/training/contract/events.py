@@ -200,6 +200,9 @@ class Final(EventRecord):
     step: Annotated[int, "the newest committed checkpoint's step (0: none)"]
     checkpoint_id: Annotated[str | None, "the newest committed checkpoint, or null"]
     message: Annotated[str, "what happened, for a human"]
+    launch_uid: NotRequired[
+        Annotated[str, "the launch's incarnation (``TRAINING_LAUNCH_UID``: on EKS its Job's UID); absent locally"]
+    ]
 
 
 class Eval(EventRecord):
@@ -285,6 +288,15 @@ EVENT_TYPES: dict[str, type] = {
 #: Set by the backend for every process of a node: the Kubernetes node name on EKS (downward
 #: API ``spec.nodeName``), the slot name on the local backend. Diagnosis maps faults to nodes by it.
 NODE_ID_ENV = "TRAINING_NODE_ID"
+#: Set by the EKS backend for every pod (downward API ``metadata.uid``): the pod's UID. A pod the
+#: Job recreates for an index keeps the lost pod's host name but gets a UID of its own, so the
+#: launch lock tells a predecessor by it (unset locally: host and pid as before).
+POD_UID_ENV = "TRAINING_POD_UID"
+#: Set by the EKS backend for every pod (downward API, the Job controller's
+#: ``batch.kubernetes.io/controller-uid`` label): the incarnation of the launch, its Job's UID. A
+#: launch id is reused when a run is triggered again under the same name; the UID is not, so
+#: whether a launch ended (``launch_ended_by``) is read only from its own incarnation's records.
+LAUNCH_UID_ENV = "TRAINING_LAUNCH_UID"
 
 
 def node_id() -> str:

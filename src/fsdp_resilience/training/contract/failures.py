@@ -36,6 +36,12 @@ class FailureClass(str, enum.Enum):
     #: Another ``fsdp_resilience.training.launch`` of this run already holds this node's launch lock. The refused
     #: launcher did nothing, and its exit never changes the run's status.
     ALREADY_RUNNING = "already_running"
+    #: The launcher started after its launch had ended (a launcher of the launch wrote a ``final``
+    #: record with a decisive class): it did nothing and left at once. On EKS, the pod the Job
+    #: recreates for an index after the launch ended (it could not reach the rendezvous, whose pod
+    #: is gone); the Job's podFailurePolicy ignores its exit, so it never uses up backoffLimit, and
+    #: it never changes the run's status.
+    LAUNCH_ENDED = "launch_ended"
     #: The launcher itself failed in a way not covered above (e.g. killed from outside).
     UNKNOWN = "unknown"
 
@@ -66,6 +72,10 @@ class ExitCode(enum.IntEnum):
     ALREADY_RUNNING = 73
     #: sysexits EX_IOERR: the run dir is full or read-only.
     STORAGE_ERROR = 74
+    #: sysexits EX_UNAVAILABLE: the launch this launcher belongs to had already ended when it
+    #: started (a pod recreated after the end); it did nothing. Never counted against the Job's
+    #: backoffLimit (a podFailurePolicy Ignore rule), never the run's outcome.
+    LAUNCH_ENDED = 69
 
 
 _EXIT_TO_CLASS = {
@@ -77,6 +87,7 @@ _EXIT_TO_CLASS = {
     ExitCode.NON_FINITE: FailureClass.NON_FINITE,
     ExitCode.ALREADY_RUNNING: FailureClass.ALREADY_RUNNING,
     ExitCode.STORAGE_ERROR: FailureClass.STORAGE_ERROR,
+    ExitCode.LAUNCH_ENDED: FailureClass.LAUNCH_ENDED,
 }
 
 _CLASS_TO_EXIT = {
@@ -87,6 +98,7 @@ _CLASS_TO_EXIT = {
     FailureClass.STORAGE_ERROR: ExitCode.STORAGE_ERROR,
     FailureClass.NON_FINITE: ExitCode.NON_FINITE,
     FailureClass.ALREADY_RUNNING: ExitCode.ALREADY_RUNNING,
+    FailureClass.LAUNCH_ENDED: ExitCode.LAUNCH_ENDED,
     FailureClass.UNKNOWN: ExitCode.UNKNOWN,
 }
 
@@ -99,14 +111,24 @@ REPLACEABLE_FAILURES = frozenset(c.value for c in FailureClass if c.retryable)
 
 #: Failure classes a launcher ends with by its own decision (not killed, not lost): its node's exit
 #: fails the whole job at once (the EKS Job's podFailurePolicy FailJob rules), since no other pod
-#: of the same job can do better.
-FINAL_FAILURES = frozenset(c.value for c in FailureClass if c not in (FailureClass.SUCCESS, FailureClass.UNKNOWN))
+#: of the same job can do better. Not ``launch_ended``: that launcher came after the end and
+#: decides nothing (the Job ignores its exit).
+FINAL_FAILURES = frozenset(
+    c.value for c in FailureClass if c not in (FailureClass.SUCCESS, FailureClass.UNKNOWN, FailureClass.LAUNCH_ENDED)
+)
+
+#: Classes of a ``final`` record that end its launch: the run trained every step, or failed in a
+#: way that ends the launch (``FINAL_FAILURES``). A launcher that starts later for the same launch
+#: (``launch_ended_by``) exits ``launch_ended`` at once. Not ``unknown``: a node killed or a spare
+#: dropped leaves the launch running.
+LAUNCH_ENDING_FAILURES = FINAL_FAILURES | {FailureClass.SUCCESS.value}
 
 #: When the nodes of one job fail differently, the job is reported with the most telling class.
 #: First the classes that must never be retried, most specific first: another launcher owns the
 #: run (whatever else our nodes report follows from that), the storage, the training state, the
 #: user's code; then the restart layers giving up (or a lost node), then no progress; ``unknown``
-#: (e.g. a node stopped because a peer failed) tells least.
+#: (e.g. a node stopped because a peer failed) tells little, and ``launch_ended`` (a launcher that
+#: came after the end) nothing.
 FAILURE_PRIORITY = (
     FailureClass.ALREADY_RUNNING.value,
     FailureClass.STORAGE_ERROR.value,
@@ -115,6 +137,7 @@ FAILURE_PRIORITY = (
     FailureClass.RESTARTS_EXHAUSTED.value,
     FailureClass.NO_PROGRESS.value,
     FailureClass.UNKNOWN.value,
+    FailureClass.LAUNCH_ENDED.value,
 )
 
 #: What the user should do about a launch that ended with a class no node replacement can fix.
@@ -134,6 +157,9 @@ WHAT_TO_DO = {
     "the run is being trained by "
     "another launcher. This launch did nothing; that launcher was left alone and the run's status is unchanged. "
     "Watch it (events.jsonl), or stop it before triggering this run again, or pick another run_name",
+    FailureClass.LAUNCH_ENDED.value: "this launcher started after its launch had ended (on EKS: a pod the Job "
+    "recreated after the training nodes finished or failed) and did nothing; the launch's outcome is in the other "
+    "nodes' final records (events.jsonl). Nothing to do: the Job does not count it against backoffLimit",
     FailureClass.UNKNOWN.value: "not a failure that replacing a node fixes; read the launch's logs (backend.logs)",
 }
 

@@ -290,7 +290,13 @@ def run_dir_page() -> str:
     intro, _, tree = doc.partition("::")
     records = "\n\n".join(
         f"### `{f.__name__}`\n\n{_doc(f)}"
-        for f in (rundir.declare_stop, rundir.read_stop, rundir.record_membership, rundir.final_status)
+        for f in (
+            rundir.declare_stop,
+            rundir.read_stop,
+            rundir.record_membership,
+            rundir.final_status,
+            rundir.launch_ended_by,
+        )
     )
     return _page(
         "Run dir layout (`RunDir`)",

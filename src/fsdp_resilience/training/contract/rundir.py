@@ -1,6 +1,7 @@
 """The run dir: its layout (``RunDir``) and the records the ranks and launchers leave in it
 besides the events log and the checkpoints: which nodes train (the membership record), the stop
-marker (``declare_stop``, ``read_stop``) and the run's outcome (``final_status``)."""
+marker (``declare_stop``, ``read_stop``), the run's outcome (``final_status``) and whether a launch
+ended (``launch_ended_by``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from fsdp_resilience.training.contract.checkpoints import CHECKPOINT_PREFIX, QUARANTINE_DIR
 from fsdp_resilience.training.contract.events import Event, EventLog, read_events
-from fsdp_resilience.training.contract.failures import STOP_CLASSES, FailureClass
+from fsdp_resilience.training.contract.failures import LAUNCH_ENDING_FAILURES, STOP_CLASSES, FailureClass
 from fsdp_resilience.training.contract.files import atomic_write_text
 
 
@@ -170,3 +171,23 @@ def final_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     same = [r for r in finals if r.get("launch_id", "") == last_launch]
     failed = [r for r in same if r.get("failure_class") != FailureClass.SUCCESS.value]
     return (failed or same)[-1]
+
+
+def launch_ended_by(run_dir: str | os.PathLike, launch_id: str, launch_uid: str) -> dict[str, Any] | None:
+    """The ``final`` record that ended launch ``launch_id`` in its incarnation ``launch_uid`` (on
+    EKS the Job's UID, ``LAUNCH_UID_ENV``), or None while it has not ended. A launch ends with the
+    first ``final`` of a class in ``LAUNCH_ENDING_FAILURES`` (success, or a failure that fails the
+    whole launch); an ``unknown`` one (a node killed, a spare dropped) leaves it running. Without
+    a launch id or an incarnation (the local backend, a launcher run by hand) nothing is known to
+    have ended: a run dir may hold an earlier launch of the same id (a run triggered again under
+    the same name), and without its incarnation that one cannot be told from this one."""
+    if not launch_id or not launch_uid:
+        return None
+    for record in read_events(RunDir(run_dir).events, Event.FINAL):
+        if (
+            record.get("launch_id", "") == launch_id
+            and record.get("launch_uid") == launch_uid
+            and record.get("failure_class") in LAUNCH_ENDING_FAILURES
+        ):
+            return record
+    return None

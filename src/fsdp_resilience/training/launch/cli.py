@@ -5,10 +5,17 @@ prepare the launcher command, run it (or print it: --dry-run)."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
-from fsdp_resilience.training.contract import ConfigError, ExitCode, read_dataset_index
+from fsdp_resilience.training.contract import (
+    LAUNCH_UID_ENV,
+    ConfigError,
+    ExitCode,
+    launch_ended_by,
+    read_dataset_index,
+)
 from fsdp_resilience.training.launch.config import (
     CONFIG_ENV,
     load_config,
@@ -58,6 +65,19 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.CONFIG_ERROR)
     launcher = NodeLauncher(cfg, node_rank, rdzv_host)
     layout = cfg.layout
+    if not args.dry_run:
+        # Read before anything else: a pod the Job recreates after its launch ended (the pods
+        # it would rendezvous with are gone, and so is their DNS name) leaves at once, touching
+        # nothing; its exit code is one the Job's podFailurePolicy ignores.
+        ended = launch_ended_by(cfg.run_dir, launcher.launch_id, os.environ.get(LAUNCH_UID_ENV, ""))
+        if ended is not None:
+            print(
+                f"error: launch {launcher.launch_id} of run {cfg.run_id} had already ended when this launcher "
+                f"started: node {ended.get('node_rank')} ended it {ended.get('failure_class')} "
+                f"({ended.get('message', '')}); nothing to do (exit {int(ExitCode.LAUNCH_ENDED)}, launch_ended)",
+                file=sys.stderr,
+            )
+            return int(ExitCode.LAUNCH_ENDED)
     try:
         create_run_dir(layout)
         if not args.dry_run:

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 from fsdp_resilience.training.contract import (
+    LAUNCH_ENDING_FAILURES,
+    LAUNCH_UID_ENV,
     CheckpointCatalog,
     Event,
     EventLog,
@@ -62,6 +64,8 @@ class NodeLauncher:
         self.rdzv_host = rdzv_host
         self.layout = cfg.layout
         self.launch_id = os.environ.get("TRAINING_LAUNCH_ID", "")
+        #: The launch's incarnation (on EKS its Job's UID; "" locally), recorded in ``final``.
+        self.launch_uid = os.environ.get(LAUNCH_UID_ENV, "")
         self.events = EventLog(
             self.layout.events, run_id=cfg.run_id, node_rank=node_rank, launch_id=self.launch_id, role="launcher"
         )
@@ -93,14 +97,21 @@ class NodeLauncher:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
     def launch_state(self, tail: "EventTail") -> dict | None:
-        """This launch's first ``train_begin`` or ``final`` among the records ``tail`` reads next."""
+        """What the records ``tail`` reads next say of this launch: a ``final`` that ended it
+        (``LAUNCH_ENDING_FAILURES``) first, wherever it is among them, else the first
+        ``train_begin``, else None. A ``final`` of an earlier incarnation of the launch id (its
+        ``launch_uid`` another) is not this launch's."""
+        began = None
         for record in tail.read():
-            if record.get("launch_id", "") == self.launch_id and record.get("event") in (
-                Event.TRAIN_BEGIN.value,
-                Event.FINAL.value,
-            ):
-                return record
-        return None
+            if record.get("launch_id", "") != self.launch_id:
+                continue
+            event = record.get("event")
+            if event == Event.FINAL.value and record.get("failure_class") in LAUNCH_ENDING_FAILURES:
+                if not self.launch_uid or record.get("launch_uid") in (None, self.launch_uid):
+                    return record
+            elif event == Event.TRAIN_BEGIN.value and began is None:
+                began = record
+        return began
 
     def wait_for_training_nodes(self, tail: "EventTail") -> dict | None:
         """A spare joins the rendezvous once this launch's training nodes have: the rendezvous
@@ -263,6 +274,7 @@ class NodeLauncher:
             checkpoint_id=latest.checkpoint_id if latest else None,
             message=message,
             host=socket.gethostname(),
+            **({"launch_uid": self.launch_uid} if self.launch_uid else {}),
         )
         print(f"[launch] node {self.node_rank}: {failure.value} (exit {int(code)}): {message}", flush=True)
         return int(code)

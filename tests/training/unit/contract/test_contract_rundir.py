@@ -47,3 +47,22 @@ def test_membership_records_a_spare_that_took_a_lost_nodes_place(tmp_path):
     assert promoted["replaces"] == ["b"] and promoted["replaced_node_ranks"] == [1]
     assert promoted["previous_attempt"] == 0
     assert record_membership(layout, log, "l2", 0, [(0, "a"), (1, "d")]) == []  # another launch starts afresh
+
+
+def test_a_launch_ends_with_a_decisive_final_of_its_own_incarnation(tmp_path):
+    """launch_ended_by: success or a failure that fails the launch ends it; an unknown final (a
+    node killed, a spare dropped) does not; nor does a final of an earlier incarnation of the
+    same launch id (a run triggered again under the same name); locally (no uid) nothing is
+    known to have ended."""
+    from fsdp_resilience.training.contract.rundir import launch_ended_by
+
+    log = EventLog(RunDir(tmp_path).events, run_id="r", launch_id="0")
+    log.emit(Event.FINAL, node_rank=0, failure_class="storage_error", exit_code=74, launch_uid="job-uid-old")
+    log.emit(Event.FINAL, node_rank=2, failure_class="unknown", exit_code=1, launch_uid="job-uid-new")
+    assert launch_ended_by(tmp_path, "0", "job-uid-new") is None
+    log.emit(Event.FINAL, node_rank=1, failure_class="success", exit_code=0, launch_uid="job-uid-new")
+    ended = launch_ended_by(tmp_path, "0", "job-uid-new")
+    assert ended["node_rank"] == 1 and ended["failure_class"] == "success"
+    assert launch_ended_by(tmp_path, "0", "job-uid-old")["failure_class"] == "storage_error"
+    assert launch_ended_by(tmp_path, "1", "job-uid-new") is None  # another launch
+    assert launch_ended_by(tmp_path, "0", "") is None  # no incarnation: never known to have ended
