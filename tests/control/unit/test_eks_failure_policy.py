@@ -20,8 +20,13 @@ COUNT_DISRUPTION = {"action": "Count", "onPodConditions": [{"type": "DisruptionT
 
 
 def test_the_training_policy_counts_disruptions_first_then_fails_the_job_on_the_final_codes():
-    disruption, *fail_rules = training_pod_failure_policy()["rules"]
+    disruption, ignore, *fail_rules = training_pod_failure_policy()["rules"]
     assert disruption == COUNT_DISRUPTION  # first match wins: a disrupted pod never fails the Job at once
+    # A pod that started after its launch ended did nothing: not counted against backoffLimit.
+    assert ignore == {
+        "action": "Ignore",
+        "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [int(ExitCode.LAUNCH_ENDED)]},
+    }
     assert [r["onExitCodes"]["values"] for r in fail_rules] == [
         sorted(int(c) for c in codes)
         for codes in (USER_ERROR_EXIT_CODES, ALREADY_RUNNING_EXIT_CODES, GAVE_UP_EXIT_CODES)

@@ -494,14 +494,16 @@ def test_pod_failure_policy_fails_the_job_on_exactly_the_contracts_final_exit_co
         failure = failure_class_for_exit(code)
         if code == ExitCode.SUCCESS:
             continue  # a pod that succeeded is not a failure; the policy never sees it
-        expected = "Count" if failure is FailureClass.UNKNOWN else "FailJob"
+        expected = {FailureClass.UNKNOWN: "Count", FailureClass.LAUNCH_ENDED: "Ignore"}.get(failure, "FailJob")
         assert job_controller_action(policy, int(code)) == expected, (code, failure)
     # Codes outside the contract (an OOM kill's 137, a signal's 143) are retried within backoffLimit.
     for code in (137, 143, 3):
         assert job_controller_action(policy, code) == "Count"
     # The FailJob rules name exactly the contract's final codes, and only the trainer container.
     final_codes = {
-        int(c) for c in ExitCode if failure_class_for_exit(c) not in (FailureClass.SUCCESS, FailureClass.UNKNOWN)
+        int(c)
+        for c in ExitCode
+        if failure_class_for_exit(c) not in (FailureClass.SUCCESS, FailureClass.UNKNOWN, FailureClass.LAUNCH_ENDED)
     }
     fail_rules = [r for r in policy["rules"] if r["action"] == "FailJob"]
     assert {v for r in fail_rules for v in r["onExitCodes"]["values"]} == final_codes
@@ -901,14 +903,19 @@ def test_bad_launch_ids_are_rejected(launch_id):
 
 def pod_environment(job: dict, index: int, node_name: str) -> dict[str, str]:
     """The env the kubelet gives pod ``index``: the container's env with the downward API
-    resolved, plus the completion index an Indexed Job adds."""
+    resolved (the node name, the pod's UID, the Job's UID from the Job controller's label), plus
+    the completion index an Indexed Job adds."""
+    downward = {
+        "spec.nodeName": node_name,
+        "metadata.uid": f"pod-uid-{index}",
+        "metadata.labels['batch.kubernetes.io/controller-uid']": "job-uid",
+    }
     env = {}
     for entry in container_of(job)["env"]:
         if "value" in entry:
             env[entry["name"]] = entry["value"]
         else:
-            assert entry["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
-            env[entry["name"]] = node_name
+            env[entry["name"]] = downward[entry["valueFrom"]["fieldRef"]["fieldPath"]]
     env["JOB_COMPLETION_INDEX"] = str(index)
     return env
 

@@ -79,8 +79,14 @@ def test_the_failure_message_says_what_to_do():
 
 def test_every_final_exit_code_is_a_final_failure_class():
     # The launcher's own verdicts (not killed, not lost): each fails its whole job at once.
-    finals = {failure_class_for_exit(c).value for c in ExitCode if c not in (ExitCode.SUCCESS, ExitCode.UNKNOWN)}
+    # Not launch_ended: that launcher came after its launch ended and decides nothing (ignored).
+    finals = {
+        failure_class_for_exit(c).value
+        for c in ExitCode
+        if c not in (ExitCode.SUCCESS, ExitCode.UNKNOWN, ExitCode.LAUNCH_ENDED)
+    }
     assert finals == set(FINAL_FAILURES)
+    assert "launch_ended" not in FINAL_FAILURES
     assert {"storage_error", "non_finite", "already_running"} <= finals
 
 

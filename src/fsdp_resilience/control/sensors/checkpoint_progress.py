@@ -9,6 +9,7 @@ from typing import Any
 from airflow.sdk import BaseSensorOperator
 
 from fsdp_resilience.control.backends import JobHandle, get_backend
+from fsdp_resilience.control.progress import SUCCESS as PROGRESS_SUCCESS
 from fsdp_resilience.control.progress import check_progress
 from fsdp_resilience.control.task_data import Launch, Outcome
 from fsdp_resilience.control.triggers.base import FAILURE, SUCCESS, read_event
@@ -66,4 +67,16 @@ class CheckpointProgressSensor(BaseSensorOperator):
         self.log.info(
             "launch %s: %s (%s) — %s", outcome.launch_id, outcome.outcome, outcome.failure_class, outcome.message
         )
+        if outcome.outcome == PROGRESS_SUCCESS:
+            self._settle(outcome)
         return outcome.to_dict()
+
+    def _settle(self, outcome: Outcome) -> None:
+        """One status from this worker after the triggerer saw the launch succeed: a backend
+        finishes there what the read-only triggerer cannot (the EKS backend suspends a Job with
+        spares whose training nodes succeeded, on a cluster without the Job's successPolicy).
+        Best effort: the launch succeeded whatever this call meets."""
+        try:
+            get_backend(**Launch.of(self.launch).backend).status(JobHandle.from_dict(outcome.handle))
+        except Exception as e:  # noqa: BLE001 - the outcome stands; the log says what was left
+            self.log.warning("launch %s succeeded, but its job could not be settled: %s", outcome.launch_id, e)

@@ -68,6 +68,13 @@ from fsdp_resilience.control.backends.base import (
     require_reason,
 )
 from fsdp_resilience.control.backends.eks.client import KubeClient, connect, eks_kubeconfig, read_job_async
+from fsdp_resilience.control.backends.eks.completion import (
+    cached_version,
+    kept_version,
+    read_version,
+    settle,
+    status_as_read,
+)
 from fsdp_resilience.control.backends.eks.constants import CANCEL_ANNOTATION, LABEL_JOB, LABEL_RUN
 from fsdp_resilience.control.backends.eks.diagnosis import diagnose_job
 from fsdp_resilience.control.backends.eks.evaluation import read_evaluation_result, wait_for_evaluation_job
@@ -286,9 +293,18 @@ class EksBackend(TrainingBackend):
             )
         return job
 
+    def _server_version(self, kube: KubeClient) -> tuple[int, int] | None:
+        """The cluster's Kubernetes (major, minor), read once and kept (completion.py)."""
+        return cached_version(self._version_key(), lambda: read_version(kube.api))
+
+    def _version_key(self) -> str:
+        return f"{self.cluster_name or ''}|{self.kubernetes_conn_id or ''}"
+
     def status(self, handle: JobHandle) -> JobStatus:
+        """The launch's state. A launch with spares whose training nodes succeeded on a cluster
+        without the Job's successPolicy is ended here: the Job suspended and marked succeeded."""
         with self._kube() as kube:
-            job = self._job(kube, handle)
+            job = settle(kube, self._job(kube, handle), lambda: self._server_version(kube))
             return job_status(
                 job,
                 kube.list_pods(f"{LABEL_JOB}={handle.job_name}"),
@@ -301,7 +317,8 @@ class EksBackend(TrainingBackend):
         job, pods = await read_job_async(
             self._kubeconfig() if self.cluster_name else None, self.kubernetes_conn_id, self.namespace, handle.job_name
         )
-        return job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
+        status = job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
+        return await status_as_read(job, status, kept_version(self._version_key()))
 
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
         with self._kube() as kube:

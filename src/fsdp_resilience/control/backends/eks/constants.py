@@ -53,7 +53,15 @@ CONFIG_ENV = "TRAINING_RUN_CONFIG"
 LAUNCH_ID_ENV = "TRAINING_LAUNCH_ID"
 NODE_ID_ENV = "TRAINING_NODE_ID"
 RDZV_HOST_ENV = "TRAINING_RDZV_HOST"
-RESERVED_ENV = frozenset({CONFIG_ENV, LAUNCH_ID_ENV, NODE_ID_ENV, RDZV_HOST_ENV})
+#: The pod's UID (downward API metadata.uid): the launch lock tells a recreated pod's predecessor
+#: by it (contract.POD_UID_ENV).
+POD_UID_ENV = "TRAINING_POD_UID"
+#: The launch's incarnation, its Job's UID (downward API, the label the Job controller puts on its
+#: pods): whether a launch ended is read from its own incarnation's records (contract.LAUNCH_UID_ENV).
+LAUNCH_UID_ENV = "TRAINING_LAUNCH_UID"
+#: The label the Job controller (Kubernetes >= 1.27) sets to the Job's UID on every pod it creates.
+JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"
+RESERVED_ENV = frozenset({CONFIG_ENV, LAUNCH_ID_ENV, NODE_ID_ENV, RDZV_HOST_ENV, POD_UID_ENV, LAUNCH_UID_ENV})
 
 #: libfabric over EFA, as the AWS EFA-on-EKS guides set it up (only when the pods get EFA devices).
 EFA_ENV = {
@@ -99,6 +107,9 @@ QUARANTINE_ANNOTATION = "fsdp-resilience/quarantine-reason"
 RETURN_ANNOTATION = "fsdp-resilience/return-reason"
 #: On a Job the control plane stopped: the verdict (failure class, message) and its nodes.
 CANCEL_ANNOTATION = "fsdp-resilience/cancel"
+#: On a Job the backend suspended because its training nodes succeeded (a cluster without the
+#: Job's successPolicy, where the spare indices keep it from completing): when and why.
+SUCCEEDED_ANNOTATION = "fsdp-resilience/succeeded"
 #: Auto Scaling groups whose instances the backend may terminate carry this tag = "true" (the
 #: deploy kit's IAM policy allows TerminateInstanceInAutoScalingGroup only on them).
 MANAGED_ASG_TAG = "fsdp-resilience/managed"

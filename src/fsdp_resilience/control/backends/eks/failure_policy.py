@@ -29,14 +29,19 @@ USER_ERROR_EXIT_CODES = (ExitCode.CONFIG_ERROR, ExitCode.USER_ERROR, ExitCode.NO
 #: new pod would be refused the same way (or, worse, get the lock when the other one ends and train
 #: a run nobody asked it to), so nothing retries it blindly.
 ALREADY_RUNNING_EXIT_CODES = (ExitCode.ALREADY_RUNNING,)
+#: The launcher started after its launch had ended (a pod the Job recreated for an index, e.g. a
+#: spare, once the training nodes were done): it did nothing. "Ignore": not counted against
+#: backoffLimit, so a launch that ended well is never failed by the pods that come after it (the
+#: Job's successPolicy, or the backend's own rule, ends the Job). Exit code 0 may not be listed.
+LAUNCH_ENDED_EXIT_CODES = (ExitCode.LAUNCH_ENDED,)
 #: Exit codes after which the data plane already used its own restarts: relaunching (perhaps on
 #: replaced nodes) is the control plane's decision, not the Job controller's.
 GAVE_UP_EXIT_CODES = (ExitCode.RESTARTS_EXHAUSTED, ExitCode.NO_PROGRESS)
 
 
-def _exit_code_rule(codes: tuple[ExitCode, ...]) -> dict[str, Any]:
+def _exit_code_rule(codes: tuple[ExitCode, ...], action: str = "FailJob") -> dict[str, Any]:
     return {
-        "action": "FailJob",
+        "action": action,
         "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": sorted(int(c) for c in codes)},
     }
 
@@ -44,11 +49,14 @@ def _exit_code_rule(codes: tuple[ExitCode, ...]) -> dict[str, Any]:
 def training_pod_failure_policy() -> dict[str, Any]:
     """The training Job's podFailurePolicy. Rules apply in order, first match wins: a disrupted
     pod counts against backoffLimit whatever its exit code (it was killed from outside); a pod
-    that exits with one of the contract's final codes fails the whole Job at once; any other
-    failure (exit 1: unknown, an OOM kill) is retried by the Job controller within backoffLimit."""
+    that started after its launch ended (``launch_ended``) is ignored: not counted against
+    backoffLimit; a pod that exits with one of the contract's final codes fails the whole Job at
+    once; any other failure (exit 1: unknown, an OOM kill) is retried by the Job controller within
+    backoffLimit."""
     return {
         "rules": [
             copy.deepcopy(_COUNT_DISRUPTION),
+            _exit_code_rule(LAUNCH_ENDED_EXIT_CODES, "Ignore"),
             _exit_code_rule(USER_ERROR_EXIT_CODES),
             _exit_code_rule(ALREADY_RUNNING_EXIT_CODES),
             _exit_code_rule(GAVE_UP_EXIT_CODES),

@@ -43,10 +43,13 @@ from fsdp_resilience.control.backends.eks.constants import (
     FSX_VOLUME,
     GPU_RESOURCE,
     HUGEPAGES_RESOURCE,
+    JOB_UID_LABEL,
     LABEL_JOB,
     LAUNCH_ID_ENV,
+    LAUNCH_UID_ENV,
     NCCL_ENV,
     NODE_ID_ENV,
+    POD_UID_ENV,
     RDZV_HOST_ENV,
     RDZV_PORT_NAME,
     SHM_VOLUME,
@@ -86,13 +89,41 @@ def _check_under_mount(cfg: RunConfig, settings: PodTemplateSettings) -> None:
             )
 
 
-def _env(pairs: dict[str, str], node_id_from_downward_api: bool) -> list[dict[str, Any]]:
+def _field(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _env(pairs: dict[str, str], node_id_from_downward_api: bool, *, launch: bool = False) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = []
     if node_id_from_downward_api:
         # The Kubernetes node name: diagnosis maps faults to nodes by it, replace_nodes cordons it.
-        env.append({"name": NODE_ID_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+        env.append(_field(NODE_ID_ENV, "spec.nodeName"))
+    if launch:
+        # The pod's UID: a pod the Job recreates for an index keeps the lost pod's host name, so
+        # the launch lock tells its predecessor by this. The Job's UID (the label the Job
+        # controller sets on its pods): the launch's incarnation, whose final records say whether
+        # it ended (a run triggered again under its name reuses the launch id, never the UID).
+        env.append(_field(POD_UID_ENV, "metadata.uid"))
+        env.append(_field(LAUNCH_UID_ENV, f"metadata.labels['{JOB_UID_LABEL}']"))
     env += [{"name": k, "value": v} for k, v in pairs.items()]
     return env
+
+
+def success_policy(cfg: RunConfig) -> dict[str, Any] | None:
+    """The training Job's successPolicy (batch/v1, GA in Kubernetes 1.33), with spares: the Job
+    succeeds once ``cfg.nodes`` of its indexes succeeded, and the Job controller then ends the
+    pods left (SuccessCriteriaMet, then Complete). Without it a Job of ``nodes + spares``
+    completions never completes while a spare's index has not succeeded.
+
+    Any ``nodes`` indexes, not "0-<nodes-1>": after a spare took a lost node's place, the nodes
+    that train are not the first indexes (the lost index's new pod parks as the spare). A
+    launcher exits 0 only once the final step is committed (or, a spare, once a node's ``final``
+    said so), so ``nodes`` successes are the run's success. Without spares: None, the Job
+    completes when every index did. Where the apiserver drops the field (before 1.31, or 1.30's
+    alpha gate off), the backend's own rule ends the Job (completion.py)."""
+    if not cfg.spare_nodes:
+        return None
+    return {"rules": [{"succeededCount": cfg.nodes}]}
 
 
 def _resources(
@@ -236,8 +267,9 @@ def training_job(
     disruption budget, it does not fail the Job) is recreated by the Job controller for the same
     index once the old pod is terminal (podReplacementPolicy Failed, the default with a
     podFailurePolicy): the new pod's launcher finds its launch training and parks as a spare, so
-    the pool is whole again without the backend creating a pod. A spare exits 0 when the launch
-    ends well, which completes its index: the Job succeeds when every index did.
+    the pool is whole again without the backend creating a pod. With spares the Job succeeds when
+    ``cfg.nodes`` indexes did (``success_policy``); a pod the Job recreates after the launch ended
+    exits ``launch_ended`` at once, which the podFailurePolicy ignores.
 
     Created suspended (``suspend``): no pod starts before the backend has created the launch's
     Service and NetworkPolicy and resumes it (``spec.suspend: false``), so no pod ever runs
@@ -273,30 +305,34 @@ def training_job(
     container = _container(
         settings,
         TRAINING_COMMAND,
-        _env(env, node_id_from_downward_api=True),
+        _env(env, node_id_from_downward_api=True, launch=True),
         _resources(gpus, efa, settings, hugepages=True, cpu=settings.cpu, memory=settings.memory),
         [{"name": RDZV_PORT_NAME, "containerPort": cfg.rdzv_port, "protocol": "TCP"}],
         efa=efa,
     )
     pod_spec = _pod_spec(settings, container, name, subdomain=name, anti_affinity=True)
+    spec: dict[str, Any] = {
+        "completionMode": "Indexed",
+        "completions": cfg.launch_nodes,
+        "parallelism": cfg.launch_nodes,
+        "suspend": bool(suspend),
+        "backoffLimit": training_backoff_limit(settings),
+        "activeDeadlineSeconds": settings.active_deadline_s,
+        "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
+        "podFailurePolicy": training_pod_failure_policy(),
+        "template": {
+            "metadata": {"labels": {**labels, LABEL_JOB: name}, "annotations": dict(annotations)},
+            "spec": pod_spec,
+        },
+    }
+    policy = success_policy(cfg)
+    if policy is not None:
+        spec["successPolicy"] = policy
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": object_metadata(name, settings.namespace, labels, annotations),
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": cfg.launch_nodes,
-            "parallelism": cfg.launch_nodes,
-            "suspend": bool(suspend),
-            "backoffLimit": training_backoff_limit(settings),
-            "activeDeadlineSeconds": settings.active_deadline_s,
-            "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
-            "podFailurePolicy": training_pod_failure_policy(),
-            "template": {
-                "metadata": {"labels": {**labels, LABEL_JOB: name}, "annotations": dict(annotations)},
-                "spec": pod_spec,
-            },
-        },
+        "spec": spec,
     }
 
 

@@ -3,7 +3,8 @@ alike) that turn a Job and its pods into the backend interface's ``JobStatus`` a
 
 The state is the cluster's: a Job's conditions and its pods' container statuses, read fresh on
 every call, so any process can pick up a job another process submitted. A Job the control plane
-stopped carries its verdict in CANCEL_ANNOTATION (``cancel_verdict``).
+stopped carries its verdict in CANCEL_ANNOTATION (``cancel_verdict``); a Job the backend suspended
+because its training nodes succeeded (completion.py) carries SUCCEEDED_ANNOTATION.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ import time
 from typing import Any
 
 from fsdp_resilience.control.backends.base import LOST, JobStatus, NodeStatus
-from fsdp_resilience.control.backends.eks.constants import CANCEL_ANNOTATION, CONFIG_ENV, CONTAINER
+from fsdp_resilience.control.backends.eks.constants import (
+    CANCEL_ANNOTATION,
+    CONFIG_ENV,
+    CONTAINER,
+    SUCCEEDED_ANNOTATION,
+)
 from fsdp_resilience.control.backends.replacement import job_can_train
 from fsdp_resilience.training.contract import (
     FINAL_FAILURES,
+    ExitCode,
     FailureClass,
     RunConfig,
     failure_class_for_exit,
@@ -99,6 +106,12 @@ def node_from_pod(index: int, pod: dict[str, Any] | None, stopped: str | None) -
                 f"{where} lost: {reason or 'disrupted'}"
                 + (f" (exit {code})" if code is not None else "")
                 + (f": {detail}" if detail else ""),
+            )
+        if int(code) == ExitCode.LAUNCH_ENDED:
+            # Started after its launch ended and did nothing; the Job ignores it (podFailurePolicy)
+            # and, while it is not finished, recreates it: not a failure of the node or the launch.
+            return NodeStatus(
+                index, node, "pending", None, None, f"{where} exited {code} (launch_ended): its launch had ended"
             )
         failure = failure_class_for_exit(int(code)).value
         return NodeStatus(index, node, "failed", failure, int(code), f"{where} exited {code} ({reason or 'Error'})")
@@ -252,11 +265,15 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]], *, provisions_on
         ]
     exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
     if "Complete" in conds or "SuccessCriteriaMet" in conds:
+        what = f"all {completions} node(s)" if completions == train_nodes else f"{train_nodes} training node(s)"
+        return JobStatus("succeeded", FailureClass.SUCCESS.value, exit_codes, f"{what} of job {name} succeeded", nodes)
+    succeeded = succeeded_verdict(job)
+    if succeeded is not None and not failed_cond:
         return JobStatus(
             "succeeded",
             FailureClass.SUCCESS.value,
             exit_codes,
-            f"all {completions} node(s) of job {name} succeeded",
+            f"job {name}: {succeeded.get('message') or 'its training nodes succeeded'} (suspended by the backend)",
             nodes,
         )
     failed = [n for n in nodes if n.state in ("failed", LOST)]
@@ -360,10 +377,25 @@ def cancel_verdict(job: dict[str, Any]) -> dict[str, Any] | None:
     return verdict if isinstance(verdict, dict) else None
 
 
+def succeeded_verdict(job: dict[str, Any]) -> dict[str, Any] | None:
+    """What SUCCEEDED_ANNOTATION says (the backend ended the Job because its training nodes
+    succeeded), or None."""
+    text = ((job.get("metadata") or {}).get("annotations") or {}).get(SUCCEEDED_ANNOTATION)
+    if not text:
+        return None
+    try:
+        verdict = json.loads(text)
+    except ValueError:
+        return {"message": text[:200]}
+    return verdict if isinstance(verdict, dict) else {"message": str(verdict)[:200]}
+
+
 def job_finished(job: dict[str, Any]) -> bool:
     conds = {t for t, c in conditions_of(job).items() if c.get("status") == "True"}
     return (
-        bool(conds & {"Complete", "Failed", "SuccessCriteriaMet", "FailureTarget"}) or cancel_verdict(job) is not None
+        bool(conds & {"Complete", "Failed", "SuccessCriteriaMet", "FailureTarget"})
+        or cancel_verdict(job) is not None
+        or succeeded_verdict(job) is not None
     )
 
 
