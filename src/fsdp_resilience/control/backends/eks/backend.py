@@ -41,6 +41,7 @@ How each failure class plays out (see also the Job's ``podFailurePolicy`` in man
                       recreates the lost pod for its index, whose launcher parks as the new spare
                       (add_spare checks it). Too few nodes left (more lost than spares, or a lost
                       pod's replacement that cannot be scheduled) -> failed, restarts_exhausted
+  launch_ended        exit 69 (a pod started after its launch ended) -> ignored: not counted, never the outcome
   unknown             other exit codes count against backoffLimit; then the Job fails, no replacement
 """
 
