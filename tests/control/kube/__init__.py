@@ -1,0 +1,1 @@
+"""A real Kubernetes control plane for the EKS tests (see README.md here)."""
