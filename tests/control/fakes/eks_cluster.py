@@ -1,15 +1,18 @@
-"""An EKS cluster as far as this machine can have one, for the EKS path's tests: the fake
-apiserver (fake_kube.py), AWS in moto's server, node groups as Auto Scaling groups whose instances
-are the fake cluster's nodes, and a stand-in kubelet that plays the training pods' part on the run
-dir (FSx is a temp folder) — it commits checkpoints and writes events with the run contract, then
-ends each pod with the exit code a scenario asks for.
+"""An EKS cluster as far as this machine can have one, for the EKS path's tests: a real
+Kubernetes control plane (tests/control/kube: kube-apiserver, kube-controller-manager,
+kube-scheduler built from source, etcd, kwok for the nodes), AWS in moto's server, node groups as
+Auto Scaling groups whose instances are the cluster's kwok nodes, and a stand-in kubelet that plays
+the training pods' part on the run dir (FSx is a temp folder): it commits checkpoints and writes
+events with the run contract, then ends each pod, through kwok, with the exit code a scenario asks
+for.
 
 Import the fixtures into a test module with
 ``from control.fakes.eks_cluster import aws, cluster  # noqa: F401``.
 
-``cluster`` is the fake with the rendered deploy kit loaded (deploy/overlays/example):
-RBAC enforced, the kit's admission policies and Pod Security labels active, ServiceAccounts, PVCs
-and PriorityClasses checked, tasks calling as the worker and triggers as the triggerer.
+``cluster`` is the control plane with the rendered deploy kit applied (deploy/overlays/example,
+``kubectl apply --server-side``): the real RBAC authorizer, the kit's ValidatingAdmissionPolicies
+(real CEL), Pod Security admission from its namespace labels; tasks call with a real token of the
+worker's ServiceAccount and triggers with the triggerer's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import json
 import os
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -37,9 +39,8 @@ from fsdp_resilience.training.contract import (
     failure_class_for_exit,
 )
 
-from control.fake_kube import FakeKube
 from control.fakes.saved_checkpoints import save_checkpoint
-from control.kube_authz import UserInfo, service_account_user
+from control.kube.cluster import KubeCluster, UserInfo, service_account_user, wait_for
 
 NS = "fsdp-training"
 POOL = {"fsdp-resilience/pool": "gpu"}
@@ -85,17 +86,16 @@ def aws():
 
 
 @pytest.fixture
-def permissive_cluster(tmp_path, monkeypatch):
-    """A fake apiserver with no kit loaded (no RBAC, admission policies or reference checks; the
-    schema and semantic checks still apply), and an Airflow connection ``kubernetes_fake`` to it
-    with the admin's token. Only for tests of the fake itself: the backend's tests use ``cluster``."""
-    kube = FakeKube()
+def permissive_cluster(kube, tmp_path, monkeypatch):
+    """The control plane with an Airflow connection ``kubernetes_fake`` that acts as the cluster
+    admin (no RBAC limits), for tests of the client layer alone: the backend's tests use
+    ``cluster``."""
+    kube.ensure_namespace(NS)
+    kube.ensure_service_account(NS, "fsdp-training")
     monkeypatch.setenv(
-        "AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kube.kubeconfig(tmp_path / "kubeconfig"))
+        "AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kube.kubeconfig(tmp_path / "kubeconfig"), namespace=NS)
     )
-    yield kube
-    assert not kube.errors, kube.errors
-    kube.stop()
+    return kube
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def swap_tokens_in_clients(monkeypatch) -> None:
     monkeypatch.setattr(kubernetes_asyncio.client.rest.RESTClientObject, "request", request_async)
 
 
-def run_triggers_as(kube: FakeKube, user: UserInfo, monkeypatch) -> None:
+def run_triggers_as(kube: KubeCluster, user: UserInfo, monkeypatch) -> None:
     """Triggers call Kubernetes as ``user`` (the triggerer): each trigger's ``run`` sets
     ACTING_TOKEN first. It is set in the task that iterates the trigger, which has a context of
     its own (dag.test runs each trigger in ``asyncio.run``, the triggerer in a task per trigger),
@@ -178,7 +178,7 @@ def run_triggers_as(kube: FakeKube, user: UserInfo, monkeypatch) -> None:
 
 
 @contextlib.contextmanager
-def acting_as(kube: FakeKube, user: UserInfo):
+def acting_as(kube: KubeCluster, user: UserInfo):
     """Kubernetes calls made inside this block (in this thread, and in what it starts with a copy of
     its context) carry ``user``'s token. Needs swap_tokens_in_clients (cluster does it)."""
     reset = ACTING_TOKEN.set(kube.token_for(user))
@@ -188,10 +188,10 @@ def acting_as(kube: FakeKube, user: UserInfo):
         ACTING_TOKEN.reset(reset)
 
 
-def start_strict_cluster(tmp_path, monkeypatch, overlay: str = "example") -> FakeKube:
-    """A FakeKube with ``overlay``'s rendered kit loaded, an Airflow connection ``kubernetes_fake``
-    whose kubeconfig carries the worker's token, and the triggers calling as the triggerer."""
-    kube = FakeKube()
+def start_strict_cluster(kube: KubeCluster, tmp_path, monkeypatch, overlay: str = "example") -> KubeCluster:
+    """``overlay``'s rendered kit applied to the control plane, an Airflow connection
+    ``kubernetes_fake`` whose kubeconfig carries the worker's token, and the triggers calling as
+    the triggerer."""
     kube.load(render_kit(overlay))
     kubeconfig = kube.kubeconfig(tmp_path / "kubeconfig", namespace=NS, user=WORKER)
     monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_FAKE", kube.airflow_connection(kubeconfig, namespace=NS))
@@ -201,20 +201,17 @@ def start_strict_cluster(tmp_path, monkeypatch, overlay: str = "example") -> Fak
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
-    """The fake apiserver as strict as the deploy kit makes EKS (deploy/overlays/example, rendered
-    now): RBAC from the kit's Roles and bindings (403 otherwise), its ValidatingAdmissionPolicies
-    (node writes, pod security), Pod Security admission from its namespace labels, and
-    ServiceAccounts, PVCs and PriorityClasses that must exist. Tasks call as the worker's
-    ServiceAccount (the ``kubernetes_fake`` connection's kubeconfig holds its token); triggers as
-    the triggerer's (run_triggers_as: each trigger's ``run`` sets ACTING_TOKEN, and the clients'
-    REST layer swaps the Authorization header for it; swap_tokens_in_clients). ``acting_as(kube,
-    user)`` does the same for a block of test code. Use ``start_strict_cluster(tmp_path,
-    monkeypatch, "example-karpenter")`` for another overlay."""
-    kube = start_strict_cluster(tmp_path, monkeypatch)
-    yield kube
-    assert not kube.errors, kube.errors
-    kube.stop()
+def cluster(kube, tmp_path, monkeypatch):
+    """The real control plane as strict as the deploy kit makes EKS (deploy/overlays/example,
+    rendered now and applied server-side): the RBAC authorizer with the kit's Roles and bindings,
+    its ValidatingAdmissionPolicies (node writes, pod security; real CEL), Pod Security admission
+    from its namespace labels, and the ServiceAccounts, PVCs and PriorityClasses it makes. Tasks
+    call with a real token of the worker's ServiceAccount (the ``kubernetes_fake`` connection's
+    kubeconfig); triggers with the triggerer's (run_triggers_as: each trigger's ``run`` sets
+    ACTING_TOKEN, and the clients' REST layer swaps the Authorization header for it;
+    swap_tokens_in_clients). ``acting_as(kube, user)`` does the same for a block of test code. Use
+    ``start_strict_cluster(kube, tmp_path, monkeypatch, "example-karpenter")`` for another overlay."""
+    return start_strict_cluster(kube, tmp_path, monkeypatch)
 
 
 def make_asg(name: str, size: int, tagged: bool = True) -> list[str]:
@@ -246,7 +243,7 @@ def asg_instances(name: str) -> list[str]:
     return sorted(i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] == "InService")
 
 
-def add_gpu_node(kube: FakeKube, name: str, instance: str | None = None, **kw) -> dict:
+def add_gpu_node(kube: KubeCluster, name: str, instance: str | None = None, **kw) -> dict:
     """A p5.48xlarge node of the GPU pool (labels, taint, GPUs, EFA devices and the allocatable CPU
     and memory left after EKS's kube-reserved, as on EKS)."""
     return kube.add_node(
@@ -274,16 +271,6 @@ def commit_checkpoint(run_dir: str | Path, step: int, world_size: int) -> None:
     save_checkpoint(run_dir, step, world_size)
 
 
-def wait_for(predicate: Callable, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _env(pod: dict, name: str) -> str | None:
     for container in pod["spec"]["containers"]:
         for env in container.get("env") or []:
@@ -294,7 +281,7 @@ def _env(pod: dict, name: str) -> str | None:
 
 #: Scenario results beyond exit codes: a hot spare's launcher that parks (it waits in the
 #: rendezvous and ends 0 when node 0 of its launch does), and a node that stops reporting once node
-#: 0 committed up to ``fail_at_step`` (``FakeKube.lose_node``: its pod stays Terminating).
+#: 0 committed up to ``fail_at_step`` (``KubeCluster.lose_node``: its pod stays Terminating).
 PARK = "park"
 LOSE_NODE = "lose_node"
 
@@ -325,7 +312,7 @@ class FakeKubelet:
 
     def __init__(
         self,
-        kube: FakeKube,
+        kube: KubeCluster,
         scenario: Callable[[str, int, str], int | str | None],
         fail_at_step: int = 10,
         asg: str | None = None,
@@ -468,11 +455,23 @@ class FakeKubelet:
                 self.kube.terminate_pod(NS, name, 0)
 
 
+#: The pods' tolerations in these tests: the GPU pool's taint, as by default, and a lost node's
+#: pods evicted 2 s after it is tainted unreachable or not-ready instead of Kubernetes' 300 s
+#: default (the DefaultTolerationSeconds admission plugin's), so a node loss plays out in seconds.
+#: Users can set the same through PodTemplateSettings.tolerations.
+TOLERATIONS = [
+    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 2},
+    {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 2},
+]
+
+
 def backend_for(tmp_path, **kw):
-    """An ``EksBackend`` on this cluster (the fake connections), FSx mounted at ``tmp_path/fsx``."""
+    """An ``EksBackend`` on this cluster (the ``kubernetes_fake`` and ``aws_fake`` connections),
+    FSx mounted at ``tmp_path/fsx``, the pods tolerating a lost node for 2 s (TOLERATIONS)."""
     from fsdp_resilience.control.backends import get_backend
 
-    pod = {"fsx_mount_path": str(tmp_path / "fsx"), **kw.pop("pod", {})}
+    pod = {"fsx_mount_path": str(tmp_path / "fsx"), "tolerations": TOLERATIONS, **kw.pop("pod", {})}
     kw = {"kubernetes_conn_id": "kubernetes_fake", "aws_conn_id": "aws_fake", "region_name": "us-west-2", **kw}
     return get_backend("eks", image="example.com/fsdp-training:test", namespace=NS, pod=pod, **kw)
 
