@@ -8,6 +8,8 @@ import pytest
 from control.kube.cluster import ApiError, service_account_user, wait_for
 
 NS = "harness-check"
+#: Every test here runs on both Kubernetes versions (make test-control).
+pytestmark = pytest.mark.every_kube_version
 
 
 def _job(name: str, completions: int = 1, **spec) -> dict:
@@ -82,3 +84,18 @@ def test_a_service_account_token_is_authorized_by_rbac(kube):
     assert "system:serviceaccount:harness-sa:nobody" in str(refused.value)
     forbidden = [r for r in kube.requests if r.resource == "nodes" and r.verb == "list"]
     assert forbidden and forbidden[-1].user == user.username and forbidden[-1].code == 403
+
+
+def test_the_apiserver_serves_the_version_the_run_asked_for(kube, control_plane):
+    import os
+
+    version = kube.get("/version")
+    assert version["gitVersion"] == control_plane.version()
+    emulated = os.environ.get("KUBE_EMULATED_VERSION")
+    served = f"{version.get('emulationMajor', version['major'])}.{version.get('emulationMinor', version['minor'])}"
+    assert served == (emulated or control_plane.version().lstrip("v").rsplit(".", 1)[0])
+    # The Job API the backend relies on is there at both versions (successPolicy is GA since 1.33).
+    job = _job("probe", completions=2, successPolicy={"rules": [{"succeededCount": 1}]})
+    kube.ensure_namespace(NS)
+    created = kube.api("POST", f"/apis/batch/v1/namespaces/{NS}/jobs", job, query={"fieldValidation": "Strict"})
+    assert created["spec"]["successPolicy"] == {"rules": [{"succeededCount": 1}]}
