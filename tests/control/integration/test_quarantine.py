@@ -1,7 +1,8 @@
 """Quarantined nodes have a way back: listed and returned to service with a recorded reason, by the
 CLI (python -m fsdp_resilience.control.quarantine) and the node_maintenance DAG, or automatically after a
-cool-down; on the local backend (slots.json) and on EKS (the strict fake apiserver with the deploy
-kit loaded, so the kit's RBAC and node admission policy judge every write)."""
+cool-down; on the local backend (slots.json) and on EKS (a real Kubernetes control plane with the
+deploy kit applied, so the real RBAC authorizer and the kit's node admission policy judge every
+write; tests/control/kube)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from fsdp_resilience.control import settings
 from fsdp_resilience.control.backends import BackendError, get_backend
 from fsdp_resilience.control.backends.eks import QUARANTINE_ANNOTATION, QUARANTINE_TAINT, RETURN_ANNOTATION
+from fsdp_resilience.control.backends.eks.client import KubeClient
 from fsdp_resilience.control.quarantine import format_return
 
 from control.fakes.eks_cluster import NS, TRIGGERER, WORKER, acting_as, add_gpu_node, backend_for
@@ -177,17 +179,31 @@ def test_an_eks_node_returns_uncordoned_and_untainted_keeping_other_taints_with_
     assert quarantine.main(["--backend", "eks", "list"]) == 0
     assert "gpu-2" in capsys.readouterr().out
 
-    # The node lifecycle controller taints the node between the backend's read and its patch:
-    # 409, read again, and that taint stays.
-    unreachable = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
-    cluster.taint_on_next_read("gpu-2", unreachable)
+    # A second writer (Karpenter marking the node for disruption) taints the node between the
+    # backend's read and its patch: the apiserver answers 409, the backend reads again, and that
+    # taint stays. (Not the node lifecycle controller's unreachable taint: it takes that off a
+    # node that is Ready again, as gpu-2 is.)
+    disrupted = {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}
+    read_node = KubeClient.get_node
+    reads = []
+
+    def get_node_then_taint(self, name):
+        node = read_node(self, name)
+        if name == "gpu-2" and not reads:
+            reads.append(node["metadata"]["resourceVersion"])
+            cluster.add_node_taint("gpu-2", disrupted)  # as the admin: a write the backend did not see
+        return node
+
+    monkeypatch.setattr(KubeClient, "get_node", get_node_then_taint)
+    cluster.clear_requests()
     assert quarantine.main(["return", "gpu-2", "--backend", "eks", "--reason", "GPU reseated, dcgmi diag passed"]) == 0
     assert capsys.readouterr().out.strip() == "returned to service: gpu-2"
-    node_patches = [r for r in cluster.requests if r.resource == "nodes" and r.verb == "patch"]
-    assert len(node_patches) == 3  # the quarantine; the return's conflict, then its patch on the fresh read
+    node_patches = [(r.code, r.user) for r in cluster.requests if r.resource == "nodes" and r.verb == "patch"]
+    # The return's conflict, then its patch on the fresh read, both the worker's.
+    assert node_patches == [(409, WORKER.username), (200, WORKER.username)], node_patches
     node = cluster.node("gpu-2")
     assert not node["spec"].get("unschedulable")
-    assert sorted(t["key"] for t in node["spec"]["taints"]) == ["node.kubernetes.io/unreachable", "nvidia.com/gpu"]
+    assert sorted(t["key"] for t in node["spec"]["taints"]) == ["karpenter.sh/disrupted", "nvidia.com/gpu"]
     annotations = node["metadata"]["annotations"]
     assert QUARANTINE_ANNOTATION not in annotations
     record = json.loads(annotations[RETURN_ANNOTATION])
@@ -236,4 +252,6 @@ def test_the_triggerer_cannot_return_an_eks_node(cluster, tmp_path):
         backend.return_nodes(["gpu-0"], reason="not the triggerer's call")
     node = cluster.node("gpu-0")
     assert node["spec"]["unschedulable"] is True and any(t["key"] == QUARANTINE_TAINT for t in node["spec"]["taints"])
-    assert not [r for r in cluster.requests if r.user == TRIGGERER and r.verb == "patch"]
+    # The real authorizer refused the triggerer's first call (its read of the node); no patch followed.
+    asked = [(r.verb, r.resource, r.code) for r in cluster.requests if r.user == TRIGGERER.username]
+    assert asked == [("get", "nodes", 403)], asked
