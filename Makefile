@@ -102,7 +102,7 @@ gpu-check: $(STAMP)
 
 # The deployment kit alone (make test runs it): render every kustomization with kubectl's
 # kustomize and validate each object, and each object the EKS backend creates, strictly against
-# Kubernetes 1.30 and 1.33; lint the Dockerfiles; scan all three with checkov (deploy/scan.py:
+# Kubernetes 1.30 and 1.37; lint the Dockerfiles; scan all three with checkov (deploy/scan.py:
 # findings not in deploy/checkov-exceptions.yaml fail).
 lint-deploy: $(AFSTAMP) $(CKSTAMP)
 	$(AFBIN)/python deploy/render.py --check

@@ -32,7 +32,7 @@ KIT = Path(__file__).resolve().parent
 #: The supported EKS range, oldest first: 1.30 is the first with ValidatingAdmissionPolicy in
 #: admissionregistration.k8s.io/v1, which the kit's node and pod policies need. Everything the kit
 #: renders (and every object the backend creates) is validated against both ends.
-K8S_VERSIONS = ("1.30", "1.33")
+K8S_VERSIONS = ("1.30", "1.37")
 _KUSTOMIZATION_FILES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 
 

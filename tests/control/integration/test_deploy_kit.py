@@ -1,7 +1,7 @@
 """The EKS deployment kit: images/ and deploy/.
 
 Every kustomization renders (kubectl's kustomize) and every object, and every object the EKS
-backend creates, is valid Kubernetes 1.30 and 1.33 in strict mode; the kit provides the names the
+backend creates, is valid Kubernetes 1.30 and 1.37 in strict mode; the kit provides the names the
 EKS backend uses; RBAC and IAM grant each Airflow identity (worker, triggerer) no more than it
 needs, and the triggerer only reads; the Helm values mount FSx where the DAGs look for it; the
 Dockerfiles pass hadolint, take their bases by digest, pin what pyproject.toml and requirements/
@@ -61,7 +61,7 @@ AIRFLOW_SAS = ("airflow-worker", "airflow-triggerer")
 WORKER = ("airflow-worker", "fsdp-airflow-worker")
 TRIGGERER = ("airflow-triggerer", "fsdp-airflow-triggerer")
 #: The supported EKS range, stated once here and checked against the kit, the backend and the docs.
-SUPPORTED_EKS = ("1.30", "1.33")
+SUPPORTED_EKS = ("1.30", "1.37")
 MANAGED_ASG_TAG = "fsdp-resilience/managed"
 #: The file system the base carries until an overlay names a real one.
 STAND_IN_FILE_SYSTEM = "fs-00000000000000000"

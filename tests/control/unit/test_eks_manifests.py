@@ -152,7 +152,7 @@ def test_the_supported_range_starts_where_the_kits_admission_policies_exist():
     The backend's own objects need 1.29: 1.28's schema rejects the Job (its podFailurePolicy
     exit-code rules have no onPodConditions, which that schema requires)."""
     major, minor = (int(x) for x in OLDEST_SUPPORTED_K8S.split("."))
-    assert (major, minor) == (1, 30) and NEWEST_SUPPORTED_K8S == "1.33"
+    assert (major, minor) == (1, 30) and NEWEST_SUPPORTED_K8S == "1.37"
     policy = {
         "apiVersion": "admissionregistration.k8s.io/v1",
         "kind": "ValidatingAdmissionPolicy",

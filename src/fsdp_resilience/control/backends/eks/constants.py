@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-#: The supported EKS range is OLDEST_SUPPORTED_K8S..NEWEST_SUPPORTED_K8S (1.30-1.33). The floor
+#: The supported EKS range is OLDEST_SUPPORTED_K8S..NEWEST_SUPPORTED_K8S (1.30-1.37). The floor
 #: is the deploy kit's: its ValidatingAdmissionPolicies (node writes, NodeClaim deletes, the
 #: training namespace's pod rules) use admissionregistration.k8s.io/v1, GA and served from 1.30.
 #: The objects manifests.py builds need 1.29: the Jobs rely on podFailurePolicy (beta and on by default
@@ -17,8 +17,10 @@ import re
 #: podFailurePolicy replaces a failed pod only once it has fully terminated (podReplacementPolicy),
 #: so two pods never hold the same index and hostname at once.
 OLDEST_SUPPORTED_K8S = "1.30"
-#: The newest Kubernetes the objects and the kit are validated against (and the fake apiserver serves).
-NEWEST_SUPPORTED_K8S = "1.33"
+#: The newest Kubernetes the objects and the kit are validated against, and the version of the
+#: control plane the EKS tests run on (tests/control/kube; also emulating 1.35, the oldest minor in
+#: EKS standard support on 2026-12-03).
+NEWEST_SUPPORTED_K8S = "1.37"
 
 #: The one container of every pod; the Job's podFailurePolicy rules refer to it by name.
 CONTAINER = "trainer"
