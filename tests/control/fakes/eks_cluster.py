@@ -101,9 +101,16 @@ def permissive_cluster(kube, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The strict cluster: the deploy kit loaded, and each caller with its own token.
 
-#: The bearer token Kubernetes requests made in this context carry instead of the kubeconfig's
-#: (set by ``acting_as`` and by the triggers' patched ``run``).
-ACTING_TOKEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("fake_kube_acting_token", default=None)
+#: Who Kubernetes requests made in this context act as instead of the kubeconfig's identity: a
+#: bearer token, and the user that token's ServiceAccount impersonates (None: the token's own
+#: ServiceAccount). Set by ``acting_as`` and by the triggers' patched ``run``.
+ACTING_TOKEN: contextvars.ContextVar[tuple[str, UserInfo | None] | None] = contextvars.ContextVar(
+    "acting_token", default=None
+)
+#: The ServiceAccount that authenticates the identities that are not ServiceAccounts (IAM roles
+#: that an EKS access entry maps to Kubernetes groups): it may impersonate users and groups, and the
+#: apiserver then authorizes and admits each request as the impersonated user.
+IMPERSONATOR = ("kube-system", "test-impersonator")
 
 
 def _deploy_tree_stamp(root: Path) -> tuple:
@@ -128,28 +135,75 @@ def render_kit(overlay: str = "example") -> list[dict]:
 
 
 def _with_acting_token(headers):
-    token = ACTING_TOKEN.get()
-    if token is None or headers is None:
+    acting = ACTING_TOKEN.get()
+    if acting is None:
         return headers
+    token, user = acting
     # The clients name the header "authorization" (the kubeconfig's api_key): replace any spelling.
-    return {**{k: v for k, v in headers.items() if k.lower() != "authorization"}, "Authorization": f"Bearer {token}"}
+    # Impersonate-Group goes once per group: the clients' own header types (urllib3's
+    # HTTPHeaderDict, aiohttp's CIMultiDict) keep repeated headers.
+    kept = [(k, v) for k, v in (headers or {}).items() if k.lower() != "authorization"]
+    pairs = [*kept, ("Authorization", f"Bearer {token}")]
+    if user is not None:
+        pairs.append(("Impersonate-User", user.username))
+        pairs.extend(("Impersonate-Group", group) for group in user.groups)
+    return pairs
+
+
+def _impersonator_token(kube: KubeCluster) -> str:
+    """A token of IMPERSONATOR, which the cluster admin allows to impersonate users, groups and
+    ServiceAccounts (and nothing else)."""
+    namespace, name = IMPERSONATOR
+    rules = [{"apiGroups": [""], "resources": ["users", "groups", "serviceaccounts"], "verbs": ["impersonate"]}]
+    role_ref = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
+    kube.apply(
+        [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+             "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+             "roleRef": role_ref, "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+        ],
+        manager="test-harness",
+    )  # fmt: skip
+    return kube.token_for((namespace, name))
+
+
+def credentials_for(kube: KubeCluster, user: UserInfo) -> tuple[str, UserInfo | None]:
+    """What a request as ``user`` carries: a ServiceAccount's own real token, or for any other
+    user (an IAM role, as EKS authenticates it) the impersonator's token and ``user`` to
+    impersonate. The apiserver adds system:authenticated to an impersonated user's groups itself."""
+    if user.username.startswith("system:serviceaccount:"):
+        return kube.token_for(user), None
+    groups = tuple(g for g in user.groups if g != "system:authenticated")
+    return _impersonator_token(kube), UserInfo(user.username, groups)
 
 
 def swap_tokens_in_clients(monkeypatch) -> None:
-    """Make every ``kubernetes`` and ``kubernetes_asyncio`` request carry ACTING_TOKEN's token when
-    one is set in the calling context (the clients' REST layer is where the Authorization header
-    is finally put together)."""
+    """Make every ``kubernetes`` and ``kubernetes_asyncio`` request act as ACTING_TOKEN says when
+    it is set in the calling context (the clients' REST layer is where the Authorization header
+    is finally put together): its bearer token, and the Impersonate-* headers of the user its
+    ServiceAccount impersonates."""
     import kubernetes.client.rest
     import kubernetes_asyncio.client.rest
+    from multidict import CIMultiDict
+    from urllib3 import HTTPHeaderDict
 
     sync_request = kubernetes.client.rest.RESTClientObject.request
     async_request = kubernetes_asyncio.client.rest.RESTClientObject.request
 
     def request(self, method, url, query_params=None, headers=None, *args, **kwargs):
-        return sync_request(self, method, url, query_params, _with_acting_token(headers), *args, **kwargs)
+        pairs = _with_acting_token(headers)
+        if pairs is not headers:
+            headers = HTTPHeaderDict()
+            for k, v in pairs:
+                headers.add(k, v)
+        return sync_request(self, method, url, query_params, headers, *args, **kwargs)
 
     async def request_async(self, method, url, query_params=None, headers=None, *args, **kwargs):
-        return await async_request(self, method, url, query_params, _with_acting_token(headers), *args, **kwargs)
+        pairs = _with_acting_token(headers)
+        if pairs is not headers:
+            headers = CIMultiDict(pairs)
+        return await async_request(self, method, url, query_params, headers, *args, **kwargs)
 
     monkeypatch.setattr(kubernetes.client.rest.RESTClientObject, "request", request)
     monkeypatch.setattr(kubernetes_asyncio.client.rest.RESTClientObject, "request", request_async)
@@ -165,12 +219,12 @@ def run_triggers_as(kube: KubeCluster, user: UserInfo, monkeypatch) -> None:
     from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
     from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
-    token = kube.token_for(user)
+    credentials = credentials_for(kube, user)
     for trigger in (TrainingProgressTrigger, NodeCapacityTrigger, SparePoolTrigger):
         original = trigger.run
 
         async def run(self, _original=original):
-            ACTING_TOKEN.set(token)
+            ACTING_TOKEN.set(credentials)
             async for event in _original(self):
                 yield event
 
@@ -180,8 +234,10 @@ def run_triggers_as(kube: KubeCluster, user: UserInfo, monkeypatch) -> None:
 @contextlib.contextmanager
 def acting_as(kube: KubeCluster, user: UserInfo):
     """Kubernetes calls made inside this block (in this thread, and in what it starts with a copy of
-    its context) carry ``user``'s token. Needs swap_tokens_in_clients (cluster does it)."""
-    reset = ACTING_TOKEN.set(kube.token_for(user))
+    its context) act as ``user``: a ServiceAccount with its own real token, any other user (an IAM
+    role mapped to groups by an EKS access entry) impersonated by IMPERSONATOR. Needs
+    swap_tokens_in_clients (cluster does it)."""
+    reset = ACTING_TOKEN.set(credentials_for(kube, user))
     try:
         yield
     finally:

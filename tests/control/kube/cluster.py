@@ -470,11 +470,13 @@ class KubeCluster:
     @property
     def requests(self) -> list[Request]:
         """Requests made since the last ``clear_requests`` by anyone but the cluster's own
-        components and this harness, from the apiserver's audit log (ResponseComplete records)."""
+        components and this harness, from the apiserver's audit log (ResponseComplete records).
+        A request made with impersonation counts as the impersonated user's."""
         records = self._audit_barrier()
         out = []
         for r in records:
-            user = r.get("user", {}).get("username", "")
+            # An impersonated request is authorized and admitted as the user it impersonates.
+            user = (r.get("impersonatedUser") or r.get("user") or {}).get("username", "")
             if r.get("stage") != "ResponseComplete" or user in _INTERNAL_USERS:
                 continue
             if user.startswith(("system:serviceaccount:kube-system:", "system:node:")):
