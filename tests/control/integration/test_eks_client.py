@@ -1,15 +1,16 @@
 """The EKS backend's Kubernetes client (eks/client.py): what each API error becomes (``kube_error``:
-what failed and what to do), and ``KubeClient``'s calls against the fake apiserver
-(tests/control/fake_kube.py, no kit loaded: RBAC is test_eks_rbac.py's) through the real
+what failed and what to do), and ``KubeClient``'s calls against the real control plane
+(tests/control/kube, as the cluster admin: RBAC is test_eks_rbac.py's) through the real
 ``kubernetes`` client and the provider's hooks: idempotent creates, the guarded resume, the
-conflict-safe quarantine and return of a node, evictions, NodeClaims, and the triggerer's async
-read."""
+conflict-safe quarantine and return of a node (a real 409 from a second writer), evictions,
+NodeClaims, and the triggerer's async read."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import socket
 
 import pytest
 
@@ -26,7 +27,9 @@ from fsdp_resilience.control.backends.eks.manifests import training_job
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 from fsdp_resilience.training.contract import RunConfig
 
-from control.fakes.eks_cluster import NS, add_gpu_node, permissive_cluster  # noqa: F401  (fixture)
+from control.fakes.eks_cluster import NS, add_gpu_node, render_kit
+from control.kube.cluster import wait_for
+from control.kube.control_plane import write_kubeconfig
 
 CONN = "kubernetes_fake"
 
@@ -99,12 +102,19 @@ def test_kube_error_says_what_failed_and_what_to_do(error, expected):
 
 
 # --------------------------------------------------------------------------------------------
-# KubeClient against the fake apiserver
+# KubeClient against the real apiserver
 # --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def kube(permissive_cluster):  # noqa: F811
+def client(permissive_cluster):
+    """A KubeClient on the ``kubernetes_fake`` connection (the cluster admin), with the kit's FSx
+    volume and claim in the training namespace (the pods mount it: without it they never schedule)."""
+    training_fsx = [
+        o for o in render_kit() if o["kind"] in ("PersistentVolume", "PersistentVolumeClaim")
+        and (o["metadata"].get("namespace") == NS or (o["spec"].get("claimRef") or {}).get("namespace") == NS)
+    ]  # fmt: skip
+    permissive_cluster.apply(training_fsx)
     with connect(eks_kubeconfig(None, aws_conn_id=None, region_name=None, namespace=NS), CONN, NS) as client:
         yield client
 
@@ -114,67 +124,90 @@ def launch_job(launch_id: str = "0") -> dict:
     return training_job(cfg, launch_id, PodTemplateSettings(image="example.com/fsdp-training:test", namespace=NS))
 
 
+def scheduled_pods(cluster, job_name: str, count: int) -> list[dict]:
+    """The Job's pods once the Job controller made ``count`` and the scheduler bound them."""
+    return wait_for(
+        lambda: len(pods := [p for p in cluster.pods(NS, job_name) if p["spec"].get("nodeName")]) == count and pods,
+        what=f"{count} scheduled pod(s) of job {job_name}",
+    )
+
+
 def test_without_a_cluster_name_there_is_no_kubeconfig_to_build():
     with eks_kubeconfig(None, aws_conn_id="aws_default", region_name=None, namespace=NS) as path:
         assert path is None
 
 
-def test_a_create_is_idempotent_and_a_missing_object_reads_as_none(kube, permissive_cluster):  # noqa: F811
+def test_a_create_is_idempotent_and_a_missing_object_reads_as_none(client, permissive_cluster):
     body = launch_job()
     name = body["metadata"]["name"]
-    assert kube.get_job(name) is None
-    first = kube.create_job(body)
-    again = kube.create_job(body)  # a retried task: 409, and the existing Job back
+    assert client.get_job(name) is None
+    first = client.create_job(body)
+    again = client.create_job(body)  # a retried task: 409, and the existing Job back
     assert first["metadata"]["uid"] == again["metadata"]["uid"]
-    assert [j["metadata"]["name"] for j in kube.list_jobs(f"{LABEL_JOB}!=x")] == [name]
+    assert [j["metadata"]["name"] for j in client.list_jobs(f"{LABEL_JOB}!=x")] == [name]
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name},
         "spec": {"clusterIP": "None", "selector": {LABEL_JOB: name}, "ports": [{"port": 29500}]},
     }
-    assert kube.ensure_service(service)["metadata"]["uid"] == kube.ensure_service(service)["metadata"]["uid"]
+    assert client.ensure_service(service)["metadata"]["uid"] == client.ensure_service(service)["metadata"]["uid"]
     assert len([r for r in permissive_cluster.requests if r.resource == "services" and r.verb == "create"]) == 1
-    assert kube.get_service_account("nobody") is None and kube.get_claim("nothing") is None
+    assert client.get_service_account("nobody") is None and client.get_claim("nothing") is None
 
 
-def test_resume_starts_a_suspended_job_but_never_one_a_cancel_stopped(kube):
-    job = kube.create_job(launch_job())
+def test_resume_starts_a_suspended_job_but_never_one_a_cancel_stopped(client):
+    job = client.create_job(launch_job())
     assert job["spec"]["suspend"] is True
-    assert kube.resume_job(job)["spec"]["suspend"] is False
-    stopped = kube.create_job(launch_job("1"))
+    assert client.resume_job(job)["spec"]["suspend"] is False
+    stopped = client.create_job(launch_job("1"))
     name = stopped["metadata"]["name"]
-    kube.patch_job(name, {"metadata": {"annotations": {CANCEL_ANNOTATION: json.dumps({"message": "stop"})}}})
+    client.patch_job(name, {"metadata": {"annotations": {CANCEL_ANNOTATION: json.dumps({"message": "stop"})}}})
     # The resume carries the resourceVersion it read: the cancel came in between, so 409, read
     # again, and the verdict keeps the Job suspended.
-    assert kube.resume_job(stopped)["spec"]["suspend"] is True
-    assert kube.get_job(name)["spec"]["suspend"] is True
+    assert client.resume_job(stopped)["spec"]["suspend"] is True
+    assert client.get_job(name)["spec"]["suspend"] is True
 
 
-def test_an_api_error_names_what_the_client_was_doing(kube):
+def test_an_api_error_names_what_the_client_was_doing(client):
     with pytest.raises(BackendError, match=r"cannot patch job no-such-job: not found \(404"):
-        kube.patch_job("no-such-job", {"spec": {"suspend": True}})
+        client.patch_job("no-such-job", {"spec": {"suspend": True}})
 
 
-def test_quarantine_keeps_a_taint_another_controller_added_meanwhile(kube, permissive_cluster):  # noqa: F811
-    node = add_gpu_node(permissive_cluster, "gpu-0")
-    other = {"key": "node.kubernetes.io/unreachable", "effect": "NoSchedule"}
-    permissive_cluster.taint_on_next_read("gpu-0", other)
-    kube.get_node("gpu-0")  # the read after which the other controller taints the node
-    kube.quarantine_node(node, "restarts exhausted (node 1)")  # stale: 409, read again, recompute
+def test_quarantine_keeps_a_taint_another_controller_added_meanwhile(client, permissive_cluster, monkeypatch):
+    """Karpenter taints the node right after the client read it: the quarantine patch (the whole
+    taint list, with the resourceVersion read) gets a real 409 from the apiserver, and the client
+    reads the node again and keeps that taint."""
+    add_gpu_node(permissive_cluster, "gpu-0")
+    other = {"key": "karpenter.sh/disrupted", "effect": "NoSchedule"}
+    read = client.get_node
+    second_writer = []
+
+    def read_then_another_controller_writes(name):
+        node = read(name)
+        if not second_writer:
+            second_writer.append(permissive_cluster.add_node_taint(name, other))
+        return node
+
+    monkeypatch.setattr(client, "get_node", read_then_another_controller_writes)
+    node = client.get_node("gpu-0")  # the read after which the other controller taints the node
+    permissive_cluster.clear_requests()
+    client.quarantine_node(node, "restarts exhausted (node 1)")  # stale: 409, read again, recompute
     taints = permissive_cluster.node("gpu-0")["spec"]["taints"]
     assert {t["key"] for t in taints} >= {other["key"], QUARANTINE_TAINT, "nvidia.com/gpu"}
     assert permissive_cluster.node("gpu-0")["spec"]["unschedulable"] is True
     (ours,) = [t for t in taints if t["key"] == QUARANTINE_TAINT]
     assert ours["value"] == "restarts-exhausted-node-1"
+    patches = [r.code for r in permissive_cluster.requests if r.resource == "nodes" and r.verb == "patch"]
+    assert patches[0] == 409 and patches[-1] == 200, patches  # the conflict, then the patch on a fresh read
 
 
-def test_return_node_undoes_only_our_quarantine(kube, permissive_cluster):  # noqa: F811
+def test_return_node_undoes_only_our_quarantine(client, permissive_cluster):
     node = add_gpu_node(permissive_cluster, "gpu-0")
     add_gpu_node(permissive_cluster, "gpu-1", unschedulable=True)  # cordoned by hand: not ours
-    kube.quarantine_node(node, "bad GPU")
-    assert kube.return_node("gpu-0", "fixed", "ops", quarantined_before=0.0) == "not_quarantined"  # too recent
-    assert kube.return_node("gpu-0", "fixed", "ops") == "returned"
+    client.quarantine_node(node, "bad GPU")
+    assert client.return_node("gpu-0", "fixed", "ops", quarantined_before=0.0) == "not_quarantined"  # too recent
+    assert client.return_node("gpu-0", "fixed", "ops") == "returned"
     returned = permissive_cluster.node("gpu-0")
     assert not returned["spec"].get("unschedulable") and QUARANTINE_TAINT not in {
         t["key"] for t in returned["spec"].get("taints", [])
@@ -182,40 +215,48 @@ def test_return_node_undoes_only_our_quarantine(kube, permissive_cluster):  # no
     note = json.loads(returned["metadata"]["annotations"][RETURN_ANNOTATION])
     assert note["by"] == "ops" and note["reason"] == "fixed" and note["quarantine"].endswith("bad GPU")
     assert QUARANTINE_ANNOTATION not in returned["metadata"]["annotations"]
-    assert kube.return_node("gpu-1", "fixed", "ops") == "not_quarantined"
-    assert kube.return_node("gpu-9", "fixed", "ops") == "gone"
+    assert client.return_node("gpu-1", "fixed", "ops") == "not_quarantined"
+    assert client.return_node("gpu-9", "fixed", "ops") == "gone"
 
 
-def test_evictions_logs_and_nodeclaims(kube, permissive_cluster):  # noqa: F811
+def test_evictions_logs_and_nodeclaims(client, permissive_cluster):
     for i in range(2):
         add_gpu_node(permissive_cluster, f"gpu-{i}")
-    job = kube.resume_job(kube.create_job(launch_job()))
+    job = client.resume_job(client.create_job(launch_job()))
     name = job["metadata"]["name"]
-    pods = kube.list_pods(f"{LABEL_JOB}={name}")
+    scheduled_pods(permissive_cluster, name, 2)
+    pods = client.list_pods(f"{LABEL_JOB}={name}")
     assert sorted(p["spec"]["nodeName"] for p in pods) == ["gpu-0", "gpu-1"]
-    assert kube.evict_pods_on("gpu-0", f"{LABEL_JOB}={name}") == [
+    assert client.evict_pods_on("gpu-0", f"{LABEL_JOB}={name}") == [
         p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == "gpu-0"
     ]
-    assert kube.evict_pods_on("gpu-7", f"{LABEL_JOB}={name}") == []
-    assert kube.pod_log("no-such-pod", 10).startswith("(no log: 404")
+    assert client.evict_pods_on("gpu-7", f"{LABEL_JOB}={name}") == []
+    assert client.pod_log("no-such-pod", 10).startswith("(no log: 404")
     permissive_cluster.add_nodeclaim("claim-a", "gpu-1")
-    assert [c["metadata"]["name"] for c in kube.list_nodeclaims()] == ["claim-a"]
-    kube.delete_nodeclaim("claim-a")
-    kube.delete_nodeclaim("claim-a")  # gone already: fine
+    assert [c["metadata"]["name"] for c in client.list_nodeclaims()] == ["claim-a"]
+    client.delete_nodeclaim("claim-a")
+    client.delete_nodeclaim("claim-a")  # being deleted already (Karpenter's finalizer holds it): fine
 
 
-def test_the_async_read_returns_the_job_and_its_pods_or_says_there_is_none(kube, permissive_cluster):  # noqa: F811
+def test_the_async_read_returns_the_job_and_its_pods_or_says_there_is_none(client, permissive_cluster):
     add_gpu_node(permissive_cluster, "gpu-0")
     add_gpu_node(permissive_cluster, "gpu-1")
-    name = kube.resume_job(kube.create_job(launch_job()))["metadata"]["name"]
+    name = client.resume_job(client.create_job(launch_job()))["metadata"]["name"]
+    wait_for(lambda: len(permissive_cluster.pods(NS, name)) == 2, what="the Job controller's two pods")
     job, pods = asyncio.run(read_job_async(None, CONN, NS, name))
     assert job["metadata"]["name"] == name and len(pods) == 2
     with pytest.raises(JobNotFoundError, match=f"no job missing in namespace {NS}"):
         asyncio.run(read_job_async(None, CONN, NS, "missing"))
 
 
-def test_an_unreachable_apiserver_is_a_backend_error_that_says_so(permissive_cluster):  # noqa: F811
-    permissive_cluster.stop()
-    with connect(eks_kubeconfig(None, aws_conn_id=None, region_name=None, namespace=NS), CONN, NS) as client:
+def test_an_unreachable_apiserver_is_a_backend_error_that_says_so(permissive_cluster, tmp_path, monkeypatch):
+    """A connection to an address where nothing listens (the shared control plane keeps running)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # free again once closed: nothing listens there
+    gone = write_kubeconfig(tmp_path / "gone", f"https://127.0.0.1:{closed}", permissive_cluster.plane.pki / "ca.crt",
+                            token="unused", namespace=NS)  # fmt: skip
+    monkeypatch.setenv("AIRFLOW_CONN_KUBERNETES_GONE", permissive_cluster.airflow_connection(gone, namespace=NS))
+    with connect(eks_kubeconfig(None, aws_conn_id=None, region_name=None, namespace=NS), "kubernetes_gone", NS) as c:
         with pytest.raises(BackendError, match="cannot reach the Kubernetes API to read job j"):
-            client.get_job("j")
+            c.get_job("j")
