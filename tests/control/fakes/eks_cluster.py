@@ -299,12 +299,34 @@ def asg_instances(name: str) -> list[str]:
     return sorted(i["InstanceId"] for i in group["Instances"] if i["LifecycleState"] == "InService")
 
 
+#: The node conditions the EKS node monitoring agent reports.
+MONITORING_AGENT_CONDITIONS = (
+    "AcceleratedHardwareReady",
+    "NetworkingReady",
+    "StorageReady",
+    "KernelReady",
+    "ContainerRuntimeReady",
+)
+
+
 def add_gpu_node(kube: KubeCluster, name: str, instance: str | None = None, **kw) -> dict:
     """A p5.48xlarge node of the GPU pool (labels, taint, GPUs, EFA devices and the allocatable CPU
-    and memory left after EKS's kube-reserved, as on EKS)."""
+    and memory left after EKS's kube-reserved, as on EKS), in zone us-west-2a, with the EKS node
+    monitoring agent's conditions healthy unless ``conditions`` says otherwise."""
+    conditions = kw.pop("conditions", None) or []
+    given = {c["type"] for c in conditions}
+    healthy = [
+        {"type": t, "status": "True", "reason": f"{t}Healthy"} for t in MONITORING_AGENT_CONDITIONS if t not in given
+    ]
     return kube.add_node(
         name,
-        labels={**POOL, "node.kubernetes.io/instance-type": "p5.48xlarge"},
+        labels={
+            **POOL,
+            "node.kubernetes.io/instance-type": "p5.48xlarge",
+            "topology.kubernetes.io/zone": f"{REGION}a",
+            "topology.kubernetes.io/region": REGION,
+        },
+        conditions=[*healthy, *conditions],
         taints=[GPU_TAINT],
         allocatable={"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32, "cpu": "191450m", "memory": "1990Gi"},
         provider_id=f"aws:///{REGION}a/{instance}" if instance else None,

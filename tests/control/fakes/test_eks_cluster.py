@@ -1,6 +1,7 @@
-"""The EKS cluster double: nodes of the GPU pool as EKS shows them, node groups as Auto Scaling
-groups in moto, and the stand-in kubelet that plays a training pod's part on the run dir with the
-run contract (checkpoints committed by node 0, events, the exit code a scenario picks)."""
+"""The EKS cluster as the tests have it: nodes of the GPU pool as EKS shows them (kwok nodes on the
+real control plane), node groups as Auto Scaling groups in moto, and the stand-in kubelet that
+plays a training pod's part on the run dir with the run contract (checkpoints committed by node 0,
+events, the exit code a scenario picks, through kwok)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fsdp_resilience.training.contract import CheckpointCatalog, ExitCode, read_
 
 from control.fakes.eks_cluster import (
     GPU_TAINT,
+    MONITORING_AGENT_CONDITIONS,
     NS,
     POOL,
     FakeKubelet,
@@ -26,6 +28,11 @@ def test_a_gpu_node_looks_like_a_p5_of_the_pool(cluster):
     assert GPU_TAINT in node["spec"]["taints"]
     assert node["status"]["allocatable"]["nvidia.com/gpu"] in (8, "8")
     assert node["spec"]["providerID"].endswith("/i-0123")
+    assert node["status"]["allocatable"]["vpc.amazonaws.com/efa"] == "32"
+    assert node["metadata"]["labels"]["topology.kubernetes.io/zone"] == "us-west-2a"
+    conditions = {c["type"]: c["status"] for c in cluster.node("gpu-0")["status"]["conditions"]}
+    assert {t: "True" for t in MONITORING_AGENT_CONDITIONS}.items() <= conditions.items()
+    assert conditions["Ready"] == "True"
 
 
 def test_a_node_group_is_an_auto_scaling_group(aws):
