@@ -525,6 +525,48 @@ class KubeCluster:
             for r in self.requests
         }
 
+    # -- admission policies in effect -------------------------------------------------------
+
+    def wait_admission_policies(self, timeout: float = 60) -> None:
+        """Wait until the apiserver enforces every ValidatingAdmissionPolicy and binding written so
+        far (e.g. by ``load``): its admission plugin reads them from informers, so a new one takes
+        effect a moment later. A sentinel policy written after them denies a dry-run probe once the
+        plugin has caught up with it, and so with everything written before it; then it goes."""
+        name, marker = "test-harness-sentinel", f"sentinel-{uuid.uuid4().hex[:12]}"
+        policy = {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                                                        "resources": ["configmaps"], "operations": ["CREATE"]}]},
+                "validations": [{"expression": f"object.metadata.name != '{marker}'", "message": marker}],
+            },
+        }  # fmt: skip
+        binding = {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": name},
+            "spec": {"policyName": name, "validationActions": ["Deny"]},
+        }
+        self.apply([policy, binding], manager="test-harness")
+
+        def refused() -> bool:
+            try:
+                self.api("POST", "/api/v1/namespaces/default/configmaps", {"metadata": {"name": marker}},
+                         query={"dryRun": "All"})  # fmt: skip
+            except ApiError as e:
+                return marker in str(e)
+            return False
+
+        try:
+            wait_for(refused, timeout=timeout, what="the apiserver to enforce the admission policies", interval=0.1)
+        finally:
+            prefix = "/apis/admissionregistration.k8s.io/v1"
+            self._delete(f"{prefix}/validatingadmissionpolicybindings/{name}")
+            self._delete(f"{prefix}/validatingadmissionpolicies/{name}")
+
     # -- between tests ----------------------------------------------------------------------
 
     def reset(self, timeout: float = 60) -> None:

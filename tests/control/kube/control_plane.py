@@ -238,6 +238,9 @@ class ControlPlane:
             "--service-cluster-ip-range=10.0.0.0/24",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction",
+            # As EKS's apiserver: privileged pods (aws-node, kube-proxy) are allowed by the apiserver;
+            # what refuses them in the training namespace is the kit's policy.
+            "--allow-privileged=true",
             f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}",
             f"--audit-log-path={self.audit_log}",
             "--audit-log-format=json",
