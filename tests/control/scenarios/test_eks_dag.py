@@ -1,20 +1,28 @@
 """fsdp_training on the EKS backend with dag.test(): the same DAG as on the local backend, switched
-by the `backend` param alone. Kubernetes is the fake apiserver with the rendered deploy kit loaded
-(eks_cluster.start_strict_cluster: RBAC, admission policies, Pod Security; the tasks call as the
-worker's ServiceAccount, the triggers as the triggerer's), the node group an Auto Scaling group in
-moto, FSx a temp folder, and the pods are played by eks_cluster.FakeKubelet.
+by the `backend` param alone. Kubernetes is a real control plane (tests/control/kube:
+kube-apiserver, controller-manager and scheduler, kwok's nodes) with the rendered deploy kit
+applied (eks_cluster.start_strict_cluster: the RBAC authorizer, the kit's admission policies, Pod
+Security; the tasks call with a real token of the worker's ServiceAccount, the triggers with the
+triggerer's); the node group is an Auto Scaling group in moto, FSx a temp folder, and the training
+pods are played by eks_cluster.FakeKubelet, which ends them through kwok. Everything the cluster's
+controllers do (Jobs' pods, scheduling, evictions, PodGC) happens by itself, a moment later.
 
 The scenario of the issue: launch -> the pod on node X ends with restarts exhausted -> X is
 cordoned and tainted and its instance terminated in the ASG -> the replacement instance joins as a
 new Ready node -> relaunch from the newest checkpoint -> success -> evaluation Job -> report ->
 export of the run's records and verified checkpoint to S3 with an FSx data repository task
-(botocore Stubber: moto has none). And what must never climb the ladder: a full run dir, a run
-another launcher holds; and a checkpoint whose bytes changed after its commit, which nothing trusts.
-And what never starts: an `image` outside the image allowlist fails validate_config.
+(botocore Stubber: moto has none). The same under Karpenter: X's NodeClaim is deleted, and a
+stand-in for Karpenter's controllers (KarpenterStandIn) terminates it and provisions a node for the
+pod left pending. And what must never climb the ladder: a full run dir, a run another launcher
+holds; and a checkpoint whose bytes changed after its commit, which nothing trusts. And what never
+starts: an `image` outside the image allowlist fails validate_config. With a spare: a lost node
+replaced while training goes on.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -31,7 +39,19 @@ from fsdp_resilience.training.contract import (
     read_events,
 )
 
-from control.fakes.eks_cluster import LOSE_NODE, NS, PARK, FakeKubelet, add_gpu_node, asg_instances, make_asg, wait_for
+from control.fakes.eks_cluster import (
+    LOSE_NODE,
+    NS,
+    PARK,
+    TOLERATIONS,
+    WORKER,
+    FakeKubelet,
+    add_gpu_node,
+    asg_instances,
+    make_asg,
+    start_strict_cluster,
+    wait_for,
+)
 from control.fakes.fsx_stubs import (  # noqa: F401
     FS,
     a_task,
@@ -50,7 +70,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def eks_env(tmp_path, monkeypatch, cluster, aws):
+def eks_env(tmp_path, monkeypatch, aws):
+    """The Airflow workers' settings for the EKS backend (the tests ask for ``cluster`` too, or
+    start the Karpenter kit's)."""
     fsx = tmp_path / "fsx"  # FSx for Lustre, as mounted in the Airflow workers and the pods
     env = {
         "FSDP_RUNS_ROOT": str(fsx / "runs"),
@@ -60,6 +82,8 @@ def eks_env(tmp_path, monkeypatch, cluster, aws):
         "FSDP_KUBERNETES_CONN_ID": "kubernetes_fake",
         "FSDP_AWS_CONN_ID": "aws_fake",
         "FSDP_AWS_REGION": "us-west-2",
+        # A lost node's pods evicted 2 s after it is tainted unreachable, not 300 s (TOLERATIONS).
+        "FSDP_EKS_POD": json.dumps({"tolerations": TOLERATIONS}),
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -88,6 +112,33 @@ def run_records(run: str) -> list[str]:
     return [f"runs/{run}/{name}" for name in ("eval.json", "events.jsonl", "report")]
 
 
+def rendezvous(kube, launch_id: str, nodes: int) -> None:
+    """Wait, as a launch's ranks do at their first rendezvous, until all ``nodes`` pods of launch
+    ``launch_id`` run: node 0 never trains alone. (A relaunch's pods start apart when one waits for
+    a new node; without this, node 0 would finish before it and the other pod take its place.)"""
+
+    def launch_of(pod: dict) -> str | None:
+        env = pod["spec"]["containers"][0].get("env") or []
+        return next((e.get("value") for e in env if e["name"] == "TRAINING_LAUNCH_ID"), None)
+
+    wait_for(
+        lambda: (
+            len(
+                [
+                    p
+                    for p in kube.pods(NS)
+                    if p["status"].get("phase") == "Running"
+                    and not p["metadata"].get("deletionTimestamp")
+                    and launch_of(p) == launch_id
+                ]
+            )
+            >= nodes
+        ),
+        timeout=300,
+        what=f"the {nodes} pods of launch {launch_id} to run",
+    )
+
+
 def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(eks_env, cluster, stub, monkeypatch):
     monkeypatch.setenv("FSDP_FSX_FILE_SYSTEM_ID", FS)
     # Only the run's records and the verified, evaluated checkpoint go to S3.
@@ -99,11 +150,12 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
 
     def scenario(launch_id: str, index: int, node: str):
         placed.setdefault(launch_id, {})[index] = node
+        rendezvous(cluster, launch_id, 2)
         if launch_id == "0":  # node 1's GPU keeps faulting: its restarts run out; node 0 waits
             return int(ExitCode.RESTARTS_EXHAUSTED) if index == 1 else None
         return 0
 
-    with FakeKubelet(cluster, scenario, fail_at_step=10, asg="gpu-ng") as kubelet:
+    with FakeKubelet(cluster, scenario, fail_at_step=10, asg="gpu-ng", threaded=True) as kubelet:
         dr = trigger(
             {
                 "run_name": "llm-eks",
@@ -144,6 +196,119 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
     assert len(jobs) == 3  # launch 0, launch 1, the evaluation
     assert all(p["metadata"]["namespace"] == NS for p in cluster.pods(NS))
     assert st["export_to_s3"] == "success" and st["publish"] == "success"
+
+
+CLAIMS = "/apis/karpenter.sh/v1/nodeclaims"
+
+
+class KarpenterStandIn:
+    """Karpenter's part, played on the real apiserver (the NodeClaim CRD is installed there;
+    Karpenter's controllers do not run): a NodeClaim being deleted (it keeps its
+    karpenter.sh/termination finalizer) is terminated, its node deleted and then the finalizer
+    dropped; a pod the scheduler cannot place gets a new node of the GPU pool with a NodeClaim of
+    its own, while the NodePool has fewer live claims than ``limit``."""
+
+    def __init__(self, kube, limit: int):
+        self.kube, self.limit = kube, limit
+        self.terminated: list[str] = []  # the NodeClaims it finished deleting
+        self.launched: list[str] = []  # the nodes it provisioned
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="karpenter", daemon=True)
+
+    def __enter__(self) -> "KarpenterStandIn":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                claims = self.kube.get(CLAIMS)["items"]
+                for claim in claims:
+                    if claim["metadata"].get("deletionTimestamp") and claim["metadata"].get("finalizers"):
+                        self._terminate(claim)
+                live = [c for c in claims if not c["metadata"].get("deletionTimestamp")]
+                if len(live) < self.limit and self._unschedulable():
+                    self._launch()
+            except Exception as e:  # noqa: BLE001 - reported by the test, not lost in a thread
+                self.errors.append(e)
+                return
+
+    def _terminate(self, claim: dict) -> None:
+        node = (claim.get("status") or {}).get("nodeName")
+        if node and self.kube.exists(f"/api/v1/nodes/{node}"):
+            self.kube.api("DELETE", f"/api/v1/nodes/{node}")
+        self.kube.patch(f"{CLAIMS}/{claim['metadata']['name']}", {"metadata": {"finalizers": None}}, "merge")
+        self.terminated.append(claim["metadata"]["name"])
+
+    def _unschedulable(self) -> bool:
+        return any(
+            c["type"] == "PodScheduled" and c["status"] == "False" and c.get("reason") == "Unschedulable"
+            for p in self.kube.pods(NS)
+            if p["status"].get("phase") == "Pending"
+            for c in p["status"].get("conditions") or []
+        )
+
+    def _launch(self) -> None:
+        name = f"gpu-k{len(self.launched)}"
+        add_gpu_node(self.kube, name)
+        self.kube.add_nodeclaim(f"{name}-claim", name, nodepool="gpu")
+        self.launched.append(name)
+
+
+def test_restarts_exhausted_under_karpenter_delete_the_nodeclaim_and_finish_on_the_node_it_provisions(
+    eks_env, kube, tmp_path, monkeypatch
+):
+    cluster = start_strict_cluster(kube, tmp_path, monkeypatch, "example-karpenter")
+    monkeypatch.setenv("FSDP_EKS_REPLACEMENT", "karpenter")
+    for i in range(2):
+        add_gpu_node(cluster, f"gpu-{i}")
+        cluster.add_nodeclaim(f"gpu-{i}-claim", f"gpu-{i}", nodepool="gpu")
+    placed: dict[str, dict[int, str]] = {}
+
+    def scenario(launch_id: str, index: int, node: str):
+        placed.setdefault(launch_id, {})[index] = node
+        rendezvous(cluster, launch_id, 2)
+        if launch_id == "0":  # node 1's restarts run out; node 0 waits
+            return int(ExitCode.RESTARTS_EXHAUSTED) if index == 1 else None
+        return 0
+
+    kubelet = FakeKubelet(cluster, scenario, fail_at_step=10, threaded=True)
+    with KarpenterStandIn(cluster, limit=2) as karpenter, kubelet:
+        dr = trigger(
+            {
+                "run_name": "llm-karpenter",
+                "backend": "eks",
+                "dataset": "c4",
+                "nodes": 2,
+                "procs_per_node": 2,
+                "steps": 20,
+                "checkpoint_interval": 5,
+                "max_node_replacements": 1,
+            }
+        )
+    st = states(dr)
+    assert not karpenter.errors, karpenter.errors
+    assert str(dr.state) == "success", st
+    bad = placed["0"][1]
+    replaced = xcom(dr, "escalation_1.diagnose_and_replace")
+    assert replaced["replaced"] == [bad] and replaced["failure_class"] == "restarts_exhausted", replaced
+    # The worker deleted the bad node's NodeClaim (the kit allows the GPU pool's), and nothing else.
+    deletes = [(r.name, r.user) for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"]
+    assert deletes == [(f"{bad}-claim", WORKER.username)], deletes
+    # Karpenter terminated it (the node is gone) and provisioned the node launch 1's pod waited for.
+    assert karpenter.terminated == [f"{bad}-claim"] and not cluster.exists(f"/api/v1/nodes/{bad}")
+    assert karpenter.launched == ["gpu-k0"] and sorted(placed["1"].values()) == sorted(
+        {*placed["0"].values(), "gpu-k0"} - {bad}
+    )
+    assert st["escalation_2.decide"] == "skipped"
+    assert CheckpointCatalog(eks_env / "runs" / "llm-karpenter").latest().step == 20
+    assert xcom(dr, "evaluate")["checkpoint_id"] == "step_00000020"
+    assert len([r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]) == 3
 
 
 def test_a_checkpoint_that_fails_its_checksum_is_neither_evaluated_nor_exported_nor_published(
@@ -213,7 +378,7 @@ def test_storage_and_already_running_fail_the_run_without_touching_a_node(eks_en
     def scenario(launch_id: str, index: int, node: str):
         return code if index == nodes - 1 else None  # the last node fails; the others keep training
 
-    with FakeKubelet(cluster, scenario, fail_at_step=10, asg=group):
+    with FakeKubelet(cluster, scenario, fail_at_step=10, asg=group, threaded=True):
         dr = trigger(
             {
                 "run_name": "no-replace",
@@ -331,7 +496,7 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
                 and len(seen.get(1, [])) == 2
                 and len(kubelet.parked.get(launch_id, [])) == 2
             ),
-            timeout=120,
+            timeout=300,
             what="the spare pool to be refilled",
         )
 
@@ -376,7 +541,7 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
         async def side_by_side():
             watching = TrainingProgressTrigger(**watch._trigger_kwargs(), poll_interval_s=1.0)
             return await asyncio.wait_for(
-                asyncio.gather(asyncio.create_task(_first_event(watching)), keep_pool()), timeout=240
+                asyncio.gather(asyncio.create_task(_first_event(watching)), keep_pool()), timeout=480
             )
 
         try:
