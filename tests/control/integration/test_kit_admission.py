@@ -465,6 +465,20 @@ def test_the_backends_own_pods_pass_the_pod_security_policy(cluster, tmp_path, e
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("overlay", ["example", "example-karpenter"])
+def test_each_policy_fails_closed_and_is_bound_with_deny(overlay):
+    """Each of the kit's policies denies when its CEL cannot be evaluated, and one binding enforces
+    it (Deny, not Warn or Audit). Every object also validates strictly against the Kubernetes 1.30
+    and 1.33 schemas (test_deploy_kit.py)."""
+    kit = render_kit(overlay)
+    policies = {o["metadata"]["name"]: o for o in kit if o["kind"] == "ValidatingAdmissionPolicy"}
+    bindings = [o for o in kit if o["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert sorted(b["spec"]["policyName"] for b in bindings) == sorted(policies)
+    for binding in bindings:
+        assert binding["spec"]["validationActions"] == ["Deny"], binding["metadata"]["name"]
+    assert all(p["spec"]["failurePolicy"] == "Fail" for p in policies.values())
+
+
 def type_checking(kube, name: str) -> dict:
     """The policy's status once the apiserver type-checked its current generation."""
     path = f"{VAP}/{name}"
