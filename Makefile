@@ -73,10 +73,14 @@ test-nvrx07:
 # kube-controller-manager and kube-scheduler built from the Go module k8s.io/kubernetes, kwok, etcd.
 # Built once (about 10 min on 2 cores; it prints how long), then reused from
 # ~/.cache/fsdp-resilience/k8s-<hash of build.sh>. Without Go or the module proxy it prints one line
-# and the EKS tests skip; with CI=true they fail instead.
+# and the EKS tests skip; with CI=true they fail instead. Then Karpenter's kwok cloud provider
+# (tests/control/kube/build-karpenter.sh, about 5-6 min cold), the same way.
 kube-control-plane:
 	@rc=0; bash tests/control/kube/build.sh >/dev/null || rc=$$?; \
 	if [ $$rc = 3 ] && [ "$${CI:-}" != true ]; then echo "kube: no control plane can be built here: the EKS tests skip"; \
+	elif [ $$rc != 0 ]; then exit $$rc; fi
+	@rc=0; bash tests/control/kube/build-karpenter.sh >/dev/null || rc=$$?; \
+	if [ $$rc = 3 ] && [ "$${CI:-}" != true ]; then echo "kube: Karpenter cannot be built here: its tests skip"; \
 	elif [ $$rc != 0 ]; then exit $$rc; fi
 
 # The control plane's tests: Airflow, the local backend, and the EKS backend on the real Kubernetes

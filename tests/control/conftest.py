@@ -29,9 +29,11 @@ os.environ.update(
 )
 
 # The EKS path's fixtures: a real Kubernetes control plane (``control_plane``, once per run; ``kube``,
-# empty for each test; ``cluster``, with the deploy kit applied) and moto's AWS server (``aws``).
+# empty for each test; ``cluster``, with the deploy kit applied), Karpenter on it (``karpenter``, once
+# per run, for the tests that ask for it) and moto's AWS server (``aws``).
 from control.fakes.eks_cluster import aws, cluster, permissive_cluster  # noqa: E402, F401
 from control.kube.fixtures import control_plane, kube  # noqa: E402, F401
+from control.kube.karpenter import karpenter  # noqa: E402, F401
 
 
 def pytest_sessionstart(session):

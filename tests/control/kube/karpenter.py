@@ -1,0 +1,194 @@
+"""Karpenter on the real control plane: its kwok cloud provider (sigs.k8s.io/karpenter/kwok, built by
+build-karpenter.sh), for the tests of the backend's Karpenter replacement mode. Registered in
+tests/control/conftest.py.
+
+The kwok cloud provider is Karpenter's own controllers (provisioning from pending pods, the
+NodeClaim lifecycle, drain and termination) with a cloud whose "instance" is a Node object,
+annotated kwok.x-k8s.io/node=fake, so the control plane's kwok runs it like any test node (Ready,
+lease, pods). Its one instance type here is p5.48xlarge as the GPU pool's nodes are
+(INSTANCE_TYPES), in zone us-west-2a, on-demand.
+
+``karpenter`` (session-scoped) installs the CRDs of its version (NodePool, NodeClaim, NodeOverlay,
+CapacityBuffer, KWOKNodeClass; replacing the NodeClaim and NodePool CRDs build.sh's v1.14.1
+installed), starts the controller with leader election off, as the ServiceAccount
+kube-system:karpenter bound to cluster-admin (so its requests are not the code under test's in
+``KubeCluster.requests``), and stops it by PID at the end. The tests make their NodePools and
+KWOKNodeClasses themselves and delete them when done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from control.kube.cluster import KubeCluster, wait_for
+from control.kube.control_plane import ControlPlane, _die_with_parent, free_port, write_kubeconfig
+
+BUILD_SCRIPT = Path(__file__).resolve().parent / "build-karpenter.sh"
+#: Who Karpenter acts as (KubeCluster.requests leaves kube-system's ServiceAccounts out).
+IDENTITY = ("kube-system", "karpenter")
+
+
+def _offering(zone: str, capacity_type: str, price: float) -> dict:
+    return {
+        "Price": price,
+        "Available": True,
+        "Requirements": [
+            {"key": "karpenter.sh/capacity-type", "operator": "In", "values": [capacity_type]},
+            {"key": "topology.kubernetes.io/zone", "operator": "In", "values": [zone]},
+        ],
+    }
+
+
+#: The kwok provider's instance types (--instance-types-file-path): the GPU pool's p5.48xlarge.
+INSTANCE_TYPES = [
+    {
+        "name": "p5.48xlarge",
+        "offerings": [_offering("us-west-2a", "on-demand", 98.32)],
+        "architecture": "amd64",
+        "operatingSystems": ["linux"],
+        "resources": {
+            "cpu": "192",
+            "memory": "2000Gi",
+            "ephemeral-storage": "3800Gi",
+            "pods": "110",
+            "nvidia.com/gpu": "8",
+            "vpc.amazonaws.com/efa": "32",
+        },
+    }
+]
+
+
+class KarpenterUnavailable(RuntimeError):
+    """Karpenter cannot be built here (no Go, no module proxy)."""
+
+
+def build() -> Path:
+    """Build (or reuse) Karpenter; return its cache directory (bin/karpenter, crds/)."""
+    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode == 3:
+        raise KarpenterUnavailable(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no Go")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{BUILD_SCRIPT.name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+class Karpenter:
+    """The running controller: ``start`` and ``stop``; ``log_tail`` for a failure message."""
+
+    def __init__(self, cache: Path, plane: ControlPlane):
+        self.cache, self.plane = cache, plane
+        self.workdir = plane.workdir / "karpenter"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "karpenter.log"
+
+    def install_crds(self) -> None:
+        crds = sorted((self.cache / "crds").glob("*.yaml"))
+        self.plane.kubectl("apply", "--server-side", "--force-conflicts", *[f"--filename={c}" for c in crds])
+        for crd in crds:
+            self.plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"--filename={crd}")
+
+    def kubeconfig(self, kube: KubeCluster) -> Path:
+        namespace, name = IDENTITY
+        kube.apply([
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": "test-karpenter"},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+        ], manager="test-harness")  # fmt: skip
+        token = kube.token_for(IDENTITY, expiration_seconds=48 * 3600)
+        return write_kubeconfig(self.workdir / "kubeconfig", self.plane.server, self.plane.pki / "ca.crt",
+                                token=token, namespace=namespace)  # fmt: skip
+
+    def start(self, timeout: float = 120) -> Karpenter:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        kube = KubeCluster(self.plane)
+        self.install_crds()
+        types = self.workdir / "instance-types.json"
+        types.write_text(json.dumps(INSTANCE_TYPES, indent=1))
+        health = free_port()
+        env = {
+            **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR")},
+            "KUBECONFIG": str(self.kubeconfig(kube)),
+            "SYSTEM_NAMESPACE": IDENTITY[0],
+            "DISABLE_LEADER_ELECTION": "true",
+            "METRICS_PORT": str(free_port()),
+            "HEALTH_PROBE_PORT": str(health),
+            "INSTANCE_TYPES_FILE_PATH": str(types),
+            "LOG_LEVEL": "debug",
+            # Provision as soon as the pods of a launch are pending (defaults: 1 s idle, 10 s max).
+            "BATCH_IDLE_DURATION": "1s",
+            "BATCH_MAX_DURATION": "3s",
+        }
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(self.cache / "bin" / "karpenter")],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=self.workdir,
+                preexec_fn=_die_with_parent,
+            )
+        (self.plane.workdir / "pids").open("a").write(f"karpenter {self.proc.pid}\n")
+
+        def ready() -> bool:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{health}/readyz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        try:
+            wait_for(ready, timeout=timeout, what="Karpenter ready (/readyz)", interval=0.5)
+        except AssertionError as e:
+            raise RuntimeError(f"{e}: {self.log_tail()}") from None
+        return self
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"Karpenter ended (exit {self.proc.returncode}): {self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def karpenter(control_plane):
+    """Karpenter (kwok cloud provider) running against the shared control plane."""
+    try:
+        cache = build()
+    except KarpenterUnavailable as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and Karpenter cannot be built: {e}")
+        pytest.skip(f"no Karpenter: {e}")
+    controller = Karpenter(cache, control_plane)
+    try:
+        yield controller.start()
+    finally:
+        controller.stop()
