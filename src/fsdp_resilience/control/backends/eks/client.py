@@ -210,7 +210,7 @@ class KubeClient:
     """The few API calls the backend makes, on one ``ApiClient``, returning the API's JSON.
 
     Every verb used here must be granted by the deploy kit's RBAC (deploy/); a test checks the two
-    agree, by recording what this class does against a fake apiserver. Every call goes through
+    agree, from the audit log of a real apiserver this class ran against. Every call goes through
     ``_call``, so an API or connection error becomes a BackendError naming what was being done.
     """
 
