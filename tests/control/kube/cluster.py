@@ -338,6 +338,12 @@ class KubeCluster:
         and taints it unreachable (NoSchedule and NoExecute).
         With ``evict_pods``, wait until the taint eviction controller has deleted its pods (they
         stay Terminating: no kubelet is left to end them)."""
+        # kwok would still end its pods once deleted (its pod-terminate stage): marked, they stay
+        # Terminating as without a kubelet (stages.yaml).
+        mark = {"metadata": {"annotations": {NODE_LOST_ANNOTATION: "true"}}}
+        for pod in self.pods_on(name):
+            path = f"/api/v1/namespaces/{pod['metadata']['namespace']}/pods/{pod['metadata']['name']}"
+            self._ignore_missing(lambda path=path: self.patch(path, mark, "merge"))
         self.patch(f"/api/v1/nodes/{name}", {"metadata": {"annotations": {KWOK_ANNOTATION[0]: None}}}, "merge")
         self._set_lost(name, True)
 
@@ -626,3 +632,18 @@ class KubeCluster:
         except ApiError as e:
             if e.status not in (404, 409):
                 raise
+
+    # -- ending pods with a reason ----------------------------------------------------------
+
+    def terminate_pod_with_reason(self, namespace: str, name: str, exit_code: int, reason: str, **kw) -> dict:
+        """``terminate_pod``, the container's terminated reason ``reason`` (e.g. ``OOMKilled``, as
+        the kubelet writes it) instead of kwok's Completed/Error (stages.yaml reads it)."""
+        path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+        self.patch(path, {"metadata": {"annotations": {EXIT_REASON_ANNOTATION: reason}}}, "merge")
+        return self.terminate_pod(namespace, name, exit_code, **kw)
+
+
+#: The annotation kwok's pod-exit stage takes the terminated reason from, when set (stages.yaml).
+EXIT_REASON_ANNOTATION = "test.fsdp-resilience/exit-reason"
+#: On the pods of a node lose_node stopped: kwok's pod-terminate stage leaves them Terminating.
+NODE_LOST_ANNOTATION = "test.fsdp-resilience/node-lost"
