@@ -642,6 +642,30 @@ class KubeCluster:
         self.patch(path, {"metadata": {"annotations": {EXIT_REASON_ANNOTATION: reason}}}, "merge")
         return self.terminate_pod(namespace, name, exit_code, **kw)
 
+    # -- nodes that joined ------------------------------------------------------------------
+
+    def wait_nodes_ready(self, names: list[str] | None = None, timeout: float = 60) -> list[dict]:
+        """Wait until the node lifecycle controller has seen each node (``names``, else every
+        node) Ready and taken off the ``node.kubernetes.io/not-ready:NoSchedule`` taint that the
+        NodeTaint admission plugin puts on every new node (a few seconds after ``add_node``), as a
+        node that joined a while ago is. A test whose code reads and writes a node's taints waits
+        for this first, else it may see the taint come and go."""
+
+        def settled() -> list[dict] | None:
+            nodes = [n for n in self.nodes() if names is None or n["metadata"]["name"] in names]
+            if names is not None and len(nodes) < len(names):
+                return None
+            for node in nodes:
+                ready = [c for c in node["status"].get("conditions") or [] if c["type"] == "Ready"]
+                taints = node["spec"].get("taints") or []
+                if not ready or ready[0]["status"] != "True":
+                    return None
+                if any(t.get("key") == "node.kubernetes.io/not-ready" for t in taints):
+                    return None
+            return nodes
+
+        return wait_for(settled, timeout=timeout, what=f"nodes {names or 'all'} Ready without the not-ready taint")
+
 
 #: The annotation kwok's pod-exit stage takes the terminated reason from, when set (stages.yaml).
 EXIT_REASON_ANNOTATION = "test.fsdp-resilience/exit-reason"
