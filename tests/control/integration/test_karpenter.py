@@ -74,10 +74,12 @@ def karpenter_nodes(kube) -> dict[str, dict]:
     return {n["metadata"]["name"]: n for n in kube.nodes() if "karpenter.sh/nodepool" in n["metadata"]["labels"]}
 
 
-def running_on(kube, job_name: str, count: int) -> dict[int, str]:
-    """Node of each pod index once ``count`` pods of the Job run."""
+def running_on(kube, karpenter, job_name: str, count: int) -> dict[int, str]:
+    """Node of each pod index once ``count`` pods of the Job run (on a timeout, Karpenter's log says
+    how far it got)."""
 
     def placed():
+        karpenter.check_alive()
         pods = [
             p
             for p in kube.pods(NS, job_name)
@@ -85,7 +87,10 @@ def running_on(kube, job_name: str, count: int) -> dict[int, str]:
         ]
         return len(pods) == count and {int(p["metadata"]["labels"][INDEX_LABEL]): p["spec"]["nodeName"] for p in pods}
 
-    return wait_for(placed, timeout=PROVISION_TIMEOUT, what=f"{count} running pods of {job_name}", interval=1.0)
+    try:
+        return wait_for(placed, timeout=PROVISION_TIMEOUT, what=f"{count} running pods of {job_name}", interval=1.0)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; Karpenter's log ends:\n{karpenter.log_tail()}") from None
 
 
 def test_karpenter_replaces_the_node_whose_nodeclaim_the_backend_deleted(kube, gpu_pool, karpenter, tmp_path,
@@ -98,7 +103,7 @@ def test_karpenter_replaces_the_node_whose_nodeclaim_the_backend_deleted(kube, g
     # No node yet: the launch's pods are pending, and Karpenter provisions a node for each
     # (the pods' anti-affinity puts one on a node).
     handle = backend.submit(cfg, "0")
-    first = running_on(cluster, handle.job_name, 2)
+    first = running_on(cluster, karpenter, handle.job_name, 2)
     made = karpenter_nodes(cluster)
     assert set(first.values()) <= set(made), (first, sorted(made))
     for name in first.values():
@@ -134,12 +139,12 @@ def test_karpenter_replaces_the_node_whose_nodeclaim_the_backend_deleted(kube, g
     # The relaunch: one pod fits on the good node, the other is pending until Karpenter brings a
     # new node (a new NodeClaim), where it runs.
     relaunch = backend.submit(cfg, "1")
-    second = running_on(cluster, relaunch.job_name, 2)
+    second = running_on(cluster, karpenter, relaunch.job_name, 2)
     assert good in second.values() and bad not in second.values(), second
     new = next(n for n in second.values() if n != good)
     assert new in karpenter_nodes(cluster) and new not in first.values()
     new_claim = next(c for c in cluster.get(CLAIMS)["items"] if c["status"].get("nodeName") == new)
     assert new_claim["metadata"]["name"] != bad_claim
     assert new_claim["metadata"]["labels"]["karpenter.sh/nodepool"] == "gpu"
-    assert backend.status(relaunch).state == "running"
+    wait_for(lambda: backend.status(relaunch).state == "running", timeout=60, what="launch 1 running")
     cluster.succeed_pods(NS, relaunch.job_name)
