@@ -166,6 +166,8 @@ def test_an_eks_node_returns_uncordoned_and_untainted_keeping_other_taints_with_
 
     for i in range(5):
         add_gpu_node(cluster, f"gpu-{i}")
+    # Nodes that joined a while ago: the not-ready taint every new node gets is off again.
+    cluster.wait_nodes_ready()
     backend = backend_for(tmp_path, replacement="cordon")
     assert backend.replace_nodes(["gpu-2"], reason="rung 1: restarts_exhausted").replaced == ["gpu-2"]
     (listed,) = backend.quarantined_nodes()

@@ -561,7 +561,8 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     # The lost node was cordoned and tainted, its instance replaced, and the node object deleted.
     assert lost in kubelet.deleted_nodes and len(asg_instances("gpu-ng-spares")) == 5
     node_patches = [r for r in cluster.requests if r.resource == "nodes" and r.verb == "patch"]
-    assert [r.name for r in node_patches] == [lost]
+    # (A 409 retried is fine: the node lifecycle controller writes the lost node too.)
+    assert {r.name for r in node_patches} == {lost} and [r.code for r in node_patches if r.code < 300] == [200]
     # The recreated pod of index 1 parked on a node other than the lost one, and exited 0 with the rest.
     assert seen[1][1] != lost and seen[2] and seen[0]
     standby = [r for r in events if r["event"] == "launch_begin" and r.get("standby")]
