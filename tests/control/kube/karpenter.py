@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -70,6 +69,35 @@ class KarpenterUnavailable(RuntimeError):
     """Karpenter cannot be built here (no Go, no module proxy)."""
 
 
+FORWARD = Path(__file__).with_name("forward.py")
+
+
+def _forward(mode: str, a: str, b: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(FORWARD), mode, a, b], stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent)  # fmt: skip
+
+
+def _get_over_unix(path: Path, url: str) -> int | None:
+    """The HTTP status of GET ``url`` on the server behind the Unix socket ``path``, or None."""
+    import http.client
+    import socket
+
+    class Connection(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = socket.socket(socket.AF_UNIX)
+            self.sock.settimeout(2)
+            self.sock.connect(str(path))
+
+    try:
+        conn = Connection("localhost")
+        conn.request("GET", url)
+        status = conn.getresponse().status
+        conn.close()
+        return status
+    except OSError:
+        return None
+
+
 def build() -> Path:
     """Build (or reuse) Karpenter; return its cache directory (bin/karpenter, crds/)."""
     proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True)
@@ -88,6 +116,7 @@ class Karpenter:
         self.cache, self.plane = cache, plane
         self.workdir = plane.workdir / "karpenter"
         self.proc: subprocess.Popen | None = None
+        self.pipes: list[subprocess.Popen] = []
 
     @property
     def log(self) -> Path:
@@ -108,6 +137,7 @@ class Karpenter:
              "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
         ], manager="test-harness")  # fmt: skip
         token = kube.token_for(IDENTITY, expiration_seconds=48 * 3600)
+        # Inside Karpenter's network namespace the apiserver is a pipe on the same port (FORWARD).
         return write_kubeconfig(self.workdir / "kubeconfig", self.plane.server, self.plane.pki / "ca.crt",
                                 token=token, namespace=namespace)  # fmt: skip
 
@@ -131,9 +161,23 @@ class Karpenter:
             "BATCH_IDLE_DURATION": "1s",
             "BATCH_MAX_DURATION": "3s",
         }
+        # Karpenter binds its metrics and health servers on every interface (it has no flag for the
+        # address), so it runs in a network namespace of its own, with only loopback. Pipes over
+        # Unix sockets (forward.py) carry its apiserver connection out and its health check in.
+        api_sock, health_sock = self.workdir / "apiserver.sock", self.workdir / "health.sock"
+        api_port = self.plane.ports["apiserver"]
+        self.pipes.append(_forward("unix-to-tcp", str(api_sock), str(api_port)))
+        wait_for(api_sock.exists, timeout=30, what="the apiserver pipe")
+        inside = (
+            "ip link set lo up && "
+            f'"$0" {FORWARD} tcp-to-unix {api_port} {api_sock} & '
+            f'"$0" {FORWARD} unix-to-tcp {health_sock} {health} & '
+            f'"$0" {FORWARD} wait-tcp {api_port} && '
+            f"exec {self.cache / 'bin' / 'karpenter'}"
+        )
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [str(self.cache / "bin" / "karpenter")],
+                ["unshare", "--net", "--", "sh", "-c", inside, sys.executable],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -145,11 +189,7 @@ class Karpenter:
 
         def ready() -> bool:
             self.check_alive()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{health}/readyz", timeout=2) as r:
-                    return r.status == 200
-            except OSError:
-                return False
+            return _get_over_unix(health_sock, "/readyz") == 200
 
         try:
             wait_for(ready, timeout=timeout, what="Karpenter ready (/readyz)", interval=0.5)
@@ -166,6 +206,9 @@ class Karpenter:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
+        for pipe in self.pipes:
+            pipe.kill()
+            pipe.wait(timeout=5)
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
