@@ -912,6 +912,7 @@ def test_replacing_a_node_that_hosts_a_parked_spare_moves_the_spare_off_it(clust
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.every_kube_version
 def test_a_launch_with_spares_succeeds_when_its_training_nodes_do_while_the_spare_still_runs(cluster, tmp_path):
     """nodes=2 + 1 spare: an Indexed Job of 3 completions whose spare index never succeeds by
     itself. Its successPolicy (succeededCount: 2, which the apiserver keeps) has the real Job
@@ -938,6 +939,7 @@ def test_a_launch_with_spares_succeeds_when_its_training_nodes_do_while_the_spar
     assert backend.status(handle).state == "succeeded"
 
 
+@pytest.mark.every_kube_version
 def test_a_pod_the_job_recreates_keeps_the_hostname_and_gets_a_new_uid_in_its_environment(cluster, tmp_path):
     """The launch lock cannot tell a recreated pod from its predecessor by host name: the Job
     controller gives the pod it recreates for an index the same <job>-<index>. Each has its own
@@ -974,6 +976,7 @@ def test_a_pod_the_job_recreates_keeps_the_hostname_and_gets_a_new_uid_in_its_en
         assert pod["metadata"]["labels"][JOB_UID_LABEL] == job["metadata"]["uid"]  # what it resolves to
 
 
+@pytest.mark.every_kube_version
 def test_a_pod_that_exits_launch_ended_is_ignored_by_the_backoff_limit_and_its_index_recreated(cluster, tmp_path):
     """A pod the Job recreates after its launch ended exits launch_ended (69) at once. The Job's
     podFailurePolicy ignores it: with backoffLimit 0, where any counted failure fails the Job, the
