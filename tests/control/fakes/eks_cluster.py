@@ -1,7 +1,7 @@
 """An EKS cluster as far as this machine can have one, for the EKS path's tests: a real
 Kubernetes control plane (tests/control/kube: kube-apiserver, kube-controller-manager,
 kube-scheduler built from source, etcd, kwok for the nodes), AWS in moto's server, node groups as
-Auto Scaling groups whose instances are the cluster's kwok nodes, and a stand-in kubelet that plays
+Auto Scaling groups whose instances are the cluster's kwok nodes, and TrainingPodPlayer, which plays
 the training pods' part on the run dir (FSx is a temp folder): it commits checkpoints and writes
 events with the run contract, then ends each pod, through kwok, with the exit code a scenario asks
 for.
@@ -364,7 +364,7 @@ PARK = "park"
 LOSE_NODE = "lose_node"
 
 
-class FakeKubelet:
+class TrainingPodPlayer:
     """Plays the pods of the fake cluster: what ``python -m fsdp_resilience.training.launch`` would leave in the run
     dir and which exit code it would end with, per (launch id, node index), as ``scenario`` says.
 
@@ -411,9 +411,9 @@ class FakeKubelet:
         self.evaluated: list[str] = []  # the checkpoint of each evaluation pod
         self._known_instances = set(asg_instances(asg)) if asg else set()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="fake-kubelet", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="training-pod-player", daemon=True)
 
-    def __enter__(self) -> "FakeKubelet":
+    def __enter__(self) -> "TrainingPodPlayer":
         self._thread.start()
         return self
 

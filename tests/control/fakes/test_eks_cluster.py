@@ -1,5 +1,5 @@
 """The EKS cluster as the tests have it: nodes of the GPU pool as EKS shows them (kwok nodes on the
-real control plane), node groups as Auto Scaling groups in moto, and the stand-in kubelet that
+real control plane), node groups as Auto Scaling groups in moto, and TrainingPodPlayer, which
 plays a training pod's part on the run dir with the run contract (checkpoints committed by node 0,
 events, the exit code a scenario picks, through kwok)."""
 
@@ -12,7 +12,7 @@ from control.fakes.eks_cluster import (
     MONITORING_AGENT_CONDITIONS,
     NS,
     POOL,
-    FakeKubelet,
+    TrainingPodPlayer,
     add_gpu_node,
     asg_instances,
     backend_for,
@@ -56,7 +56,7 @@ def test_the_kubelet_plays_a_launch_that_succeeds_and_one_that_fails(cluster, tm
         # launch 1: node 0 gives up; node 1 keeps running until the Job's failure stops its pod
         return int(ExitCode.RESTARTS_EXHAUSTED) if index == 0 else None
 
-    with FakeKubelet(cluster, scenario, fail_at_step=10):
+    with TrainingPodPlayer(cluster, scenario, fail_at_step=10):
         handle = backend.submit(cfg, "0")
         wait_for(lambda: backend.status(handle).state == "succeeded", 60, "launch 0 to succeed")
         assert [c.step for c in CheckpointCatalog(cfg.run_dir).committed()] == [5, 10, 15, 20]
