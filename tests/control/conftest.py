@@ -33,7 +33,7 @@ os.environ.update(
 # per run, for the tests that ask for it) and moto's AWS server (``aws``).
 from control.fakes.eks_cluster import aws, cluster, permissive_cluster  # noqa: E402, F401
 from control.kube.fixtures import control_plane, kube  # noqa: E402, F401
-from control.kube.karpenter import karpenter  # noqa: E402, F401
+from control.kube.karpenter import gpu_pool, karpenter  # noqa: E402, F401
 
 
 def pytest_sessionstart(session):

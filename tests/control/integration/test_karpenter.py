@@ -13,65 +13,21 @@ initialises it: each step takes seconds on a loaded machine, so the waits are ge
 
 from __future__ import annotations
 
-import pytest
-
 from fsdp_resilience.training.contract import ExitCode
 
 from control.fakes.eks_cluster import (
-    GPU_TAINT,
     NS,
-    POOL,
     WORKER,
     backend_for,
     run_config,
     start_strict_cluster,
     wait_for,
 )
+from control.kube.karpenter import CLAIMS, karpenter_nodes
 
-CLAIMS = "/apis/karpenter.sh/v1/nodeclaims"
-NODEPOOL = "/apis/karpenter.sh/v1/nodepools/gpu"
-NODECLASS = "/apis/karpenter.kwok.sh/v1alpha1/kwoknodeclasses/default"
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 #: Karpenter: provision, launch, register, initialise; kwok: Ready; the scheduler: bind; kwok: run.
 PROVISION_TIMEOUT = 240
-
-
-@pytest.fixture
-def gpu_pool(karpenter, kube):
-    """The NodePool ``gpu`` with its KWOKNodeClass; deleted at the end, and its nodes with it."""
-    kube.apply([
-        {"apiVersion": "karpenter.kwok.sh/v1alpha1", "kind": "KWOKNodeClass", "metadata": {"name": "default"}},
-        {"apiVersion": "karpenter.sh/v1", "kind": "NodePool", "metadata": {"name": "gpu"},
-         "spec": {
-             "template": {
-                 "metadata": {"labels": dict(POOL)},
-                 "spec": {
-                     "nodeClassRef": {"group": "karpenter.kwok.sh", "kind": "KWOKNodeClass", "name": "default"},
-                     "taints": [GPU_TAINT],
-                     "requirements": [
-                         {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["p5.48xlarge"]},
-                         {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
-                     ],
-                     "expireAfter": "Never",
-                 },
-             },
-             # Karpenter removes no node of its own accord while a test runs.
-             "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "Never"},
-             "limits": {"nvidia.com/gpu": "64"},
-         }},
-    ], manager="test-harness")  # fmt: skip
-    yield kube
-    kube._delete(NODEPOOL)  # its NodeClaims go with it (owner references): Karpenter ends their nodes
-    try:
-        wait_for(lambda: not kube.get(CLAIMS)["items"], timeout=180, what="the NodePool's NodeClaims gone")
-    finally:
-        kube._delete(NODECLASS)
-        karpenter.check_alive()
-
-
-def karpenter_nodes(kube) -> dict[str, dict]:
-    """The nodes Karpenter made, by name."""
-    return {n["metadata"]["name"]: n for n in kube.nodes() if "karpenter.sh/nodepool" in n["metadata"]["labels"]}
 
 
 def running_on(kube, karpenter, job_name: str, count: int) -> dict[int, str]:

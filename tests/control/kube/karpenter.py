@@ -12,8 +12,10 @@ lease, pods). Its one instance type here is p5.48xlarge as the GPU pool's nodes 
 CapacityBuffer, KWOKNodeClass; replacing the NodeClaim and NodePool CRDs build.sh's v1.14.1
 installed), starts the controller with leader election off, as the ServiceAccount
 kube-system:karpenter bound to cluster-admin (so its requests are not the code under test's in
-``KubeCluster.requests``), and stops it by PID at the end. The tests make their NodePools and
-KWOKNodeClasses themselves and delete them when done.
+``KubeCluster.requests``), and stops it by PID at the end. ``gpu_pool`` (per test, registered
+in tests/control/conftest.py too) makes the GPU pool's NodePool ``gpu`` (the kit's pool label and
+GPU taint in its template, p5.48xlarge, on-demand) with its KWOKNodeClass, and deletes them (and so
+Karpenter's nodes) when the test ends.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ from pathlib import Path
 
 import pytest
 
+from control.fakes.eks_cluster import GPU_TAINT, POOL
 from control.kube.cluster import KubeCluster, wait_for
 from control.kube.control_plane import ControlPlane, _die_with_parent, free_port, write_kubeconfig
 
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build-karpenter.sh"
 #: Who Karpenter acts as (KubeCluster.requests leaves kube-system's ServiceAccounts out).
 IDENTITY = ("kube-system", "karpenter")
+CLAIMS = "/apis/karpenter.sh/v1/nodeclaims"
+NODEPOOL = "/apis/karpenter.sh/v1/nodepools/gpu"
+NODECLASS = "/apis/karpenter.kwok.sh/v1alpha1/kwoknodeclasses/default"
 
 
 def _offering(zone: str, capacity_type: str, price: float) -> dict:
@@ -235,3 +241,41 @@ def karpenter(control_plane):
         yield controller.start()
     finally:
         controller.stop()
+
+
+@pytest.fixture
+def gpu_pool(karpenter, kube):
+    """The NodePool ``gpu`` with its KWOKNodeClass; deleted at the end, and its nodes with it."""
+    kube.apply([
+        {"apiVersion": "karpenter.kwok.sh/v1alpha1", "kind": "KWOKNodeClass", "metadata": {"name": "default"}},
+        {"apiVersion": "karpenter.sh/v1", "kind": "NodePool", "metadata": {"name": "gpu"},
+         "spec": {
+             "template": {
+                 "metadata": {"labels": dict(POOL)},
+                 "spec": {
+                     "nodeClassRef": {"group": "karpenter.kwok.sh", "kind": "KWOKNodeClass", "name": "default"},
+                     "taints": [GPU_TAINT],
+                     "requirements": [
+                         {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["p5.48xlarge"]},
+                         {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
+                     ],
+                     "expireAfter": "Never",
+                 },
+             },
+             # Karpenter removes no node of its own accord while a test runs.
+             "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "Never"},
+             "limits": {"nvidia.com/gpu": "64"},
+         }},
+    ], manager="test-harness")  # fmt: skip
+    yield kube
+    kube._delete(NODEPOOL)  # its NodeClaims go with it (owner references): Karpenter ends their nodes
+    try:
+        wait_for(lambda: not kube.get(CLAIMS)["items"], timeout=180, what="the NodePool's NodeClaims gone")
+    finally:
+        kube._delete(NODECLASS)
+        karpenter.check_alive()
+
+
+def karpenter_nodes(kube) -> dict[str, dict]:
+    """The nodes Karpenter made, by name."""
+    return {n["metadata"]["name"]: n for n in kube.nodes() if "karpenter.sh/nodepool" in n["metadata"]["labels"]}

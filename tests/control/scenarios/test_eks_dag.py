@@ -4,25 +4,26 @@ kube-apiserver, controller-manager and scheduler, kwok's nodes) with the rendere
 applied (eks_cluster.start_strict_cluster: the RBAC authorizer, the kit's admission policies, Pod
 Security; the tasks call with a real token of the worker's ServiceAccount, the triggers with the
 triggerer's); the node group is an Auto Scaling group in moto, FSx a temp folder, and the training
-pods are played by eks_cluster.FakeKubelet, which ends them through kwok. Everything the cluster's
-controllers do (Jobs' pods, scheduling, evictions, PodGC) happens by itself, a moment later.
+pods are played by eks_cluster.TrainingPodPlayer, which ends them through kwok. Everything the
+cluster's controllers do (Jobs' pods, scheduling, evictions, PodGC) happens by itself, a moment
+later.
 
 The scenario of the issue: launch -> the pod on node X ends with restarts exhausted -> X is
 cordoned and tainted and its instance terminated in the ASG -> the replacement instance joins as a
 new Ready node -> relaunch from the newest checkpoint -> success -> evaluation Job -> report ->
 export of the run's records and verified checkpoint to S3 with an FSx data repository task
-(botocore Stubber: moto has none). The same under Karpenter: X's NodeClaim is deleted, and a
-stand-in for Karpenter's controllers (KarpenterStandIn) terminates it and provisions a node for the
-pod left pending. And what must never climb the ladder: a full run dir, a run another launcher
-holds; and a checkpoint whose bytes changed after its commit, which nothing trusts. And what never
-starts: an `image` outside the image allowlist fails validate_config. With a spare: a lost node
-replaced while training goes on.
+(botocore Stubber: moto has none). The same under Karpenter (real Karpenter, its kwok cloud
+provider, tests/control/kube/karpenter.py): it provisions the launch's nodes, X's NodeClaim is
+deleted, Karpenter terminates X and provisions a node for the relaunch's pod left pending. And
+what must never climb the ladder: a full run dir, a run another launcher holds; and a checkpoint
+whose bytes changed after its commit, which nothing trusts. And what never starts: an `image`
+outside the image allowlist fails validate_config. With a spare: a lost node replaced while
+training goes on.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,7 @@ from control.fakes.eks_cluster import (
     PARK,
     TOLERATIONS,
     WORKER,
-    FakeKubelet,
+    TrainingPodPlayer,
     add_gpu_node,
     asg_instances,
     make_asg,
@@ -63,6 +64,7 @@ from control.fakes.fsx_stubs import (  # noqa: F401
     stub,
 )
 from control.fakes.saved_checkpoints import flip_bytes
+from control.kube.karpenter import CLAIMS, karpenter_nodes
 from control.support import make_dataset
 from control.support.dag_runs import states, trigger, xcom
 
@@ -112,30 +114,14 @@ def run_records(run: str) -> list[str]:
     return [f"runs/{run}/{name}" for name in ("eval.json", "events.jsonl", "report")]
 
 
-def rendezvous(kube, launch_id: str, nodes: int) -> None:
+def rendezvous(placed: dict[str, dict[int, str]], launch_id: str, nodes: int) -> None:
     """Wait, as a launch's ranks do at their first rendezvous, until all ``nodes`` pods of launch
-    ``launch_id`` run: node 0 never trains alone. (A relaunch's pods start apart when one waits for
-    a new node; without this, node 0 would finish before it and the other pod take its place.)"""
-
-    def launch_of(pod: dict) -> str | None:
-        env = pod["spec"]["containers"][0].get("env") or []
-        return next((e.get("value") for e in env if e["name"] == "TRAINING_LAUNCH_ID"), None)
-
+    ``launch_id`` arrived (``placed[launch_id]``: the indices the player started): node 0 never
+    trains alone. (A relaunch's pods start apart when one waits for a new node; without this, node 0
+    would finish before it and the other pod take its place.) An arrival barrier, not a count of
+    Running pods: node 0 may finish before the player gets to the last pod of its launch."""
     wait_for(
-        lambda: (
-            len(
-                [
-                    p
-                    for p in kube.pods(NS)
-                    if p["status"].get("phase") == "Running"
-                    and not p["metadata"].get("deletionTimestamp")
-                    and launch_of(p) == launch_id
-                ]
-            )
-            >= nodes
-        ),
-        timeout=300,
-        what=f"the {nodes} pods of launch {launch_id} to run",
+        lambda: len(placed.get(launch_id, {})) >= nodes, timeout=300, what=f"the {nodes} pods of launch {launch_id}"
     )
 
 
@@ -150,12 +136,12 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
 
     def scenario(launch_id: str, index: int, node: str):
         placed.setdefault(launch_id, {})[index] = node
-        rendezvous(cluster, launch_id, 2)
+        rendezvous(placed, launch_id, 2)
         if launch_id == "0":  # node 1's GPU keeps faulting: its restarts run out; node 0 waits
             return int(ExitCode.RESTARTS_EXHAUSTED) if index == 1 else None
         return 0
 
-    with FakeKubelet(cluster, scenario, fail_at_step=10, asg="gpu-ng", threaded=True) as kubelet:
+    with TrainingPodPlayer(cluster, scenario, fail_at_step=10, asg="gpu-ng", threaded=True) as kubelet:
         dr = trigger(
             {
                 "run_name": "llm-eks",
@@ -198,87 +184,31 @@ def test_restarts_exhausted_on_one_node_replace_it_through_the_asg_and_finish(ek
     assert st["export_to_s3"] == "success" and st["publish"] == "success"
 
 
-CLAIMS = "/apis/karpenter.sh/v1/nodeclaims"
-
-
-class KarpenterStandIn:
-    """Karpenter's part, played on the real apiserver (the NodeClaim CRD is installed there;
-    Karpenter's controllers do not run): a NodeClaim being deleted (it keeps its
-    karpenter.sh/termination finalizer) is terminated, its node deleted and then the finalizer
-    dropped; a pod the scheduler cannot place gets a new node of the GPU pool with a NodeClaim of
-    its own, while the NodePool has fewer live claims than ``limit``."""
-
-    def __init__(self, kube, limit: int):
-        self.kube, self.limit = kube, limit
-        self.terminated: list[str] = []  # the NodeClaims it finished deleting
-        self.launched: list[str] = []  # the nodes it provisioned
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="karpenter", daemon=True)
-
-    def __enter__(self) -> "KarpenterStandIn":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                claims = self.kube.get(CLAIMS)["items"]
-                for claim in claims:
-                    if claim["metadata"].get("deletionTimestamp") and claim["metadata"].get("finalizers"):
-                        self._terminate(claim)
-                live = [c for c in claims if not c["metadata"].get("deletionTimestamp")]
-                if len(live) < self.limit and self._unschedulable():
-                    self._launch()
-            except Exception as e:  # noqa: BLE001 - reported by the test, not lost in a thread
-                self.errors.append(e)
-                return
-
-    def _terminate(self, claim: dict) -> None:
-        node = (claim.get("status") or {}).get("nodeName")
-        if node and self.kube.exists(f"/api/v1/nodes/{node}"):
-            self.kube.api("DELETE", f"/api/v1/nodes/{node}")
-        self.kube.patch(f"{CLAIMS}/{claim['metadata']['name']}", {"metadata": {"finalizers": None}}, "merge")
-        self.terminated.append(claim["metadata"]["name"])
-
-    def _unschedulable(self) -> bool:
-        return any(
-            c["type"] == "PodScheduled" and c["status"] == "False" and c.get("reason") == "Unschedulable"
-            for p in self.kube.pods(NS)
-            if p["status"].get("phase") == "Pending"
-            for c in p["status"].get("conditions") or []
-        )
-
-    def _launch(self) -> None:
-        name = f"gpu-k{len(self.launched)}"
-        add_gpu_node(self.kube, name)
-        self.kube.add_nodeclaim(f"{name}-claim", name, nodepool="gpu")
-        self.launched.append(name)
+def claims(kube) -> dict[str, str]:
+    """Karpenter's NodeClaims by the name of their node."""
+    return {c["status"].get("nodeName"): c["metadata"]["name"] for c in kube.get(CLAIMS)["items"]}
 
 
 def test_restarts_exhausted_under_karpenter_delete_the_nodeclaim_and_finish_on_the_node_it_provisions(
-    eks_env, kube, tmp_path, monkeypatch
+    eks_env, kube, gpu_pool, karpenter, tmp_path, monkeypatch
 ):
+    # Real Karpenter (its kwok cloud provider) with the NodePool gpu: no node until a launch's pods
+    # are pending, then one p5.48xlarge NodeClaim and node for each.
     cluster = start_strict_cluster(kube, tmp_path, monkeypatch, "example-karpenter")
     monkeypatch.setenv("FSDP_EKS_REPLACEMENT", "karpenter")
-    for i in range(2):
-        add_gpu_node(cluster, f"gpu-{i}")
-        cluster.add_nodeclaim(f"gpu-{i}-claim", f"gpu-{i}", nodepool="gpu")
     placed: dict[str, dict[int, str]] = {}
+    claim_of: dict[str, str] = {}  # node -> its NodeClaim, as launch 0's pods found them
 
     def scenario(launch_id: str, index: int, node: str):
         placed.setdefault(launch_id, {})[index] = node
-        rendezvous(cluster, launch_id, 2)
+        if launch_id == "0":  # (a pod may run before Karpenter writes the claim's nodeName)
+            claim_of[node] = wait_for(lambda: claims(cluster).get(node), timeout=60, what=f"the NodeClaim of {node}")
+        rendezvous(placed, launch_id, 2)
         if launch_id == "0":  # node 1's restarts run out; node 0 waits
             return int(ExitCode.RESTARTS_EXHAUSTED) if index == 1 else None
         return 0
 
-    kubelet = FakeKubelet(cluster, scenario, fail_at_step=10, threaded=True)
-    with KarpenterStandIn(cluster, limit=2) as karpenter, kubelet:
+    with TrainingPodPlayer(cluster, scenario, fail_at_step=10, threaded=True):
         dr = trigger(
             {
                 "run_name": "llm-karpenter",
@@ -291,20 +221,26 @@ def test_restarts_exhausted_under_karpenter_delete_the_nodeclaim_and_finish_on_t
                 "max_node_replacements": 1,
             }
         )
+    karpenter.check_alive()
     st = states(dr)
-    assert not karpenter.errors, karpenter.errors
     assert str(dr.state) == "success", st
     bad = placed["0"][1]
     replaced = xcom(dr, "escalation_1.diagnose_and_replace")
     assert replaced["replaced"] == [bad] and replaced["failure_class"] == "restarts_exhausted", replaced
     # The worker deleted the bad node's NodeClaim (the kit allows the GPU pool's), and nothing else.
     deletes = [(r.name, r.user) for r in cluster.requests if r.resource == "nodeclaims" and r.verb == "delete"]
-    assert deletes == [(f"{bad}-claim", WORKER.username)], deletes
-    # Karpenter terminated it (the node is gone) and provisioned the node launch 1's pod waited for.
-    assert karpenter.terminated == [f"{bad}-claim"] and not cluster.exists(f"/api/v1/nodes/{bad}")
-    assert karpenter.launched == ["gpu-k0"] and sorted(placed["1"].values()) == sorted(
-        {*placed["0"].values(), "gpu-k0"} - {bad}
-    )
+    assert deletes == [(claim_of[bad], WORKER.username)], deletes
+    # Karpenter drained and terminated it (the node and its claim are gone)...
+    wait_for(lambda: not cluster.exists(f"/api/v1/nodes/{bad}"), timeout=240, what=f"Karpenter to end node {bad}")
+    wait_for(lambda: not cluster.exists(f"{CLAIMS}/{claim_of[bad]}"), timeout=60, what="the bad NodeClaim gone")
+    # ...and launch 1 finished on a node it provisioned for the pod left pending (a claim of its own).
+    assert bad not in placed["1"].values(), placed
+    new = set(placed["1"].values()) - set(placed["0"].values())
+    assert new and new <= set(karpenter_nodes(cluster)), (placed, sorted(karpenter_nodes(cluster)))
+    now = {c["status"].get("nodeName"): c for c in cluster.get(CLAIMS)["items"]}
+    for node in new:
+        assert now[node]["metadata"]["labels"]["karpenter.sh/nodepool"] == "gpu"
+        assert now[node]["metadata"]["name"] not in claim_of.values()
     assert st["escalation_2.decide"] == "skipped"
     assert CheckpointCatalog(eks_env / "runs" / "llm-karpenter").latest().step == 20
     assert xcom(dr, "evaluate")["checkpoint_id"] == "step_00000020"
@@ -322,7 +258,7 @@ def test_a_checkpoint_that_fails_its_checksum_is_neither_evaluated_nor_exported_
     def damage(cfg):
         flip_bytes(cfg.layout.checkpoint_dir(20) / "__1_0.distcp")
 
-    with FakeKubelet(cluster, lambda launch_id, index, node: 0, after_commits=damage) as kubelet:
+    with TrainingPodPlayer(cluster, lambda launch_id, index, node: 0, after_commits=damage) as kubelet:
         dr = trigger(
             {
                 "run_name": "flipped",
@@ -378,7 +314,7 @@ def test_storage_and_already_running_fail_the_run_without_touching_a_node(eks_en
     def scenario(launch_id: str, index: int, node: str):
         return code if index == nodes - 1 else None  # the last node fails; the others keep training
 
-    with FakeKubelet(cluster, scenario, fail_at_step=10, asg=group, threaded=True):
+    with TrainingPodPlayer(cluster, scenario, fail_at_step=10, asg=group, threaded=True):
         dr = trigger(
             {
                 "run_name": "no-replace",
@@ -514,7 +450,7 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     }
     params = copy.deepcopy(DagBag(dag_folder=str(REPO / "dags")).get_dag("fsdp_training").params)
     params.update(conf)
-    with FakeKubelet(
+    with TrainingPodPlayer(
         cluster, scenario, fail_at_step=10, asg="gpu-ng-spares", ccm=True, midway=refilled, threaded=True
     ) as kubelet:
         run = ladder.build_run_config(params.validate(), "manual__spares")  # validate_config
