@@ -55,7 +55,10 @@ def main(argv: list[str]) -> None:
                     return
             time.sleep(0.1)
         raise SystemExit(f"nothing listens on 127.0.0.1:{argv[1]}")
+    parent = os.getppid()
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        raise SystemExit(0)
     mode, a, b = argv
     if mode == "tcp-to-unix":
         listener = socket.create_server(("127.0.0.1", int(a)))
