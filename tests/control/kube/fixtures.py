@@ -17,17 +17,12 @@ from pathlib import Path
 import pytest
 
 from control.kube.cluster import KubeCluster
-from control.kube.control_plane import ControlPlane, ControlPlaneUnavailable, build, remove_workdir
+from control.kube.control_plane import ControlPlane, build, built_or_skip, remove_workdir
 
 
 @pytest.fixture(scope="session")
 def control_plane():
-    try:
-        cache = build()
-    except ControlPlaneUnavailable as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and the Kubernetes control plane cannot be built: {e}")
-        pytest.skip(f"no Kubernetes control plane: {e}")
+    cache = built_or_skip(build, "the Kubernetes control plane")
     workdir = Path(tempfile.mkdtemp(prefix="kube-", dir=os.environ.get("KUBE_WORKDIR")))
     plane = ControlPlane(cache=cache, workdir=workdir)
     try:

@@ -31,7 +31,14 @@ import pytest
 
 from control.fakes.eks_cluster import GPU_TAINT, POOL
 from control.kube.cluster import KubeCluster, wait_for
-from control.kube.control_plane import ControlPlane, _die_with_parent, free_port, write_kubeconfig
+from control.kube.control_plane import (
+    ControlPlane,
+    _die_with_parent,
+    built_or_skip,
+    free_port,
+    run_build_script,
+    write_kubeconfig,
+)
 
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build-karpenter.sh"
 #: Who Karpenter acts as (KubeCluster.requests leaves kube-system's ServiceAccounts out).
@@ -71,10 +78,6 @@ INSTANCE_TYPES = [
 ]
 
 
-class KarpenterUnavailable(RuntimeError):
-    """Karpenter cannot be built here (no Go, no module proxy)."""
-
-
 FORWARD = Path(__file__).with_name("forward.py")
 
 
@@ -106,13 +109,7 @@ def _get_over_unix(path: Path, url: str) -> int | None:
 
 def build() -> Path:
     """Build (or reuse) Karpenter; return its cache directory (bin/karpenter, crds/)."""
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True)
-    sys.stderr.write(proc.stderr)
-    if proc.returncode == 3:
-        raise KarpenterUnavailable(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no Go")
-    if proc.returncode != 0:
-        raise RuntimeError(f"{BUILD_SCRIPT.name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return run_build_script(BUILD_SCRIPT)
 
 
 class Karpenter:
@@ -230,13 +227,7 @@ class Karpenter:
 @pytest.fixture(scope="session")
 def karpenter(control_plane):
     """Karpenter (kwok cloud provider) running against the shared control plane."""
-    try:
-        cache = build()
-    except KarpenterUnavailable as e:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and Karpenter cannot be built: {e}")
-        pytest.skip(f"no Karpenter: {e}")
-    controller = Karpenter(cache, control_plane)
+    controller = Karpenter(built_or_skip(build, "Karpenter"), control_plane)
     try:
         yield controller.start()
     finally:
