@@ -39,7 +39,7 @@ from control.fakes.eks_cluster import (
     run_config,
     start_strict_cluster,
 )
-from control.kube.cluster import ApiError, UserInfo, service_account_user, wait_for
+from control.kube.cluster import ApiError, UserInfo, service_account_user, taint_keys, wait_for
 
 #: Airflow outside the cluster: IAM roles an EKS access entry maps to the kit's groups.
 WORKER_IAM = UserInfo(
@@ -159,10 +159,6 @@ def pool_node(kube, name: str, pool: str | None = "gpu") -> dict:
         ),
         what=f"node {name} without the not-ready taint",
     )
-
-
-def taint_keys(node: dict) -> list[str]:
-    return [t["key"] for t in node["spec"].get("taints") or []]
 
 
 def quarantine_patch(node: dict) -> dict:

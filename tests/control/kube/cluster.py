@@ -81,6 +81,11 @@ def wait_for(predicate: Callable, timeout: float = 60.0, what: str = "condition"
         time.sleep(interval)
 
 
+def taint_keys(node: dict) -> list[str]:
+    """The keys of a node's taints, in the order the node has them."""
+    return [t["key"] for t in node["spec"].get("taints") or []]
+
+
 _PLURALS = {
     "Namespace": ("/api/v1", "namespaces"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
