@@ -78,6 +78,7 @@ from fsdp_resilience.control.backends.eks.completion import (
 )
 from fsdp_resilience.control.backends.eks.constants import CANCEL_ANNOTATION, LABEL_JOB, LABEL_RUN
 from fsdp_resilience.control.backends.eks.diagnosis import diagnose_job
+from fsdp_resilience.control.backends.eks.disruption import disruption_budget, ensure_budget
 from fsdp_resilience.control.backends.eks.evaluation import read_evaluation_result, wait_for_evaluation_job
 from fsdp_resilience.control.backends.eks.images import check_image_prefix, image_allowed, image_repository
 from fsdp_resilience.control.backends.eks.launch_checks import check_capacity, check_no_other_launch, check_references
@@ -222,6 +223,10 @@ class EksBackend(TrainingBackend):
                     rendezvous_network_policy(
                         cfg, launch_id, self.settings, owner=existing, airflow_run_id=airflow_run_id
                     )
+                )
+                ensure_budget(  # before any pod runs: no voluntary eviction by others
+                    kube,
+                    disruption_budget(cfg, launch_id, self.settings, owner=existing, airflow_run_id=airflow_run_id),
                 )
                 existing = kube.resume_job(existing)
             except BackendError as e:
@@ -431,10 +436,8 @@ class EksBackend(TrainingBackend):
         desired capacity unchanged), or delete its Karpenter NodeClaim, or (``cordon``) leave the
         replacement to a human. Refuses more than ``max_unhealthy_share`` of the pool at once.
 
-        A hot spare parked on the node goes too, before the node could be promoted at the next
-        in-job restart: its pod is evicted (the Eviction API deletes it with a DisruptionTarget
-        condition, through the grant the worker already has), the Job recreates it for the same
-        index, and the cordon and quarantine taint keep the new pod off this node."""
+        A hot spare parked on the node is evicted too (past its launch's budget: disruption.py);
+        the Job recreates it for the same index, and the cordon and taint keep it off this node."""
         with self._kube() as kube:
             return replace_pool_nodes(
                 kube,

@@ -25,6 +25,7 @@ from fsdp_resilience.control.backends.eks.constants import (
     QUARANTINE_TAINT,
     RETURN_ANNOTATION,
 )
+from fsdp_resilience.control.backends.eks.disruption import evict_pods_on
 from fsdp_resilience.control.backends.eks.nodes import quarantine_record, quarantined_by_us
 from fsdp_resilience.control.backends.eks.status import job_finished
 
@@ -343,7 +344,7 @@ class KubeClient:
             self.get_network_policy,
         )
 
-    # pods: list; pods/log: get; pods/eviction: create
+    # pods: list; pods/log: get; pods/eviction: create (disruption.py)
     def list_pods(self, label_selector: str, field_selector: str | None = None) -> list[dict[str, Any]]:
         kwargs = {"label_selector": label_selector}
         if field_selector:
@@ -362,33 +363,9 @@ class KubeClient:
             return f"(no log: {e.status} {e.reason})"
 
     def evict_pods_on(self, node_name: str, label_selector: str) -> list[str]:
-        """Evict our pods still running on a node (finished ones stay: their status is evidence)."""
-        from kubernetes import client
-
-        evicted = []
-        for pod in self.list_pods(label_selector, f"spec.nodeName={node_name}"):
-            if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-                continue
-            name = pod["metadata"]["name"]
-            body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=self.namespace))
-            try:
-                self._call(
-                    f"evict pod {name}",
-                    self.core.create_namespaced_pod_eviction,
-                    name,
-                    self.namespace,
-                    body,
-                    ok=(404, 429),
-                )
-            except self.ApiException as e:
-                if e.status == 404:
-                    continue
-                # 429: a disruption budget forbids it now: the pod goes with the node when its
-                # instance is terminated (or a human drains it under replacement=cordon).
-                evicted.append(f"{name} (eviction blocked by a disruption budget)")
-                continue
-            evicted.append(name)
-        return evicted
+        """Evict our pods still running on a node, past the launch's own disruption budget
+        (disruption.evict_pods_on)."""
+        return evict_pods_on(self, node_name, label_selector)
 
     # nodes: get, list, patch
     def get_node(self, name: str) -> dict[str, Any] | None:
