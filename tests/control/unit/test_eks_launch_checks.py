@@ -53,6 +53,17 @@ def test_too_few_healthy_nodes_is_insufficient_capacity_and_says_what_to_do():
         check_capacity(Capacity(total=4, healthy=2, quarantined=["n-1"]), cfg, {"pool": "gpu"})
 
 
+def test_capacity_counts_the_hot_spares_too():
+    """Each spare is a pod on its own node: 3 nodes + 2 spares need 5 healthy nodes, not 3."""
+    cfg = RunConfig(run_id="run", run_dir="/fsx/runs/run", dataset_dir="/fsx/data", nodes=3, spare_nodes=2)
+    check_capacity(Capacity(total=5, healthy=5), cfg, {"pool": "gpu"})
+    with pytest.raises(InsufficientCapacityError) as e:
+        check_capacity(Capacity(total=5, healthy=4, quarantined=["n-4"]), cfg, {"pool": "gpu"})
+    message = str(e.value)
+    assert "needs 5 healthy node(s)" in message and "(nodes 3 + spare_nodes 2)" in message
+    assert "4 of 5 are" in message and "fewer spare_nodes" in message
+
+
 def test_missing_service_account_and_claim_are_named_with_the_fix():
     settings = PodTemplateSettings(image="registry.example/fsdp:1")
     both = StandInKube(service_accounts=[settings.service_account], claims=[settings.fsx_claim])

@@ -72,8 +72,8 @@ class NodeCapacitySensor(BaseSensorOperator):
             from airflow.sdk.exceptions import AirflowFailException
 
             raise AirflowFailException(
-                f"not enough healthy nodes for {nodes} node(s) within "
-                f"{self.timeout_s:.0f}s: {summary}; scale the node group up or lower nodes"
+                f"not enough healthy nodes for {nodes} node(s) (nodes + spare_nodes) within "
+                f"{self.timeout_s:.0f}s: {summary}; scale the node group up or lower nodes or spare_nodes"
             )
         self.log.info("capacity: %s", summary)
         return event

@@ -25,12 +25,15 @@ def check_no_other_launch(kube: KubeClient, run_id: str, job_name: str) -> None:
 
 
 def check_capacity(capacity: Capacity, cfg: RunConfig, pool_selector: dict[str, Any]) -> None:
-    """Refuse a launch the pool has too few healthy nodes for (InsufficientCapacityError)."""
-    if capacity.healthy < cfg.nodes:
+    """Refuse a launch the pool has too few healthy nodes for (InsufficientCapacityError): one per
+    pod the launch starts, its training nodes and its hot spares (``cfg.launch_nodes``); a spare
+    without a node would stay Pending and the launch would wait for it."""
+    if capacity.healthy < cfg.launch_nodes:
         raise InsufficientCapacityError(
-            f"run {cfg.run_id} needs {cfg.nodes} healthy node(s) in the pool {pool_selector}; "
-            f"{capacity.healthy} of {capacity.total} are (out of service: {capacity.quarantined}). "
-            "Wait for replacements to join, or scale the node group up"
+            f"run {cfg.run_id} needs {cfg.launch_nodes} healthy node(s) in the pool {pool_selector} "
+            f"(nodes {cfg.nodes} + spare_nodes {cfg.spare_nodes}); {capacity.healthy} of "
+            f"{capacity.total} are (out of service: {capacity.quarantined}). Wait for replacements "
+            "to join, scale the node group up, or ask for fewer spare_nodes"
         )
 
 
