@@ -36,8 +36,8 @@ EXAMPLE_JOB_UID = "5f0c7a2e-7d1b-4c3e-9a6f-2b8d4e1c0a93"
 
 
 def backend_objects(image: str = EXAMPLE_IMAGE) -> list[dict[str, Any]]:
-    """The training Job, its Service (and NetworkPolicy, where the backend makes one) and an
-    evaluation Job for ``EXAMPLE_RUN`` with the default pod settings."""
+    """The training Job, its Service (and NetworkPolicy, where the backend makes one), its
+    PodDisruptionBudget and an evaluation Job for ``EXAMPLE_RUN`` with the default pod settings."""
     from fsdp_resilience.control.backends import eks as m
     from fsdp_resilience.training.contract import RunConfig
 
@@ -48,6 +48,9 @@ def backend_objects(image: str = EXAMPLE_IMAGE) -> list[dict[str, Any]]:
     objects = [job, m.rendezvous_service(cfg, "0", settings, owner=created)]
     if hasattr(m, "rendezvous_network_policy"):
         objects.append(m.rendezvous_network_policy(cfg, "0", settings, owner=created))
+    from fsdp_resilience.control.backends.eks.disruption import disruption_budget
+
+    objects.append(disruption_budget(cfg, "0", settings, owner=created))
     objects.append(m.evaluation_job(cfg, settings, checkpoint_id="step_100"))
     return objects
 

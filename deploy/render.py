@@ -107,6 +107,12 @@ def object_name(obj: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+#: Custom resources kubernetes_validate has no schema for: the example Karpenter NodePool and
+#: EC2NodeClass (overlays/example-karpenter/gpu-nodepool), which a test creates with a server-side
+#: dry run against Karpenter's own v1 CRDs on a real apiserver (test_karpenter_nodepool.py).
+CHECKED_AGAINST_CRDS = ("karpenter.sh/v1", "karpenter.k8s.aws/v1")
+
+
 def validate(objects: list[dict[str, Any]], version: str | None = None) -> None:
     """Validate every object strictly (no unknown fields) against Kubernetes ``version``, or
     against every supported version (``K8S_VERSIONS``) when none is given.
@@ -120,6 +126,8 @@ def validate(objects: list[dict[str, Any]], version: str | None = None) -> None:
 
     problems = []
     for obj in objects:
+        if obj.get("apiVersion") in CHECKED_AGAINST_CRDS:
+            continue
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as e:
