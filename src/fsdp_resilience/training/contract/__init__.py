@@ -60,6 +60,7 @@ from fsdp_resilience.training.contract.dataset import (
 )
 from fsdp_resilience.training.contract.events import (
     EVENT_TYPES,
+    HEALTH_CHECKS,
     LAUNCH_UID_ENV,
     NODE_ID_ENV,
     POD_UID_ENV,
@@ -124,6 +125,7 @@ __all__ = [
     "DatasetError",
     "DerivedTimeouts",
     "EVENT_TYPES",
+    "HEALTH_CHECKS",
     "Event",
     "EventLog",
     "EventRecord",

@@ -40,6 +40,7 @@ class Event(str, enum.Enum):
     TIMEOUTS_DERIVED = "timeouts_derived"
     SPARE_PROMOTED = "spare_promoted"
     SPARE_ADDED = "spare_added"
+    HEALTH_CHECK_FAILED = "health_check_failed"
 
 
 class EventRecord(TypedDict):
@@ -168,6 +169,23 @@ class FaultDetected(EventRecord):
     max_rollbacks: NotRequired[Annotated[int, "non_finite: ``max_nonfinite_rollbacks``"]]
 
 
+#: ``health_check_failed``'s ``check``: what NVRx found unhealthy on the node.
+HEALTH_CHECKS = ("gpu", "nvlink", "nic", "storage", "node")
+
+
+class HealthCheckFailed(EventRecord):
+    """An NVRx health check failed on this node (``node_id``): the node, not the code, is suspect.
+    Written by a rank whose in-process restart was refused by the Wrapper's restart health check
+    (NVRx 0.6+ on CUDA: GPU and NIC; its NVLink check only logs), or by the node's launcher when
+    ft_launcher's rendezvous turned the node away (GPU on every version; NIC and storage on 0.6+
+    when enabled) and its log is a file there (the local backend)."""
+
+    check: Annotated[str, "what failed: gpu, nvlink, nic, storage or node (``HEALTH_CHECKS``)"]
+    source: Annotated[str, "who ran it: inprocess_wrapper (before a restart) or ft_launcher (at rendezvous)"]
+    message: Annotated[str, "NVRx's message (first 500 characters)"]
+    nvrx_version: Annotated[str, "the installed nvidia-resiliency-ext"]
+
+
 class RestartBegin(EventRecord):
     """A restart layer restarts training."""
 
@@ -223,6 +241,13 @@ class Escalation(EventRecord):
     failure_class: Annotated[str | None, "the diagnosis' failure class"]
     nodes: Annotated[list[str], "node ids replaced"]
     reason: Annotated[str, "the diagnosis' evidence"]
+    signals: NotRequired[
+        Annotated[
+            dict[str, list[str]],
+            "blamed node id -> the signals against it (a node condition, an NVRx health check, a drill, a "
+            "fault, a pod's exit)",
+        ]
+    ]
 
 
 class TimeoutsDerived(EventRecord):
@@ -282,6 +307,7 @@ EVENT_TYPES: dict[str, type] = {
     Event.TIMEOUTS_DERIVED.value: TimeoutsDerived,
     Event.SPARE_PROMOTED.value: SparePromoted,
     Event.SPARE_ADDED.value: SpareAdded,
+    Event.HEALTH_CHECK_FAILED.value: HealthCheckFailed,
 }
 
 

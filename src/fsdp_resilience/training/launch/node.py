@@ -41,8 +41,10 @@ from fsdp_resilience.training.launch.outcome import (
     describe_stop,
     dropped_spare_reason,
     launcher_log_hint,
+    launcher_log_lines,
     stop_record,
 )
+from fsdp_resilience.training.restart.health_checks import LAUNCHER, launcher_refusal, record_health_check
 
 #: A node's launcher waits this long after a rank declared a stop (control/STOP.json) for
 #: ft_launcher to stop by itself (the failing rank asked it to) before stopping it.
@@ -246,6 +248,8 @@ class NodeLauncher:
         )
 
     def finish(self, rc: int, stalled: bool) -> int:
+        if rc not in (0, None) and self.terminated_by is None:
+            self.record_refusal()
         if self.terminated_by is not None:
             failure, message = FailureClass.UNKNOWN, f"terminated by signal {self.terminated_by} (pod deleted?)"
         elif self.standby and rc != 0 and not self.workers_started(this_node=True) and stop_record(self.layout) is None:
@@ -254,6 +258,14 @@ class NodeLauncher:
         else:
             failure, message = classify(self.cfg, rc, stalled, self.workers_started(), launcher_log_hint())
         return self._final(failure, message, rc)
+
+    def record_refusal(self) -> None:
+        """When ft_launcher's rendezvous turned this node away for a failed health check (its log
+        says so), record it as evidence against this node. Only where the log is a file here (the
+        local backend); on EKS the launcher's output is the pod's log."""
+        refusal = launcher_refusal(launcher_log_lines())
+        if refusal is not None:
+            record_health_check(self.events, refusal[0], LAUNCHER, refusal[1])
 
     def finish_stopped(self, stop: dict) -> int:
         """The run already has a stop (a user error, non-finite state) that no relaunch fixes."""

@@ -82,19 +82,26 @@ def classify(
 _REFUSAL_MARKS = ("health check failed", "UnhealthyNodeException", "excluded from the training", "unhealthy")
 
 
+def launcher_log_lines(log_path: str | None = None) -> list[str]:
+    """The last 256 KiB of this node's launcher log, as lines; [] when it is not a file here (on
+    EKS the launcher's output is the pod's log, which only the kubelet keeps)."""
+    path = log_path or launcher_log_hint()
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - (256 << 10)))
+            return f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
 def dropped_spare_reason(rc: int, log_path: str | None = None) -> str:
     """Why a spare's ft_launcher left the rendezvous before its node trained: the last line of
     its log where NVRx turned the node away (a failed health check), else its exit code."""
     path = log_path or launcher_log_hint()
     reason = ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - (256 << 10)))
-            for line in f.read().decode(errors="replace").splitlines():
-                if any(mark.lower() in line.lower() for mark in _REFUSAL_MARKS):
-                    reason = line.strip()[-400:]
-    except OSError:
-        pass
+    for line in launcher_log_lines(path):
+        if any(mark.lower() in line.lower() for mark in _REFUSAL_MARKS):
+            reason = line.strip()[-400:]
     where = f"; read {path}" if path.startswith("/") else ""
     return (f"NVRx turned the node away: {reason}" if reason else f"ft_launcher exited {rc}") + where
 

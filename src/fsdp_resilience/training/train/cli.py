@@ -21,6 +21,7 @@ from fsdp_resilience.training.contract import (
     read_stop,
 )
 from fsdp_resilience.training.restart.fault_kinds import UserErrorAbort
+from fsdp_resilience.training.restart.health_checks import WRAPPER, failed_health_check, record_health_check
 from fsdp_resilience.training.restart.wrapper import inprocess_wrapper
 from fsdp_resilience.training.train.env import WorkerEnv
 from fsdp_resilience.training.train.fault_handling import StopTraining
@@ -70,12 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     except StopTraining as e:
         print(f"error: {e}; not retrying: {WHAT_TO_DO[e.failure]}", file=sys.stderr)
         return exit_code_for(e.failure)
-    except Exception:
+    except Exception as e:
         # What the in-process layer could not recover (its budget spent, or peers gone: a lost
-        # node): ft_launcher restarts the worker group once this process has exited. Exit now:
-        # after a node loss, interpreter shutdown waited 90 s on NVRx 0.7's threads (seen), and
-        # the in-job restart with it.
+        # node, or a restart health check that failed): ft_launcher restarts the worker group once
+        # this process has exited. Exit now: after a node loss, interpreter shutdown waited 90 s
+        # on NVRx 0.7's threads (seen), and the in-job restart with it.
         traceback.print_exc()
+        health = failed_health_check(e)
+        if health is not None:  # evidence against this node, for the control plane's diagnosis
+            record_health_check(trainer.events, health[0], WRAPPER, health[1])
         trainer.close()
         logging.shutdown()
         sys.stdout.flush()

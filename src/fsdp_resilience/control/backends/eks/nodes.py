@@ -144,27 +144,29 @@ def quarantine_report(pool: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda q: (q["since"] is None, q["since"] or 0, q["node_id"]))
 
 
-def suspect_nodes(
-    kube: KubeClient, job_nodes: list[str], status: JobStatus, pods: list[dict[str, Any]]
-) -> tuple[list[str], list[str]]:
-    """The nodes of a failed job to blame (in the order found) and the evidence against each: the
-    nodes the job ran on (``job_nodes``) that say they are unhealthy or are gone, and every node
-    that lost a pod of the job, replaced pods included."""
-    bad: list[str] = []
-    evidence: list[str] = []
-    for name in job_nodes:  # what the node itself says (kubelet, EKS node monitoring agent)
+def node_health(kube: KubeClient, job_nodes: list[str]) -> dict[str, list[str]]:
+    """node -> what it says against itself (kubelet's Ready, the EKS node monitoring agent's
+    conditions; gone), for the nodes a job ran on; healthy nodes are left out."""
+    out: dict[str, list[str]] = {}
+    for name in job_nodes:
         node = kube.get_node(name)
         problems = ["the node is gone"] if node is None else node_problems(node)
         if problems:
-            bad.append(name)
-            evidence.append(f"node {name}: {'; '.join(problems)}")
-    # Every pod the job had, replaced ones included: a node that lost a pod is suspect.
+            out[name] = problems
+    return out
+
+
+def lost_pod_signals(status: JobStatus, pods: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """node -> its lost pods, over every pod the job had, replaced ones included: a node that lost
+    a pod is suspect."""
+    out: dict[str, list[str]] = {}
     every_pod = status.nodes + [node_from_pod(pod_index(p), p, None) for p in pods if pod_index(p) is not None]
     for n in every_pod:
-        if n.state == LOST and n.node_id and n.node_id not in bad:
-            bad.append(n.node_id)
-            evidence.append(f"node {n.index} ({n.node_id}): {n.message}")
-    return bad, evidence
+        if n.state == LOST and n.node_id:
+            signal = f"node {n.index}'s pod lost: {n.message}"
+            if signal not in out.setdefault(n.node_id, []):
+                out[n.node_id].append(signal)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
