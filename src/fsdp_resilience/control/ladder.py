@@ -257,6 +257,7 @@ def diagnose_and_replace(run: Run, outcome: Outcome, rung: int) -> dict[str, Any
         failure_class=diagnosis.failure_class,
         nodes=replacement.replaced,
         reason="; ".join(diagnosis.evidence),
+        signals={n: diagnosis.signals.get(n, []) for n in replacement.replaced},
     )
     return {
         "rung": rung,
@@ -264,6 +265,7 @@ def diagnose_and_replace(run: Run, outcome: Outcome, rung: int) -> dict[str, Any
         "bad_nodes": diagnosis.bad_node_ids,
         "replaced": replacement.replaced,
         "evidence": diagnosis.evidence,
+        "signals": diagnosis.signals,
     }
 
 

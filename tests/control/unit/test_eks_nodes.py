@@ -19,6 +19,8 @@ from fsdp_resilience.control.backends.eks.constants import (
 from fsdp_resilience.control.backends.eks.nodes import (
     devices_needed,
     instance_id_of,
+    lost_pod_signals,
+    node_health,
     node_healthy,
     node_problems,
     out_of_service,
@@ -28,7 +30,6 @@ from fsdp_resilience.control.backends.eks.nodes import (
     quarantined_by_us,
     replace_instance,
     replace_pool_nodes,
-    suspect_nodes,
 )
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 from fsdp_resilience.control.backends.eks.status import timestamp
@@ -196,14 +197,14 @@ def test_quarantine_report_lists_our_quarantines_oldest_first():
 # --------------------------------------------------------------------------------------------
 
 
-def test_suspect_nodes_are_unhealthy_gone_or_lost_a_pod():
+def test_node_health_names_unhealthy_and_gone_nodes_and_lost_pods_name_their_nodes():
     kube = StubKube({"gpu-0": make_node("gpu-0"), "gpu-1": make_node("gpu-1", conditions={"KernelReady": "False"})})
+    health = node_health(kube, ["gpu-0", "gpu-1", "gpu-9"])
+    assert list(health) == ["gpu-1", "gpu-9"]  # gpu-0 is healthy: left out
+    assert health["gpu-1"][0].startswith("KernelReady=False") and health["gpu-9"] == ["the node is gone"]
     lost = NodeStatus(2, "gpu-2", LOST, "restarts_exhausted", None, "pod x on gpu-2 lost: Evicted")
     status = JobStatus("failed", "restarts_exhausted", {}, "", [NodeStatus(0, "gpu-0", "running"), lost])
-    bad, evidence = suspect_nodes(kube, ["gpu-0", "gpu-1", "gpu-9"], status, [])
-    assert bad == ["gpu-1", "gpu-9", "gpu-2"]
-    assert evidence[0].startswith("node gpu-1: KernelReady=False") and evidence[1] == "node gpu-9: the node is gone"
-    assert evidence[2] == "node 2 (gpu-2): pod x on gpu-2 lost: Evicted"
+    assert lost_pod_signals(status, []) == {"gpu-2": ["node 2's pod lost: pod x on gpu-2 lost: Evicted"]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -189,13 +189,16 @@ class JobStatus(_Serializable):
 @dataclass(frozen=True)
 class Diagnosis(_Serializable):
     """Why a job failed, and which node(s) to blame. ``replaceable`` only when replacing those
-    nodes and relaunching can help: restarts exhausted, no progress or a lost node — never a user
-    error — and at least one node is blamed."""
+    nodes and relaunching can help and at least one node is blamed: restarts exhausted, no progress
+    or a lost node; or any fault the code, data or storage reported on a node that says it is
+    unhealthy (a monitoring agent's condition, an NVRx health check) — never a user error on
+    nodes healthy by every signal. ``signals``: blamed node -> the evidence against it."""
 
     failure_class: str | None
     bad_node_ids: list[str] = field(default_factory=list)
     replaceable: bool = False
     evidence: list[str] = field(default_factory=list)
+    signals: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from fsdp_resilience.control.report.records import (
     SPARE_ADDED,
     SPARE_PROMOTED,
     StepExecution,
+    blame_evidence,
     node_list,
     number,
     read_json_object,
@@ -170,6 +171,24 @@ def render_markdown(
             ),
         )
 
+    checks = [r for r in timed_records(events) if r.get("event") == Event.HEALTH_CHECK_FAILED.value]
+    if checks:
+        lines += ["## Failed health checks", "", "NVRx's health checks that failed: evidence against the node.", ""]
+        lines += _table(
+            ("t (s)", "node", "check", "source", "NVRx", "message"),
+            (
+                (
+                    f"{r['ts'] - start:.1f}",
+                    r.get("node_id"),
+                    r.get("check"),
+                    r.get("source"),
+                    r.get("nvrx_version"),
+                    str(r.get("message") or "")[:160],
+                )
+                for r in checks
+            ),
+        )
+
     quarantined, skipped, stale = checkpoint_rows
     if quarantined or skipped or stale:
         lines += ["## Checkpoints that failed", ""]
@@ -195,8 +214,14 @@ def render_markdown(
         lines += _table(("t (s)", "checkpoint", "step", "same as"), stale)
 
     if escalations:
-        lines += ["## Escalations", ""] + _table(
-            ("t (s)", "rung", "from launch", "to launch", "failure class", "nodes replaced", "reason"),
+        lines += [
+            "## Escalations",
+            "",
+            "Evidence per blamed node: what the node says of its own health (a monitoring agent's "
+            "condition, an NVRx health check), then drills, faults, lost pods and exit codes.",
+            "",
+        ] + _table(
+            ("t (s)", "rung", "from launch", "to launch", "failure class", "nodes replaced", "evidence per node"),
             (
                 (
                     f"{r['ts'] - start:.1f}" if number(r, "ts") is not None else None,
@@ -205,7 +230,7 @@ def render_markdown(
                     r.get("to_launch"),
                     r.get("failure_class"),
                     ", ".join(map(str, r["nodes"])) if isinstance(r.get("nodes"), list) else r.get("nodes"),
-                    r.get("reason"),
+                    blame_evidence(r),
                 )
                 for r in escalations
             ),

@@ -172,3 +172,15 @@ def node_list(value: Any) -> str | None:
     if isinstance(value, list):
         return ", ".join(map(str, value)) or None
     return None if value is None else str(value)
+
+
+def blame_evidence(escalation: dict[str, Any]) -> str | None:
+    """An escalation's evidence, per blamed node ("node: signal; signal | node: ..."): its
+    ``signals``; a record written before they were kept has only the joined ``reason``."""
+    signals = escalation.get("signals")
+    if isinstance(signals, dict) and signals:
+        return " | ".join(
+            f"{node}: {'; '.join(map(str, found)) if isinstance(found, list) else found}"
+            for node, found in signals.items()
+        )
+    return escalation.get("reason")

@@ -25,7 +25,14 @@ from fsdp_resilience.control.backends.base import (
     TrainingBackend,
     job_name_for,
 )
-from fsdp_resilience.control.backends.evidence import blame_from_events, verdict_at_cancel
+from fsdp_resilience.control.backends.evidence import (
+    blamed,
+    events_blame,
+    health_aware_diagnosis,
+    health_check_signals,
+    merge_signals,
+    verdict_at_cancel,
+)
 from fsdp_resilience.control.backends.local.evaluation import evaluate_checkpoint
 from fsdp_resilience.control.backends.local.launching import spawn_supervisor, wait_added, wait_started
 from fsdp_resilience.control.backends.local.processes import (
@@ -43,7 +50,7 @@ from fsdp_resilience.control.backends.local.slots import (
 )
 from fsdp_resilience.control.backends.local.state import StateStore, new_job_record, node_entry, tail_lines
 from fsdp_resilience.control.backends.local.verdict import judge_job, promotion_pending
-from fsdp_resilience.training.contract import REPLACEABLE_FAILURES, RunConfig, atomic_write_text, what_to_do
+from fsdp_resilience.training.contract import RunConfig, atomic_write_text
 
 #: src/fsdp_resilience/control/backends/local/backend.py -> the repository root: where ``make setup`` puts
 #: the training venv, and what relative run and dataset dirs are relative to.
@@ -408,25 +415,28 @@ class LocalProcessBackend(TrainingBackend):
 
     # -- diagnose -----------------------------------------------------------------------------
     def diagnose(self, handle: JobHandle) -> Diagnosis:
+        """The shared rule (``evidence.health_aware_diagnosis``). A slot's own health signals are
+        NVRx's failed health checks on it in this launch's events (a slot has no node conditions);
+        a lost launcher blames its slot for a failure a relaunch can help."""
         record = self._record(handle)
         status = self.status(handle)
         failure = status.failure_class
-        slots = {n["index"]: n["node_id"] for n in record["nodes"]}
+        slots = sorted({n["node_id"] for n in record["nodes"]})
         if status.state != "failed":
             return Diagnosis(failure, [], False, [f"job {handle.job_name} is {status.state}: nothing to diagnose"])
         evidence = [f"status: {status.message}"]
-        if failure not in REPLACEABLE_FAILURES:  # a user, storage or data fault; unknown: don't guess
-            return Diagnosis(failure, [], False, evidence + [f"{failure}: {what_to_do(failure)}"])
-        lost = [n for n in status.nodes if n.state == LOST]
-        if lost:
-            return Diagnosis(
-                failure,
-                [n.node_id for n in lost],
-                True,
-                evidence + [f"node {n.index} ({n.node_id}): {n.message}" for n in lost],
-            )
-        bad, why = blame_from_events(record["run_dir"], record["launch_id"], status, list(slots.values()))
-        return Diagnosis(failure, bad, bool(bad), evidence + why)
+        health = health_check_signals(record["run_dir"], record["launch_id"], slots)
+
+        def blame_replaceable() -> Diagnosis:
+            lost = {
+                n.node_id: [f"node {n.index}'s launcher lost: {n.message}"] for n in status.nodes if n.state == LOST
+            }
+            if lost or health:
+                return blamed(failure, merge_signals(health, lost), evidence)
+            bad, why, signals = events_blame(record["run_dir"], record["launch_id"], status, slots)
+            return Diagnosis(failure, bad, bool(bad), evidence + why, signals)
+
+        return health_aware_diagnosis(failure, health, evidence, blame_replaceable)
 
     # -- nodes --------------------------------------------------------------------------------
     def replace_nodes(self, node_ids: list[str], reason: str) -> Replacement:
