@@ -159,3 +159,36 @@ def test_records_missing_optional_fields_do_not_break_the_report(tmp_path):
     (tmp_path / "eval.json").write_text("{not json")
     text = assert_report_files(build_report(tmp_path))
     assert "## Escalations" in text and "unknown" in text
+
+
+def test_report_shows_the_evidence_per_blamed_node_and_the_failed_health_checks(tmp_path):
+    run = SimulatedRun(tmp_path / "blamed", "blamed-run")
+    run.launch(startup_s=4.0)
+    run.train(1, 5)
+    run.emit(
+        run.log.bind(node_id="node-b"),
+        Event.HEALTH_CHECK_FAILED,
+        after=1.0,
+        check="gpu",
+        source="inprocess_wrapper",
+        message="GPU health check failed",
+        nvrx_version="0.7.0",
+    )
+    run.emit(
+        run.log.bind(role="control-plane"),
+        Event.ESCALATION,
+        after=1.0,
+        rung=1,
+        from_launch="0",
+        to_launch="1",
+        failure_class="user_error",
+        nodes=["node-b"],
+        reason="status: ...; node node-b: ...",
+        signals={
+            "node-b": ["AcceleratedHardwareReady=False (NvidiaXID79: off the bus)", "NVRx gpu health check failed"]
+        },
+    )
+    text = assert_report_files(build_report(run.layout.root))
+    assert "## Failed health checks" in text
+    assert "| node-b | gpu | inprocess_wrapper | 0.7.0 | GPU health check failed |" in text
+    assert "node-b: AcceleratedHardwareReady=False (NvidiaXID79: off the bus); NVRx gpu health check failed" in text
