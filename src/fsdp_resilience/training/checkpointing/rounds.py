@@ -207,7 +207,7 @@ class CommitRounds:
             return pending.local_state
         if not writer.alive:
             pending.local_state = _DEAD
-            pending.error = f"the checkpoint writer process (pid {writer.pid}) died mid-save"
+            pending.error = f"{writer.exit_description()} mid-save"
         elif writer.stalled():
             pending.local_state = _DEAD
             pending.error = (

@@ -48,6 +48,7 @@ from torch import multiprocessing as mp
 
 from fsdp_resilience.training.checkpointing import write_results
 from fsdp_resilience.training.checkpointing.write_results import _RESULT, _WriteResultsChannel
+from fsdp_resilience.training.contract import describe_process_exit
 from fsdp_resilience.training.faults import descendants
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,14 @@ class _PersistentWriter(PersistentAsyncCaller):
     def alive(self) -> bool:
         return self.process is not None and self.process.is_alive()
 
+    def exit_description(self) -> str:
+        """How the writer process ended (its exit code or the signal that killed it; SIGBUS means
+        /dev/shm is full and reads as a storage error, ``describe_process_exit``)."""
+        process = self.process
+        return describe_process_exit(
+            f"the checkpoint writer process (pid {self.pid})", process.exitcode if process is not None else None
+        )
+
     #: The writer's nice value, set as soon as it exists (a spawned writer's boot, importing
     #: torch, then yields the CPU to training). NVRx 0.7's loop sets the same itself
     #: (``cpu_priority``, default 10), and warns when it finds it set already.
@@ -263,7 +272,7 @@ class _PersistentWriter(PersistentAsyncCaller):
         if async_req.async_fn is None:
             return
         if not self.alive:
-            raise _WriterGone(f"the checkpoint writer (pid {self.pid}) is not running")
+            raise _WriterGone(f"{self.exit_description()}: not running")
         self.start_time = time.time()
         self._work_arrived()
         if async_req.preload_fn:

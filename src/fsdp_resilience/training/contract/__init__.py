@@ -10,6 +10,8 @@ This package is the seam between the two planes. It imports only the standard li
 - ``checkpoints`` and ``checkpoint_catalog``: the checkpoint layout and commit protocol
   (``CheckpointCatalog``);
 - ``dataset``: the dataset index;
+- ``model_sizes``: the model presets' shapes (``PRESETS``), parameter counts, and the GPU and host
+  memory estimates both planes size from (``memory_per_gpu``, ``host_memory_per_node``);
 - ``events``: the events-log schema (``Event``, one TypedDict per kind in ``EVENT_TYPES``, ``EventLog``);
 - ``files``: durable writes; ``version``: ``CONTRACT_VERSION``;
 - ``reference``: writes docs/reference/ from all of the above.
@@ -81,6 +83,7 @@ from fsdp_resilience.training.contract.failures import (
     ConfigError,
     ExitCode,
     FailureClass,
+    describe_process_exit,
     exit_code_for,
     failure_class_for_exit,
     most_telling_failure,
@@ -88,6 +91,24 @@ from fsdp_resilience.training.contract.failures import (
     what_to_do,
 )
 from fsdp_resilience.training.contract.files import atomic_write_text, probe_writable
+from fsdp_resilience.training.contract.model_sizes import (
+    BYTE_VOCAB,
+    CHECKPOINT_BYTES_PER_PARAM,
+    GIB,
+    GPU_OVERHEAD_BYTES,
+    HOST_PER_NODE_BYTES,
+    HOST_PER_RANK_BYTES,
+    PRESET_RUNS,
+    PRESETS,
+    SHM_PER_RANK_BYTES,
+    ModelConfig,
+    PresetRun,
+    host_memory_for_preset,
+    host_memory_per_node,
+    memory_per_gpu,
+    node_replica_fraction,
+    param_count,
+)
 from fsdp_resilience.training.contract.rundir import (
     RunDir,
     declare_stop,
@@ -107,6 +128,22 @@ from fsdp_resilience.training.contract.timeouts import (
 from fsdp_resilience.training.contract.version import CONTRACT_VERSION
 
 __all__ = [
+    "BYTE_VOCAB",
+    "CHECKPOINT_BYTES_PER_PARAM",
+    "GIB",
+    "GPU_OVERHEAD_BYTES",
+    "HOST_PER_NODE_BYTES",
+    "HOST_PER_RANK_BYTES",
+    "ModelConfig",
+    "PRESET_RUNS",
+    "PRESETS",
+    "PresetRun",
+    "SHM_PER_RANK_BYTES",
+    "host_memory_for_preset",
+    "host_memory_per_node",
+    "memory_per_gpu",
+    "node_replica_fraction",
+    "param_count",
     "CHECKPOINT_PREFIX",
     "CHECKSUM_ALGORITHM",
     "COMMIT_MARKER",
@@ -163,6 +200,7 @@ __all__ = [
     "checkpoint_step",
     "checksum_share",
     "declare_stop",
+    "describe_process_exit",
     "exit_code_for",
     "failure_class_for_exit",
     "file_checksum",

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import errno
+import os
 import re
+import signal
 
 
 class ConfigError(ValueError):
@@ -147,7 +149,8 @@ WHAT_TO_DO = {
     "trigger the run again; "
     "no node was touched",
     FailureClass.STORAGE_ERROR.value: "the run dir is full or read-only (storage, not a node fault): free space on "
-    "it or fix its mount, "
+    "it or fix its mount; or the node's /dev/shm, where checkpoints are staged, is full (on EKS: raise "
+    "PodTemplateSettings.shm_size, or leave it unset to size it from the model); "
     "then trigger the run again (it resumes from the newest verified checkpoint); no node was touched",
     FailureClass.NON_FINITE.value: "the loss or gradient norm became NaN/inf again after max_nonfinite_rollbacks "
     "rollbacks to the newest "
@@ -178,23 +181,72 @@ def most_telling_failure(classes: list[str | None]) -> str | None:
     return min(present, key=lambda c: rank.get(c, len(rank)))
 
 
-#: errnos that mean "the run dir cannot take writes": storage, not the node or the code.
+#: errnos that mean "the run dir cannot take writes": storage, not the node or the code. The node's
+#: memory-backed /dev/shm, where async checkpoints are staged, counts as storage too.
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG})
+
+#: How a process killed by SIGBUS is told: the signal's name (ours, torchelastic's "Signal 7
+#: (SIGBUS)"), or torch's "killed by signal: Bus error" for a data loader worker. A memory-backed
+#: file (/dev/shm is tmpfs) whose page the kernel cannot allocate answers the access with SIGBUS
+#: instead of an error return: /dev/shm is full (``ENOSPC``).
+_SIGBUS_TEXT = re.compile(r"\bSIGBUS\b|signal: Bus error")
+
+
+def _errno_in_text(text: str) -> int | None:
+    """A storage errno written out: Python's ``[Errno 28] ...``, or C++ code's ``<strerror> (28)``
+    (torch's shared memory: "unable to allocate shared memory(shm) for file </torch_...>: No space
+    left on device (28)", and "unable to write to file <...>: ..." before torch 2.5)."""
+    match = re.search(r"\[Errno (\d+)\]", text)
+    if match and int(match.group(1)) in STORAGE_ERRNOS:
+        return int(match.group(1))
+    for code in sorted(STORAGE_ERRNOS):
+        if f"{os.strerror(code)} ({code})" in text:
+            return code
+    if _SIGBUS_TEXT.search(text):
+        return errno.ENOSPC
+    return None
 
 
 def storage_errno(exc: BaseException | None) -> int | None:
     """The storage errno (``STORAGE_ERRNOS``) behind ``exc`` or anything in its cause chain, else
-    None. Writers in other processes report errors as text: ``[Errno 28] ...`` counts too."""
+    None. Writers in other processes report errors as text: ``[Errno 28] ...`` and ``... No space
+    left on device (28)`` count too, and so does a process killed by SIGBUS (a full /dev/shm,
+    ``ENOSPC``; see ``describe_process_exit``). A SIGBUS from a hardware memory error reads the
+    same: the node's health conditions, not this, tell that one."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
             return exc.errno
-        match = re.search(r"\[Errno (\d+)\]", str(exc))
-        if match and int(match.group(1)) in STORAGE_ERRNOS:
-            return int(match.group(1))
+        code = _errno_in_text(str(exc))
+        if code is not None:
+            return code
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def describe_process_exit(what: str, exitcode: int | None) -> str:
+    """How a helper process ended, as ``multiprocessing`` reports it (``exitcode``: a negative
+    number is the signal that killed it). A SIGBUS death says that /dev/shm is full, in words
+    ``storage_errno`` reads as ``ENOSPC``, so it is a storage error, not an ordinary fault that a
+    restart would only meet again."""
+    if exitcode is None:
+        return f"{what} is gone (exit status unknown)"
+    if exitcode >= 0:
+        return f"{what} exited with code {exitcode}"
+    number = -exitcode
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = "unknown signal"
+    text = f"{what} was killed by signal {number} ({name})"
+    if number == signal.SIGBUS:
+        text += (
+            ": a page of a memory-backed file could not be allocated, i.e. /dev/shm (where checkpoints "
+            "are staged) is full; on EKS raise PodTemplateSettings.shm_size, or leave it unset to size "
+            "it from the model"
+        )
+    return text
 
 
 def failure_class_for_exit(code: int) -> FailureClass:
