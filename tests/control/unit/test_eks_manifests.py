@@ -100,18 +100,18 @@ SETTINGS_VARIANTS = {
     "cpu-cluster": dict(
         gpus_per_node=0, efa_per_node=0, node_selector={}, tolerations=[], instance_type=None, cpu="8", memory="32Gi"
     ),
-    "hugepages-priority": dict(
-        hugepages_2mi="5120Mi",
+    "zone-shm-priority": dict(
+        zone="us-west-2a",
+        shm_size="160Gi",
         memory="1800Gi",
         cpu="180",
         priority_class="training-high",
         env={"NCCL_DEBUG": "INFO", "NCCL_NVLS_ENABLE": "0"},
     ),
-    "burstable-no-ipc-lock": dict(
+    "burstable": dict(
         guaranteed_qos=False,
         cpu=None,
         memory=None,
-        efa_ipc_lock=False,
         instance_type="g6e.48xlarge",
         gpus_per_node=None,
     ),
@@ -229,6 +229,11 @@ def test_training_job_is_one_indexed_job_with_a_pod_per_node():
     pod_labels = spec["template"]["metadata"]["labels"]
     assert term["labelSelector"] == {"matchLabels": {LABEL_JOB: name}}
     assert pod_labels[LABEL_JOB] == name
+    # All in one zone (EFA stays within a subnet): a required affinity to the same Job's pods.
+    (zone,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert zone == {"labelSelector": {"matchLabels": {LABEL_JOB: name}}, "topologyKey": "topology.kubernetes.io/zone"}
+    # Karpenter leaves the nodes under the pods alone (no consolidation, no drift).
+    assert spec["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
 
     c = container_of(job)
     assert c["image"] == settings.image and c["imagePullPolicy"] == settings.image_pull_policy
@@ -242,7 +247,7 @@ def test_training_job_is_one_indexed_job_with_a_pod_per_node():
     assert fsx["persistentVolumeClaim"] == {"claimName": settings.fsx_claim}
     assert mounts[fsx["name"]] == settings.fsx_mount_path
     assert mounts["dshm"] == "/dev/shm"
-    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": settings.shm_size}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": settings.shm_size_for(cfg)}
 
 
 def test_training_env_carries_the_run_contract():
@@ -311,7 +316,7 @@ def test_more_processes_than_gpus_is_refused():
     ],
 )
 def test_device_rdma_only_on_instance_types_that_have_it(instance_type, rdma):
-    settings = make_settings(instance_type=instance_type)
+    settings = make_settings(instance_type=instance_type, memory="1000Gi")  # fits a p4d's 1152 GiB too
     job = training_job(make_cfg(), "try-1", settings)
     env = env_of(job)
     assert env["FI_PROVIDER"]["value"] == "efa"  # EFA itself, whatever the type
@@ -351,8 +356,8 @@ def test_training_pods_are_guaranteed_by_default_sized_for_p5():
     )
 
 
-def test_explicit_gpu_count_hugepages_cpu_and_memory():
-    settings = make_settings(gpus_per_node=4, hugepages_2mi="5120Mi", cpu="96", memory="1000Gi")
+def test_explicit_gpu_count_cpu_and_memory():
+    settings = make_settings(gpus_per_node=4, cpu="96", memory="1000Gi")
     resources = container_of(training_job(make_cfg(procs_per_node=4), "try-1", settings))["resources"]
     assert (
         resources["requests"]
@@ -360,7 +365,6 @@ def test_explicit_gpu_count_hugepages_cpu_and_memory():
         == {
             "nvidia.com/gpu": "4",
             "vpc.amazonaws.com/efa": "32",
-            "hugepages-2Mi": "5120Mi",
             "cpu": "96",
             "memory": "1000Gi",
         }
@@ -382,7 +386,7 @@ def pod_specs(settings: PodTemplateSettings) -> list[dict]:
 
 def restricted_violations(pod: dict) -> list[str]:
     """The Pod Security Standards' "restricted" rules (what PSA enforce=restricted checks), on a
-    pod spec. The kit's training-namespace policy allows IPC_LOCK on top of these."""
+    pod spec."""
     problems = []
     pod_sc = pod.get("securityContext") or {}
     for c in pod["containers"] + (pod.get("initContainers") or []):
@@ -443,19 +447,15 @@ def test_every_pod_runs_non_root_with_seccomp_and_no_privilege_escalation(varian
         assert pod["automountServiceAccountToken"] is False
 
 
-def test_ipc_lock_only_for_efa_and_otherwise_the_pods_pass_restricted():
-    cfg = make_cfg()
-    training = training_job(cfg, "try-1", make_settings())["spec"]["template"]["spec"]
-    # EFA pins memory with the NIC: IPC_LOCK, and nothing else beyond "restricted".
-    assert training["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
-    assert restricted_violations(training) == ["capabilities.add ['IPC_LOCK']"]
-    # The evaluation pod has no EFA: restricted as it is.
-    assert restricted_violations(evaluation_job(cfg, make_settings())["spec"]["template"]["spec"]) == []
-    for overrides in (dict(efa_ipc_lock=False), dict(efa_per_node=0)):
-        settings = make_settings(**overrides)
-        for pod in pod_specs(settings):
-            assert "add" not in pod["containers"][0]["securityContext"]["capabilities"]
-            assert restricted_violations(pod) == [], overrides
+@pytest.mark.parametrize("variant", sorted(SETTINGS_VARIANTS))
+def test_every_pod_passes_restricted_and_adds_no_capability_even_with_efa(variant):
+    """EFA's memlock limit is the node's (containerd's base runtime spec): no IPC_LOCK, which a
+    non-root container could not use anyway."""
+    cfg, settings = make_cfg(), make_settings(**SETTINGS_VARIANTS[variant])
+    pods = [*pod_specs(settings), evaluation_job(cfg, settings)["spec"]["template"]["spec"]]
+    for pod in pods:
+        assert "add" not in pod["containers"][0]["securityContext"]["capabilities"]
+        assert restricted_violations(pod) == [], variant
 
 
 def test_priority_class_is_set_when_given():
@@ -632,8 +632,9 @@ def test_labels_of_the_training_job_and_its_pods():
     assert meta_labels == expected
     assert pod_labels == {**expected, LABEL_JOB: job["metadata"]["name"]}
     # Label values cannot hold the Airflow run id; the annotations keep it exactly.
-    for exact in (job["metadata"]["annotations"], job["spec"]["template"]["metadata"]["annotations"]):
-        assert exact == {LABEL_LAUNCH: "try-1", LABEL_AIRFLOW_RUN: AIRFLOW_RUN_ID}
+    exact = {LABEL_LAUNCH: "try-1", LABEL_AIRFLOW_RUN: AIRFLOW_RUN_ID}
+    assert job["metadata"]["annotations"] == exact
+    assert job["spec"]["template"]["metadata"]["annotations"] == {**exact, "karpenter.sh/do-not-disrupt": "true"}
     without = training_job(cfg, "try-1", make_settings())
     assert LABEL_AIRFLOW_RUN not in without["metadata"]["labels"]
     assert LABEL_AIRFLOW_RUN not in without["metadata"]["annotations"]
@@ -670,9 +671,9 @@ def test_label_value_keeps_valid_values_and_separates_ids_that_clean_alike():
 
 
 def test_objects_are_deterministic():
-    cfg, settings = make_cfg(), make_settings(hugepages_2mi="5120Mi", memory="900Gi")
+    cfg, settings = make_cfg(), make_settings(zone="us-west-2a", memory="900Gi")
     first = [json.dumps(o, sort_keys=False) for o in all_objects(settings)]
-    again = [json.dumps(o, sort_keys=False) for o in all_objects(make_settings(hugepages_2mi="5120Mi", memory="900Gi"))]
+    again = [json.dumps(o, sort_keys=False) for o in all_objects(make_settings(zone="us-west-2a", memory="900Gi"))]
     assert first == again
     assert (
         training_job(cfg, "try-1", settings)["metadata"]["name"]
@@ -761,7 +762,7 @@ def test_rendezvous_service_rejects_a_wrong_owner(owner, message):
 
 
 def test_evaluation_job_is_one_pod_one_gpu_no_efa():
-    cfg, settings = make_cfg(procs_per_node=8), make_settings(hugepages_2mi="5120Mi", memory="900Gi")
+    cfg, settings = make_cfg(procs_per_node=8), make_settings(memory="900Gi")
     job = evaluation_job(cfg, settings, airflow_run_id=AIRFLOW_RUN_ID)
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     assert job["metadata"]["name"] == job_name_for(cfg.run_id, "eval")
@@ -772,13 +773,16 @@ def test_evaluation_job_is_one_pod_one_gpu_no_efa():
     assert pod["automountServiceAccountToken"] is False
     c = container_of(job)
     assert c["command"] == ["python", "-m", "fsdp_resilience.training.evaluate", "--config", f"{cfg.run_dir}/run.json"]
-    # One GPU's share of the node, Guaranteed; no EFA, so none of the huge pages EFA needs.
+    # One GPU's share of the node, Guaranteed; no EFA; a small /dev/shm (no async checkpoint).
     assert (
         c["resources"]["limits"]
         == c["resources"]["requests"]
         == {"nvidia.com/gpu": "1", "cpu": "22", "memory": "225Gi"}
     )
     assert "add" not in c["securityContext"]["capabilities"]
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "8Gi"
+    assert "karpenter.sh/do-not-disrupt" not in job["spec"]["template"]["metadata"].get("annotations", {})
+    assert "affinity" not in pod
     assert not [k for k in env_of(job) if k.startswith("FI_")]
     assert "TRAINING_RUN_CONFIG" not in env_of(job)
     labels = job["metadata"]["labels"]

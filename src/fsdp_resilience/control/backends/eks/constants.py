@@ -46,7 +46,6 @@ SHM_VOLUME = "dshm"
 FSX_VOLUME = "fsx"
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
-HUGEPAGES_RESOURCE = "hugepages-2Mi"
 
 TRAINING_COMMAND = ["python", "-m", "fsdp_resilience.training.launch"]
 #: The env the data plane reads (src/fsdp_resilience/training/launch/config.py and contract/).
@@ -81,8 +80,35 @@ DEVICE_RDMA_ENV = {"FI_EFA_USE_DEVICE_RDMA": "1"}
 DEVICE_RDMA_FAMILIES = frozenset({"p4d", "p4de", "p5", "p5e", "p5en", "p6-b200", "p6-b300", "p6e-gb200"})
 #: Node label with the EC2 instance type (set by the kubelet on EKS; Karpenter selects by it too).
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
-#: Only what EFA needs: libfabric registers (pins) memory with the NIC, beyond the default memlock.
-EFA_CAPABILITIES = ("IPC_LOCK",)
+#: Node label with the availability zone (the kubelet sets it from the cloud provider on EKS).
+#: EFA traffic stays within one subnet, so within one zone: a launch's pods share one (a required
+#: pod affinity on it), and PodTemplateSettings.zone pins them to a given one.
+ZONE_LABEL = "topology.kubernetes.io/zone"
+#: On the training pods: Karpenter neither consolidates nor drifts a node while such a pod runs on
+#: it (it still replaces a node whose instance is gone or interrupted).
+DO_NOT_DISRUPT_ANNOTATION = "karpenter.sh/do-not-disrupt"
+
+#: The computed /dev/shm (PodTemplateSettings.shm_size None) is the estimate times this margin:
+#: the estimate's own allowances (NCCL, libfabric) are round figures, and a full /dev/shm fails a
+#: checkpoint hours into a run. The size is a cap, not a reservation, so the margin costs nothing
+#: until it is used.
+SHM_MARGIN = 1.25
+#: The evaluation pod's /dev/shm: one process, no async checkpoint, no NCCL peers.
+EVAL_SHM_SIZE = "8Gi"
+#: Memory (GiB) of the GPU instance types the pods are sized for, from EC2's instance type pages;
+#: an instance type not listed is not checked.
+NODE_MEMORY_GIB = {
+    "p4d.24xlarge": 1152,
+    "p4de.24xlarge": 1152,
+    "p5.4xlarge": 256,
+    "p5.48xlarge": 2048,
+    "p5e.48xlarge": 2048,
+    "p5en.48xlarge": 2048,
+}
+#: The share of an instance's memory a pod can have: the kernel's own (MemTotal is a few percent
+#: below the nominal size), the kubelet's kube-reserved and eviction threshold (on EKS AL2023 about
+#: 1.4 GiB for a p5), and the daemonsets (device plugins, CNI, node agents).
+NODE_ALLOCATABLE_FRACTION = 0.95
 #: NCCL behaviour the restart layers rely on (only when the pods get GPUs).
 NCCL_ENV = {
     # NCCL's bootstrap traffic goes over the pod's network interface, never loopback or a bridge.

@@ -9,13 +9,15 @@ one-pod Job. The dicts are what ``BatchV1Api.create_namespaced_job(namespace, bo
 accept.
 
 Every pod runs as the images' non-root user (uid/gid 1000), with seccomp RuntimeDefault, no
-privilege escalation and every capability dropped, except IPC_LOCK on EFA pods (libfabric pins
-the memory it registers with the NIC; the EKS runtime's default memlock limit is too small).
-Training pods are QoS Guaranteed by default (cpu and memory requests = limits), sized for
-p5.48xlarge. The pods' settings (``PodTemplateSettings``) and their validation are in
-pod_settings.py, the image allowlist in images.py, the names and labels in constants.py, the
-objects' labels, annotations and owner reference in object_metadata.py, and the rendezvous
-Service and NetworkPolicy in networking.py.
+privilege escalation and every capability dropped: they pass Pod Security ``restricted``. (EFA's
+memlock limit is the node's, set in containerd's base runtime spec: a capability added to a
+non-root container would not be effective anyway.) Training pods are QoS Guaranteed by default
+(cpu and memory requests = limits), sized for p5.48xlarge, with a /dev/shm sized from the model
+(``PodTemplateSettings.shm_size_for``); one launch's pods share one zone (EFA stays within a
+subnet) and carry Karpenter's do-not-disrupt annotation. The pods' settings
+(``PodTemplateSettings``) and their validation are in pod_settings.py, the image allowlist in
+images.py, the names and labels in constants.py, the objects' labels, annotations and owner
+reference in object_metadata.py, and the rendezvous Service and NetworkPolicy in networking.py.
 
 Pure functions: no Kubernetes client, no clock, no randomness. The same inputs give the same
 objects, so a retried Airflow task submits byte-for-byte what the first try did.
@@ -36,13 +38,13 @@ from fsdp_resilience.control.backends.eks.constants import (
     CONFIG_ENV,
     CONTAINER,
     DEVICE_RDMA_ENV,
-    EFA_CAPABILITIES,
+    DO_NOT_DISRUPT_ANNOTATION,
     EFA_ENV,
     EFA_RESOURCE,
     EVAL_LAUNCH_ID,
+    EVAL_SHM_SIZE,
     FSX_VOLUME,
     GPU_RESOURCE,
-    HUGEPAGES_RESOURCE,
     JOB_UID_LABEL,
     LABEL_JOB,
     LAUNCH_ID_ENV,
@@ -54,6 +56,7 @@ from fsdp_resilience.control.backends.eks.constants import (
     RDZV_PORT_NAME,
     SHM_VOLUME,
     TRAINING_COMMAND,
+    ZONE_LABEL,
 )
 from fsdp_resilience.control.backends.eks.failure_policy import (
     evaluation_pod_failure_policy,
@@ -127,17 +130,15 @@ def success_policy(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def _resources(
-    gpus: int, efa: int, settings: PodTemplateSettings, *, hugepages: bool, cpu: str | None, memory: str | None
+    gpus: int, efa: int, settings: PodTemplateSettings, *, cpu: str | None, memory: str | None
 ) -> dict[str, Any]:
-    # Extended resources (GPU, EFA, huge pages) need requests equal to limits.
+    # Extended resources (GPU, EFA) need requests equal to limits.
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if gpus > 0:
         requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(gpus)
     if efa > 0:
         requests[EFA_RESOURCE] = limits[EFA_RESOURCE] = str(efa)
-    if hugepages and settings.hugepages_2mi is not None:
-        requests[HUGEPAGES_RESOURCE] = limits[HUGEPAGES_RESOURCE] = settings.hugepages_2mi
     if cpu is not None:
         requests["cpu"] = cpu
         if settings.guaranteed_qos:  # else no CPU limit: Burstable, never throttled below the node
@@ -162,11 +163,11 @@ def _pod_security_context(settings: PodTemplateSettings) -> dict[str, Any]:
     }
 
 
-def _container_security_context(settings: PodTemplateSettings, efa: int) -> dict[str, Any]:
-    capabilities: dict[str, Any] = {"drop": ["ALL"]}
-    if efa > 0 and settings.efa_ipc_lock:
-        capabilities["add"] = list(EFA_CAPABILITIES)
-    return {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": capabilities}
+def _container_security_context() -> dict[str, Any]:
+    # Pod Security "restricted": nothing added. EFA needs no capability here: its memlock limit is
+    # the node's (containerd's base runtime spec), and CAP_IPC_LOCK added for a non-root user
+    # would not be in its effective set anyway (no ambient capabilities, no privilege escalation).
+    return {"allowPrivilegeEscalation": False, "privileged": False, "capabilities": {"drop": ["ALL"]}}
 
 
 def _pod_spec(
@@ -176,6 +177,7 @@ def _pod_spec(
     *,
     subdomain: str | None,
     anti_affinity: bool,
+    shm_size: str,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
         # Never: the Job controller, not the kubelet, replaces a failed pod, and podFailurePolicy
@@ -193,22 +195,29 @@ def _pod_spec(
         "containers": [container],
         "volumes": [
             {"name": FSX_VOLUME, "persistentVolumeClaim": {"claimName": settings.fsx_claim}},
-            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}},
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
         ],
     }
     if subdomain is not None:
         spec["subdomain"] = subdomain
     if anti_affinity:
-        # One pod per machine: a node's ranks use all of its GPUs and EFA devices.
+        this_launch = {"matchLabels": {LABEL_JOB: job_name}}
         spec["affinity"] = {
+            # One pod per machine: a node's ranks use all of its GPUs and EFA devices.
             "podAntiAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": [
-                    {
-                        "labelSelector": {"matchLabels": {LABEL_JOB: job_name}},
-                        "topologyKey": "kubernetes.io/hostname",
-                    }
+                    {"labelSelector": this_launch, "topologyKey": "kubernetes.io/hostname"}
                 ]
-            }
+            },
+            # All in one zone: EFA works only within a subnet (and so a zone), and FI_PROVIDER=efa
+            # has no TCP fallback. The first pod, with no pod of its launch anywhere yet, may go to
+            # any zone (the scheduler lets a pod that matches its own term start the group); the
+            # others follow it. A pod recreated for an index follows the pods still running.
+            "podAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": copy.deepcopy(this_launch), "topologyKey": ZONE_LABEL}
+                ]
+            },
         }
     if settings.priority_class is not None:
         spec["priorityClassName"] = settings.priority_class
@@ -221,8 +230,6 @@ def _container(
     env: list[dict[str, Any]],
     resources: dict[str, Any],
     ports: list[dict[str, Any]] | None,
-    *,
-    efa: int,
 ) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": CONTAINER,
@@ -230,7 +237,7 @@ def _container(
         "imagePullPolicy": settings.image_pull_policy,
         "command": list(command),
         "env": env,
-        "securityContext": _container_security_context(settings, efa),
+        "securityContext": _container_security_context(),
         "volumeMounts": [
             {"name": FSX_VOLUME, "mountPath": settings.fsx_mount_path},
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
@@ -277,6 +284,7 @@ def training_job(
     settings.validate()
     check_ids(launch_id, airflow_run_id)
     _check_under_mount(cfg, settings)
+    settings.check_memory_fits(cfg)
     name = job_name_for(cfg.run_id, launch_id)
     labels = object_labels(cfg, COMPONENT_TRAINING, launch_id, airflow_run_id)
     annotations = object_annotations(launch_id, airflow_run_id)
@@ -306,11 +314,12 @@ def training_job(
         settings,
         TRAINING_COMMAND,
         _env(env, node_id_from_downward_api=True, launch=True),
-        _resources(gpus, efa, settings, hugepages=True, cpu=settings.cpu, memory=settings.memory),
+        _resources(gpus, efa, settings, cpu=settings.cpu, memory=settings.memory),
         [{"name": RDZV_PORT_NAME, "containerPort": cfg.rdzv_port, "protocol": "TCP"}],
-        efa=efa,
     )
-    pod_spec = _pod_spec(settings, container, name, subdomain=name, anti_affinity=True)
+    pod_spec = _pod_spec(
+        settings, container, name, subdomain=name, anti_affinity=True, shm_size=settings.shm_size_for(cfg)
+    )
     spec: dict[str, Any] = {
         "completionMode": "Indexed",
         "completions": cfg.launch_nodes,
@@ -321,7 +330,12 @@ def training_job(
         "ttlSecondsAfterFinished": settings.ttl_after_finished_s,
         "podFailurePolicy": training_pod_failure_policy(),
         "template": {
-            "metadata": {"labels": {**labels, LABEL_JOB: name}, "annotations": dict(annotations)},
+            "metadata": {
+                "labels": {**labels, LABEL_JOB: name},
+                # Karpenter must not consolidate or drift a node away under a training pod: each
+                # eviction costs the launch a restart and a share of max_pod_disruptions.
+                "annotations": {**annotations, DO_NOT_DISRUPT_ANNOTATION: "true"},
+            },
             "spec": pod_spec,
         },
     }
@@ -361,14 +375,13 @@ def evaluation_job(
     command = ["python", "-m", "fsdp_resilience.training.evaluate", "--config", f"{cfg.run_dir}/run.json"]
     if checkpoint_id is not None:
         command += ["--checkpoint", checkpoint_id]
-    # No EFA (one process, no collectives), and so none of the huge pages EFA needs.
+    # No EFA (one process, no collectives).
     container = _container(
         settings,
         command,
         _env(env, node_id_from_downward_api=True),
-        _resources(gpus, 0, settings, hugepages=False, cpu=settings.eval_cpu, memory=settings.eval_memory),
+        _resources(gpus, 0, settings, cpu=settings.eval_cpu, memory=settings.eval_memory),
         None,
-        efa=0,
     )
     template_meta: dict[str, Any] = {"labels": {**labels, LABEL_JOB: name}}
     if annotations:
@@ -387,7 +400,15 @@ def evaluation_job(
             "podFailurePolicy": evaluation_pod_failure_policy(),
             "template": {
                 "metadata": template_meta,
-                "spec": _pod_spec(settings, container, name, subdomain=None, anti_affinity=False),
+                "spec": _pod_spec(
+                    settings,
+                    container,
+                    name,
+                    subdomain=None,
+                    anti_affinity=False,
+                    # No async checkpoint here: only an explicit shm_size changes it.
+                    shm_size=settings.shm_size or EVAL_SHM_SIZE,
+                ),
             },
         },
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import posixpath
 import re
 from dataclasses import dataclass, field
@@ -18,10 +19,14 @@ from fsdp_resilience.control.backends.eks.constants import (
     DEVICE_RDMA_FAMILIES,
     INSTANCE_TYPE_LABEL,
     LABEL_VALUE_FORMAT,
+    NODE_ALLOCATABLE_FRACTION,
+    NODE_MEMORY_GIB,
     RESERVED_ENV,
+    SHM_MARGIN,
+    ZONE_LABEL,
 )
 from fsdp_resilience.control.backends.eks.images import image_repository
-from fsdp_resilience.training.contract import RunConfig
+from fsdp_resilience.training.contract import GIB, RunConfig, host_memory_for_preset
 
 _DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -31,6 +36,24 @@ _QUANTITY = re.compile(r"^[+]?(\d+(\.\d*)?|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
 
+#: An AWS availability zone ("us-west-2a", "us-gov-west-1b") or Local Zone ("us-west-2-lax-1a").
+_ZONE = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+([a-z]|-[a-z0-9]+-\d+[a-z])$")
+
+#: Settings that no longer exist, and why: from_dict refuses them with this, so an old FSDP_EKS_POD
+#: fails with what to do rather than as an unknown key.
+REMOVED_SETTINGS = {
+    "efa_ipc_lock": (
+        "adding CAP_IPC_LOCK does nothing for the pods' non-root user (no ambient capabilities, no "
+        "privilege escalation). EFA's memlock limit is now set on the node, in containerd's base "
+        "runtime spec (the kit's example EC2NodeClass user data, docs/run-on-eks.md 'memlock'); "
+        "remove the key"
+    ),
+    "hugepages_2mi": (
+        "the EKS AL2023 GPU AMI reserves no 2 MiB huge pages and Karpenter does not model them, so a "
+        "pod requesting them never schedules; EFA works without them. Remove the key"
+    ),
+}
+
 _TOLERATION_FIELDS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _TOLERATION_OPERATORS = ("Exists", "Equal")
 _TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -39,6 +62,30 @@ _PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 
 def _is_quantity(value: Any) -> bool:
     return isinstance(value, str) and bool(_QUANTITY.match(value))
+
+
+_SUFFIX_FACTORS = {
+    **{s: 1024**i for i, s in enumerate(("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: 1000**i for i, s in enumerate(("k", "M", "G", "T", "P", "E"), start=1)},
+    "n": 1e-9,
+    "u": 1e-6,
+    "m": 1e-3,
+}
+
+
+def quantity_bytes(value: str) -> float:
+    """A Kubernetes quantity ("1800Gi", "64G", "1e9", "500m") as a number (bytes for memory)."""
+    if not _is_quantity(value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity such as '64Gi'")
+    match = re.match(r"^[+]?(\d+(?:\.\d*)?|\.\d+)(.*)$", value)
+    number, suffix = float(match.group(1)), match.group(2)
+    if suffix[:1] in ("e", "E"):
+        return number * 10 ** int(suffix[1:])
+    return number * _SUFFIX_FACTORS[suffix]
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.0f}"
 
 
 def _is_label_key(key: Any) -> bool:
@@ -87,16 +134,16 @@ class PodTemplateSettings:
     gpus_per_node: int | None = 8
     #: EFA interfaces per pod (p5.48xlarge has 32); 0: no EFA devices and no EFA env.
     efa_per_node: int = 32
-    #: Add CAP_IPC_LOCK to EFA pods (efa_per_node > 0): libfabric registers (pins) memory with the
-    #: NIC and needs an unlimited memlock or this capability; the EKS AL2023 runtime spec raises only
-    #: RLIMIT_NOFILE. False: only for AMIs/runtimes that raise RLIMIT_MEMLOCK themselves; the pods
-    #: then pass Pod Security "restricted" (IPC_LOCK needs the kit's pod policy, see deploy/).
-    efa_ipc_lock: bool = True
-    #: e.g. "5120Mi" where the AMI's EFA driver needs 2 MiB huge pages; needs ``memory`` set.
-    hugepages_2mi: str | None = None
-    #: Size of the memory-backed /dev/shm (NCCL and data loader workers share memory through it;
-    #: a container's default 64 MiB is far too small). It counts against ``memory``.
-    shm_size: str = "64Gi"
+    #: Size of the memory-backed /dev/shm of the training pods. The async checkpoint stages each
+    #: save there (the node's share of the weights and both AdamW moments: under HSDP a whole
+    #: replica, about 87 GiB for 8b), and NCCL and libfabric use it too. None (the default): sized
+    #: from the run's model preset, nodes and ranks a node (``shm_size_for``). A quantity such as
+    #: "160Gi" overrides it, if it holds at least the estimate. It counts against ``memory``.
+    shm_size: str | None = None
+    #: Pin every pod to this availability zone (e.g. "us-west-2a"; a nodeSelector on
+    #: topology.kubernetes.io/zone), where the pool's EFA subnet is. None: the pods of one launch
+    #: still share one zone (a required pod affinity), whichever zone the first pod lands in.
+    zone: str | None = None
     #: The training pod's cpu and memory requests. Sized for p5.48xlarge (allocatable about 192 vCPU
     #: and 2 TiB), leaving room for the daemonsets (EFA and GPU device plugins, CNI, node agents).
     cpu: str | None = "180"
@@ -181,20 +228,27 @@ class PodTemplateSettings:
             not isinstance(self.instance_type, str) or not _INSTANCE_TYPE.match(self.instance_type)
         ):
             raise bad("instance_type", "must be an EC2 instance type such as 'p5.48xlarge', or None for a mixed pool")
-        for name in ("efa_ipc_lock", "guaranteed_qos"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be true or false")
+        if not isinstance(self.guaranteed_qos, bool):
+            raise bad("guaranteed_qos", "must be true or false")
         for name in ("run_as_user", "run_as_group"):
             if not _is_nonneg_int(getattr(self, name)) or getattr(self, name) == 0:
                 raise bad(name, "must be the images' non-root numeric id (1000 in images/), not 0")
         if not _is_nonneg_int(self.max_pod_disruptions) or self.max_pod_disruptions > 100:
             raise bad("max_pod_disruptions", "must be between 0 and 100 (disrupted pods a launch survives)")
-        for name in ("hugepages_2mi", "cpu", "memory", "eval_cpu", "eval_memory"):
+        for name in ("cpu", "memory", "eval_cpu", "eval_memory"):
             value = getattr(self, name)
             if value is not None and not _is_quantity(value):
-                raise bad(name, "must be a Kubernetes quantity such as '5120Mi', '96' or '500m', or None")
-        if not _is_quantity(self.shm_size):
-            raise bad("shm_size", "must be a Kubernetes quantity such as '64Gi'")
+                raise bad(name, "must be a Kubernetes quantity such as '1800Gi', '96' or '500m', or None")
+        if self.shm_size is not None and (not _is_quantity(self.shm_size) or quantity_bytes(self.shm_size) <= 0):
+            raise bad("shm_size", "must be a Kubernetes quantity such as '160Gi', or None to size it from the model")
+        if self.zone is not None and not (isinstance(self.zone, str) and _ZONE.match(self.zone)):
+            raise bad("zone", "must be an availability zone name such as 'us-west-2a', or None")
+        pinned = self.node_selector.get(ZONE_LABEL)
+        if self.zone is not None and pinned is not None and pinned != self.zone:
+            raise bad(
+                "zone",
+                f"contradicts node_selector[{ZONE_LABEL!r}]={pinned!r}; set the zone in one of them only",
+            )
         if self.guaranteed_qos and (self.cpu is None or self.memory is None):
             raise bad(
                 "guaranteed_qos",
@@ -202,12 +256,17 @@ class PodTemplateSettings:
                 "QoS Guaranteed means requests = limits for both; set them or "
                 "guaranteed_qos=false",
             )
-        if self.hugepages_2mi is not None and self.memory is None:
-            raise bad(
-                "hugepages_2mi",
-                "needs memory set too: Kubernetes rejects a pod that requests huge pages "
-                "without a memory (or CPU) request; set memory, e.g. '1000Gi'",
-            )
+        node = self.node_memory_bytes()
+        for name in ("memory", "eval_memory"):
+            value = getattr(self, name)
+            if node is not None and value is not None and quantity_bytes(value) > node:
+                raise bad(
+                    name,
+                    f"is more than a {self.instance_type} node can give a pod (about {node / GIB:.0f} GiB "
+                    f"of its {NODE_MEMORY_GIB[self.instance_type]} GiB, after the kernel, the kubelet's "
+                    f"reserve and the daemonsets): the pod would never schedule; set {name} to at most "
+                    f"{math.floor(node / GIB)}Gi",
+                )
         if not _is_nonneg_int(self.backoff_limit) or self.backoff_limit > 100:
             raise bad("backoff_limit", "must be between 0 and 100 (pod failures a Job absorbs before it fails)")
         for name in ("active_deadline_s", "ttl_after_finished_s", "termination_grace_s"):
@@ -264,11 +323,67 @@ class PodTemplateSettings:
         return cfg.procs_per_node if self.gpus_per_node is None else self.gpus_per_node
 
     def pod_node_selector(self) -> dict[str, str]:
-        """The pods' nodeSelector: ``node_selector`` plus the instance type, when set."""
+        """The pods' nodeSelector: ``node_selector`` plus the instance type and zone, when set."""
         selector = dict(self.node_selector)
         if self.instance_type is not None:
             selector.setdefault(INSTANCE_TYPE_LABEL, self.instance_type)
+        if self.zone is not None:
+            selector[ZONE_LABEL] = self.zone
         return selector
+
+    def node_memory_bytes(self) -> float | None:
+        """What one node of ``instance_type`` can give a pod (``NODE_MEMORY_GIB`` times
+        ``NODE_ALLOCATABLE_FRACTION``), or None for an instance type not in the table."""
+        nominal = NODE_MEMORY_GIB.get(self.instance_type or "")
+        return None if nominal is None else nominal * NODE_ALLOCATABLE_FRACTION * GIB
+
+    def shm_size_for(self, cfg: RunConfig) -> str:
+        """The training pods' /dev/shm size: ``shm_size`` when set, else the run's estimate
+        (``host_memory_per_node``: the node's checkpoint snapshot + 1 GiB a rank) times
+        ``SHM_MARGIN``, in whole GiB. A memory-backed emptyDir's size is a cap, not a reservation:
+        what is not used stays free for the processes."""
+        if self.shm_size is not None:
+            return self.shm_size
+        need = host_memory_for_preset(cfg.model, cfg.nodes, cfg.procs_per_node)["shm"]
+        return f"{math.ceil(need * SHM_MARGIN / GIB)}Gi"
+
+    def check_memory_fits(self, cfg: RunConfig) -> None:
+        """Raise ValueError, saying what to set, when a training pod of ``cfg`` cannot hold what it
+        needs: a /dev/shm smaller than the checkpoint staging plus NCCL's share, or larger than the
+        pod's memory (it counts against it), or (without a memory limit) than a node of
+        ``instance_type`` can give. (Memory beyond what the node can give is ``validate``'s.) The
+        processes' own memory (``host_memory_per_node``'s ``processes``) is a round allowance, so
+        it only shapes the advice, never a refusal."""
+        need = host_memory_for_preset(cfg.model, cfg.nodes, cfg.procs_per_node)
+        shm_size = self.shm_size_for(cfg)
+        shm = quantity_bytes(shm_size)
+        where = f"model {cfg.model} on {cfg.nodes} node(s) x {cfg.procs_per_node} rank(s)"
+        if self.shm_size is not None and shm < need["shm"]:
+            computed = dataclasses.replace(self, shm_size=None).shm_size_for(cfg)
+            raise ValueError(
+                f"PodTemplateSettings.shm_size={self.shm_size!r} cannot hold what {where} keeps in "
+                f"/dev/shm: about {_gib(need['shm'])} GiB ({_gib(need['checkpoint_staging'])} GiB of "
+                "checkpoint snapshot, the node's share of the weights and both AdamW moments, + "
+                f"{_gib(need['runtime_shm'])} GiB for NCCL and libfabric), so the first checkpoint "
+                f"would fail with ENOSPC; set shm_size to at least {math.ceil(need['shm'] / GIB)}Gi, "
+                f"or leave it unset to size it from the model ({computed})"
+            )
+        if self.memory is not None:
+            memory = quantity_bytes(self.memory)
+            if shm > memory:
+                raise ValueError(
+                    f"PodTemplateSettings.shm_size: the training pods' /dev/shm of {shm_size} is more "
+                    f"than their memory={self.memory!r}; a memory-backed /dev/shm counts against the "
+                    "pod's memory limit, so the pod would be OOM-killed before it is full. Raise memory "
+                    f"to at least {math.ceil(max(need['total'], shm) / GIB)}Gi, or set a smaller shm_size"
+                )
+        node = self.node_memory_bytes()
+        if node is not None and self.memory is None and shm > node:
+            raise ValueError(
+                f"PodTemplateSettings.shm_size: a /dev/shm of {shm_size} is more than a "
+                f"{self.instance_type} node can give a pod (about {node / GIB:.0f} GiB); run on more "
+                "nodes with fewer ranks each, or on an instance type with more memory"
+            )
 
     def device_rdma(self) -> bool:
         """Whether the pool's EFA devices do GPUDirect RDMA (FI_EFA_USE_DEVICE_RDMA=1)."""
@@ -283,6 +398,11 @@ class PodTemplateSettings:
         backend built before it knows its image; every builder validates)."""
         if not isinstance(data, dict):
             raise TypeError(f"PodTemplateSettings.from_dict needs a dict, got {type(data).__name__}")
+        removed = sorted(set(data) & set(REMOVED_SETTINGS))
+        if removed:
+            raise ValueError(
+                "; ".join(f"pod template setting {n!r} was removed: {REMOVED_SETTINGS[n]}" for n in removed)
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
