@@ -693,7 +693,7 @@ def test_a_missing_grant_is_a_backend_error_naming_the_identity_and_the_grant(cl
 def test_a_launch_on_the_kit_as_the_worker_passes_rbac_admission_and_pod_security(cluster, tmp_path):
     """With the rendered deploy kit loaded (RBAC, Pod Security labels, the kit's admission
     policies, the ServiceAccount, PVC and PriorityClass the pods name), the worker launches a run
-    whose id starts with a digit, its pods (IPC_LOCK for EFA) are admitted and run, and a bad node
+    whose id starts with a digit, its pods (EFA, Pod Security restricted) are admitted and run, and a bad node
     of the GPU pool is cordoned and tainted."""
     for i in range(3):
         add_gpu_node(cluster, f"gpu-{i}")
@@ -713,25 +713,26 @@ def test_a_launch_on_the_kit_as_the_worker_passes_rbac_admission_and_pod_securit
     assert not refused, refused
 
 
-def test_without_ipc_lock_the_pods_pass_pod_security_restricted(cluster, tmp_path):
-    """In a namespace that enforces Pod Security "restricted", EFA pods with IPC_LOCK are refused
-    (the kit therefore enforces "privileged" plus its own policy); with efa_ipc_lock=false they
-    pass, as evaluation pods always do."""
+def test_the_pods_pass_pod_security_restricted_and_one_adding_ipc_lock_is_refused(cluster, tmp_path):
+    """In a namespace that enforces Pod Security "restricted" (as the kit's does), the backend's EFA
+    pods are admitted and run; the same Job with IPC_LOCK added (what efa_ipc_lock used to add) is
+    refused by the apiserver (the Job controller says so in its events)."""
     cluster.add_namespace(NS, labels={"pod-security.kubernetes.io/enforce": "restricted"})
     for i in range(4):
         add_gpu_node(cluster, f"gpu-{i}")
-    refused = backend_for(tmp_path).submit(run_config(tmp_path, run_id="ipc-lock", nodes=1), "0")
-    # Pod Security admission refuses the Job controller's pod (it says so in the Job's events).
+    backend = backend_for(tmp_path)
+    handle = backend.submit(run_config(tmp_path, run_id="restricted", nodes=1), "0")
+    running_pods(cluster, handle.job_name, 1)
+    job = backend.check_launch(run_config(tmp_path, run_id="ipc-lock", nodes=1), "0")
+    job["spec"]["suspend"] = False
+    job["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
+    cluster.api("POST", f"/apis/batch/v1/namespaces/{NS}/jobs", job)
     event = wait_for(
-        lambda: [e for e in cluster.events(NS, refused.job_name) if e["reason"] == "FailedCreate"],
+        lambda: [e for e in cluster.events(NS, job["metadata"]["name"]) if e["reason"] == "FailedCreate"],
         what="the Job controller's FailedCreate event",
     )[0]
     assert "violates PodSecurity" in event["message"] and "IPC_LOCK" in event["message"], event["message"]
-    assert cluster.pods(NS, refused.job_name) == []
-    assert backend_for(tmp_path).status(refused).state == "pending"
-    backend = backend_for(tmp_path, pod={"efa_ipc_lock": False})
-    handle = backend.submit(run_config(tmp_path, run_id="no-ipc-lock", nodes=1), "0")
-    running_pods(cluster, handle.job_name, 1)
+    assert cluster.pods(NS, job["metadata"]["name"]) == []
 
 
 def test_a_cluster_without_the_kits_service_account_or_claim_is_refused_before_any_job(cluster, tmp_path):
