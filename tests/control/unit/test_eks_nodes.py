@@ -82,6 +82,9 @@ class StubKube:
     def get_node(self, name):
         return self.nodes.get(name)
 
+    def get_nodes(self, names):
+        return {name: self.nodes.get(name) for name in names}
+
     def quarantine_node(self, node, reason):
         self.calls.append(("quarantine", node["metadata"]["name"], reason))
 
