@@ -13,9 +13,10 @@ CapacityBuffer, KWOKNodeClass; replacing the NodeClaim and NodePool CRDs build.s
 installed), starts the controller with leader election off, as the ServiceAccount
 kube-system:karpenter bound to cluster-admin (so its requests are not the code under test's in
 ``KubeCluster.requests``), and stops it by PID at the end. ``gpu_pool`` (per test, registered
-in tests/control/conftest.py too) makes the GPU pool's NodePool ``gpu`` (the kit's pool label and
-GPU taint in its template, p5.48xlarge, on-demand) with its KWOKNodeClass, and deletes them (and so
-Karpenter's nodes) when the test ends.
+in tests/control/conftest.py too) makes the GPU pool's NodePool ``gpu`` from the kit's example
+(deploy/overlays/example-karpenter/gpu-nodepool: the pool label and GPU taint in its template,
+p5.48xlarge, its disruption settings) with a KWOKNodeClass in place of its EC2NodeClass
+(``kwok_gpu_pool``), and deletes them (and so Karpenter's nodes) when the test ends.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pathlib import Path
 
 import pytest
 
-from control.fakes.eks_cluster import GPU_TAINT, POOL
 from control.kube.cluster import KubeCluster, wait_for
 from control.kube.control_plane import (
     ControlPlane,
@@ -39,6 +39,7 @@ from control.kube.control_plane import (
     run_build_script,
     write_kubeconfig,
 )
+from control.support import REPO
 
 BUILD_SCRIPT = Path(__file__).resolve().parent / "build-karpenter.sh"
 #: Who Karpenter acts as (KubeCluster.requests leaves kube-system's ServiceAccounts out).
@@ -46,6 +47,7 @@ IDENTITY = ("kube-system", "karpenter")
 CLAIMS = "/apis/karpenter.sh/v1/nodeclaims"
 NODEPOOL = "/apis/karpenter.sh/v1/nodepools/gpu"
 NODECLASS = "/apis/karpenter.kwok.sh/v1alpha1/kwoknodeclasses/default"
+EXAMPLE_NODEPOOL = REPO / "deploy" / "overlays" / "example-karpenter" / "gpu-nodepool" / "nodepool-gpu.yaml"
 
 
 def _offering(zone: str, capacity_type: str, price: float) -> dict:
@@ -234,29 +236,31 @@ def karpenter(control_plane):
         controller.stop()
 
 
+def kwok_gpu_pool() -> dict:
+    """The kit's example NodePool ``gpu`` (deploy/overlays/example-karpenter/gpu-nodepool), as it is
+    but for what only AWS has: the KWOKNodeClass for its EC2NodeClass, on-demand only (the kwok
+    provider offers no reservation), no consolidation while a test runs, a smaller limit."""
+    import yaml
+
+    pool = yaml.safe_load(EXAMPLE_NODEPOOL.read_text())
+    template = pool["spec"]["template"]["spec"]
+    template["nodeClassRef"] = {"group": "karpenter.kwok.sh", "kind": "KWOKNodeClass", "name": "default"}
+    for requirement in template["requirements"]:
+        if requirement["key"] == "karpenter.sh/capacity-type":
+            requirement["values"] = ["on-demand"]
+    # Karpenter removes no node of its own accord while a test runs.
+    pool["spec"]["disruption"]["consolidateAfter"] = "Never"
+    pool["spec"]["limits"] = {"nvidia.com/gpu": "64"}
+    return pool
+
+
 @pytest.fixture
 def gpu_pool(karpenter, kube):
-    """The NodePool ``gpu`` with its KWOKNodeClass; deleted at the end, and its nodes with it."""
+    """The NodePool ``gpu`` (the kit's example, kwok_gpu_pool) with its KWOKNodeClass; deleted at
+    the end, and its nodes with it."""
     kube.apply([
         {"apiVersion": "karpenter.kwok.sh/v1alpha1", "kind": "KWOKNodeClass", "metadata": {"name": "default"}},
-        {"apiVersion": "karpenter.sh/v1", "kind": "NodePool", "metadata": {"name": "gpu"},
-         "spec": {
-             "template": {
-                 "metadata": {"labels": dict(POOL)},
-                 "spec": {
-                     "nodeClassRef": {"group": "karpenter.kwok.sh", "kind": "KWOKNodeClass", "name": "default"},
-                     "taints": [GPU_TAINT],
-                     "requirements": [
-                         {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["p5.48xlarge"]},
-                         {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]},
-                     ],
-                     "expireAfter": "Never",
-                 },
-             },
-             # Karpenter removes no node of its own accord while a test runs.
-             "disruption": {"consolidationPolicy": "WhenEmpty", "consolidateAfter": "Never"},
-             "limits": {"nvidia.com/gpu": "64"},
-         }},
+        kwok_gpu_pool(),
     ], manager="test-harness")  # fmt: skip
     yield kube
     kube._delete(NODEPOOL)  # its NodeClaims go with it (owner references): Karpenter ends their nodes
