@@ -68,10 +68,9 @@ from fsdp_resilience.control.backends.base import (
     current_operator,
     require_reason,
 )
-from fsdp_resilience.control.backends.eks.client import KubeClient, connect, eks_kubeconfig, read_job_async
+from fsdp_resilience.control.backends.eks.client import KubeClient, connect, eks_kubeconfig
 from fsdp_resilience.control.backends.eks.completion import (
     cached_version,
-    kept_version,
     read_version,
     settle,
     status_as_read,
@@ -82,6 +81,7 @@ from fsdp_resilience.control.backends.eks.disruption import disruption_budget, e
 from fsdp_resilience.control.backends.eks.evaluation import read_evaluation_result, wait_for_evaluation_job
 from fsdp_resilience.control.backends.eks.images import check_image_prefix, image_allowed, image_repository
 from fsdp_resilience.control.backends.eks.launch_checks import check_capacity, check_no_other_launch, check_references
+from fsdp_resilience.control.backends.eks.listing import read_launch_async
 from fsdp_resilience.control.backends.eks.manifests import evaluation_job, training_job
 from fsdp_resilience.control.backends.eks.networking import rendezvous_network_policy, rendezvous_service
 from fsdp_resilience.control.backends.eks.nodes import (
@@ -320,11 +320,12 @@ class EksBackend(TrainingBackend):
     async def status_async(self, handle: JobHandle) -> JobStatus:
         """``status`` through ``AsyncKubernetesHook``: what the triggerer calls between sleeps."""
         self._check_handle(handle)
-        job, pods = await read_job_async(
-            self._kubeconfig() if self.cluster_name else None, self.kubernetes_conn_id, self.namespace, handle.job_name
+        kubeconfig = self._kubeconfig() if self.cluster_name else None
+        job, pods, version = await read_launch_async(
+            kubeconfig, self.kubernetes_conn_id, self.namespace, handle.job_name, self._version_key()
         )
         status = job_status(job, pods, provisions_on_demand=self.replacement == "karpenter")
-        return await status_as_read(job, status, kept_version(self._version_key()))
+        return await status_as_read(job, status, version)
 
     def logs(self, handle: JobHandle, node: int | None = None, tail: int = 200) -> str:
         with self._kube() as kube:

@@ -5,7 +5,8 @@ triggerer's async read of a launch), and what an API error means (``kube_error``
 Kubernetes is reached through the cncf.kubernetes provider's hooks: ``KubernetesHook`` (an Airflow
 connection, ``kubernetes_default``: in-cluster or a kubeconfig) or, with a cluster name, a
 kubeconfig that the amazon provider's ``EksHook`` builds from the cluster's endpoint and the AWS
-connection's credentials. The triggerer polls with ``AsyncKubernetesHook`` (``read_job_async``).
+connection's credentials. The triggerer polls with ``AsyncKubernetesHook`` (``read_job_async``,
+listing.py, where the lists that grow with the cluster are paged and kept as JSON).
 """
 
 from __future__ import annotations
@@ -14,18 +15,17 @@ import contextlib
 import json
 import re
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
-from fsdp_resilience.control.backends.base import BackendError, JobNotFoundError
+from fsdp_resilience.control.backends.base import BackendError
 from fsdp_resilience.control.backends.eks.constants import (
     CONTAINER,
-    LABEL_JOB,
     QUARANTINE_ANNOTATION,
     QUARANTINE_TAINT,
     RETURN_ANNOTATION,
 )
 from fsdp_resilience.control.backends.eks.disruption import evict_pods_on
+from fsdp_resilience.control.backends.eks.listing import list_all, read_job_async  # noqa: F401 (its old home)
 from fsdp_resilience.control.backends.eks.nodes import quarantine_record, quarantined_by_us
 from fsdp_resilience.control.backends.eks.status import job_finished
 
@@ -157,51 +157,6 @@ def connect(
             raise kube_error(e, "call the Kubernetes API", namespace) from e
 
 
-async def read_job_async(
-    kubeconfig: contextlib.AbstractContextManager[str | None] | None,
-    kubernetes_conn_id: str | None,
-    namespace: str,
-    job_name: str,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Job ``job_name`` and its pods as JSON, through ``AsyncKubernetesHook``: what the triggerer
-    reads between sleeps. ``kubeconfig``: the EKS kubeconfig (with a cluster name; entered off the
-    event loop), else None: the Kubernetes connection ``kubernetes_conn_id``."""
-    import asyncio
-
-    import yaml
-    from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook
-    from kubernetes_asyncio import client as async_client
-
-    with contextlib.ExitStack() as stack:
-        if kubeconfig is not None:  # EksHook is synchronous (boto3): build the kubeconfig off the loop
-            config_file = await asyncio.to_thread(kubeconfig.__enter__)
-            stack.push(kubeconfig.__exit__)
-            # The async hook reads a kubeconfig from its connection or a dict, not from a path.
-            config = yaml.safe_load(Path(config_file).read_text())
-            hook = AsyncKubernetesHook(conn_id=None, kubernetes_conn_id=None, config_dict=config)
-        else:
-            hook = AsyncKubernetesHook(conn_id=kubernetes_conn_id)
-        import aiohttp
-
-        doing = f"read job {job_name}"
-        try:
-            async with hook.get_conn() as api:
-                batch, core = async_client.BatchV1Api(api), async_client.CoreV1Api(api)
-                try:
-                    job = api.sanitize_for_serialization(await batch.read_namespaced_job(job_name, namespace))
-                except async_client.ApiException as e:
-                    if e.status == 404:
-                        raise JobNotFoundError(f"no job {job_name} in namespace {namespace}") from None
-                    raise
-                doing = f"list the pods of job {job_name}"
-                pods = api.sanitize_for_serialization(
-                    await core.list_namespaced_pod(namespace, label_selector=f"{LABEL_JOB}={job_name}")
-                )["items"]
-        except (async_client.ApiException, aiohttp.ClientError, OSError) as e:
-            raise kube_error(e, doing, namespace) from e
-    return job, pods
-
-
 # --------------------------------------------------------------------------------------------
 # The API calls
 # --------------------------------------------------------------------------------------------
@@ -236,7 +191,9 @@ class KubeClient:
         import urllib3
 
         try:
-            return self._json(call(*args, **kwargs))
+            result = call(*args, **kwargs)
+            # A list read as JSON (listing.list_all) is JSON already: walking it again costs CPU.
+            return result if isinstance(result, (dict, list)) else self._json(result)
         except self.ApiException as e:
             if e.status in ok:
                 raise
@@ -346,12 +303,14 @@ class KubeClient:
 
     # pods: list; pods/log: get; pods/eviction: create (disruption.py)
     def list_pods(self, label_selector: str, field_selector: str | None = None) -> list[dict[str, Any]]:
-        kwargs = {"label_selector": label_selector}
-        if field_selector:
-            kwargs["field_selector"] = field_selector
-        return self._call(f"list pods ({label_selector})", self.core.list_namespaced_pod, self.namespace, **kwargs)[
-            "items"
-        ]
+        return self._call(
+            f"list pods ({label_selector})",
+            list_all,
+            self.api,
+            f"/api/v1/namespaces/{self.namespace}/pods",
+            label_selector=label_selector,
+            field_selector=field_selector,
+        )
 
     def pod_log(self, name: str, tail: int) -> str:
         try:
@@ -372,7 +331,20 @@ class KubeClient:
         return self._or_none(f"read node {name}", self.core.read_node, name)
 
     def list_nodes(self, label_selector: str) -> list[dict[str, Any]]:
-        return self._call(f"list nodes ({label_selector})", self.core.list_node, label_selector=label_selector)["items"]
+        return self._call(
+            f"list nodes ({label_selector})", list_all, self.api, "/api/v1/nodes", label_selector=label_selector
+        )
+
+    #: Up to this many nodes are read one GET each; more, in one paged list of every node.
+    NODE_GETS_MAX = 8
+
+    def get_nodes(self, names: list[str]) -> dict[str, dict[str, Any] | None]:
+        """name -> node (None: gone) for ``names``: a GET each for a few, else the nodes listed in
+        pages and picked (3 requests at 1,024 nodes, not 512)."""
+        if len(names) <= self.NODE_GETS_MAX:
+            return {name: self.get_node(name) for name in names}
+        listed = {n["metadata"]["name"]: n for n in self.list_nodes("")}
+        return {name: listed.get(name) for name in names}
 
     def quarantine_node(self, node: dict[str, Any], reason: str) -> dict[str, Any]:
         """Cordon and taint ``node`` (as read). The taint list is sent whole (a strategic merge

@@ -148,8 +148,9 @@ def node_health(kube: KubeClient, job_nodes: list[str]) -> dict[str, list[str]]:
     """node -> what it says against itself (kubelet's Ready, the EKS node monitoring agent's
     conditions; gone), for the nodes a job ran on; healthy nodes are left out."""
     out: dict[str, list[str]] = {}
+    read = kube.get_nodes(job_nodes)  # one paged list for a big job, not a GET per node
     for name in job_nodes:
-        node = kube.get_node(name)
+        node = read[name]
         problems = ["the node is gone"] if node is None else node_problems(node)
         if problems:
             out[name] = problems

@@ -172,10 +172,10 @@ def recreated_indexes(job: dict[str, Any], newest: dict[int, dict[str, Any]]) ->
     status = job.get("status") or {}
     if not status.get("failed"):
         return []
-    started = status.get("startTime") or min(
-        (p["metadata"].get("creationTimestamp") or "" for p in newest.values()), default=""
-    )
-    return sorted(i for i, p in newest.items() if (p["metadata"].get("creationTimestamp") or "") > started)
+    created = {i: timestamp(p["metadata"].get("creationTimestamp")) for i, p in newest.items()}
+    # As times, not text: the typed clients write "+00:00" where the API's JSON has "Z".
+    started = timestamp(status.get("startTime")) or min(created.values(), default=0.0)
+    return sorted(i for i, at in created.items() if at > started)
 
 
 def lost_before(pods: list[dict[str, Any]], newest: dict[int, dict[str, Any]]) -> dict[int, NodeStatus]:
