@@ -15,8 +15,9 @@ minutes on 2 cores.
 
 ``--only`` runs just the named parts and merges their results into those already in --out, so
 a few figures can be measured again while the others stay: the parts are training_plane, chaos,
-chaos_spares, control_plane, and the control plane's own parts parse, watch, slots, relaunch
-and spare (run with ``bench.control_plane --only ... --merge``). run.json records when each part
+chaos_spares, control_plane, and the control plane's own parts parse, watch, slots, relaunch,
+spare and scale (the EKS backend at 16 to 1,024 kwok nodes; run with ``bench.control_plane
+--only ... --merge``). run.json records when each part
 was measured. A part that fails is reported and the others still run; the exit code says whether
 all succeeded. Standard library only: any python3 can run this driver.
 """
@@ -43,7 +44,7 @@ PARTS = (
 )
 FULL_RUN_ONLY = {"chaos", "chaos_spares"}
 #: The control plane's own parts, which --only may name one by one.
-CONTROL_PLANE_PARTS = ("parse", "watch", "slots", "relaunch", "spare")
+CONTROL_PLANE_PARTS = ("parse", "watch", "slots", "relaunch", "spare", "scale")
 
 
 def _now(t: float) -> str:

@@ -1,6 +1,8 @@
 """Control-plane benchmarks, run with the control-plane venv (Airflow; torch is never imported):
 
-    .venv-airflow/bin/python -m bench.control_plane [--quick] [--out DIR] [--only parse,watch,slots,relaunch,spare]
+    .venv-airflow/bin/python -m bench.control_plane [--quick] [--out DIR] [--only PART,...]
+
+(the parts: parse, watch, slots, relaunch, spare, scale)
 
 parse     DAG parse time of dags/ (torch blocked): with the plugin modules imported fresh for
           each parse, and with them already imported (Airflow's DAG processor pre-imports a DAG
@@ -23,6 +25,10 @@ spare     Node loss with a hot spare on the local backend: nodes=2 + spare_nodes
           the job stays running; the pool keeper quarantines the lost slot and adds a new spare).
           Per trial: fault -> the first step after it (no relaunch), and fault -> the pool whole
           again (spare_added).
+scale     The EKS backend at 16 to 1,024 kwok nodes shaped like p5.48xlarge on the real control
+          plane of the tests (eks_scale.py; quick: 32 and 128): a run on half the nodes with 2
+          spares; per poll of the deferred watch, its API requests, bytes and CPU; diagnose and
+          replace_nodes of 1, then 8, failed nodes (NotReady, a GPU condition False, pods exit 75).
 
 Writes DIR/control_plane.json (default DIR: bench/results); with --merge, the parts measured
 replace theirs in the existing file and the others stay. ``measured`` records when each part was
@@ -42,11 +48,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PLUGINS, REPO, RESULTS, TRAINING_PYTHON, LoadMonitor, log, machine, read_json, write_json
+from bench.control_plane.eks_scale import bench_scale
 from bench.control_plane.hot_spare import bench_spare
 from bench.control_plane.parse_time import bench_parse
 from bench.control_plane.relaunch import RELAUNCH_FAULTS, bench_relaunch
 from bench.control_plane.watch_latency import bench_watch
 from bench.control_plane.worker_slots import bench_slots
+
+#: The parts, in the order they run.
+PARTS = ("parse", "watch", "slots", "relaunch", "spare", "scale")
 
 
 def airflow_env(work: Path) -> dict[str, str]:
@@ -79,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spare-trials", type=int, default=None, help="spare part trials, a run each (default 2; quick 1)"
     )
+    parser.add_argument(
+        "--scale-sizes", default=None, help="scale part's cluster sizes (default 16,64,256,1024; quick 32,128)"
+    )
+    parser.add_argument("--scale-polls", type=int, default=None, help="watch polls per size (default 20; quick 10)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument(
         "--merge",
@@ -87,15 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
-    only = [
-        p.strip()
-        for p in (args.only or ("parse,watch" if args.quick else "parse,watch,slots,relaunch,spare")).split(",")
-    ]
-    unknown = sorted(set(only) - {"parse", "watch", "slots", "relaunch", "spare"})
+    only = [p.strip() for p in (args.only or ("parse,watch,scale" if args.quick else ",".join(PARTS))).split(",")]
+    unknown = sorted(set(only) - set(PARTS))
     if unknown:
-        parser.error(
-            f"--only: unknown part(s) {', '.join(unknown)}; the parts are parse, watch, slots, relaunch, spare"
-        )
+        parser.error(f"--only: unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
     work = args.out / ("quick" if args.quick else "work") / "control"
     shutil.rmtree(work / "airflow-home", ignore_errors=True)
     (work / "airflow-home").mkdir(parents=True, exist_ok=True)
@@ -132,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"spare: node loss with a hot spare, {trials} trial(s)")
             began["spare"] = time.time()
             out["spare"] = bench_spare(work, trials, args.poll_s or 5.0, out.get("relaunch"))
+        if "scale" in only:
+            sizes = [int(n) for n in (args.scale_sizes or ("32,128" if args.quick else "16,64,256,1024")).split(",")]
+            log(f"scale: the EKS backend at {sizes} nodes on the real control plane")
+            began["scale"] = time.time()
+            out["scale"] = bench_scale(
+                work, sizes, args.scale_polls or (10 if args.quick else 20), eks_heartbeat=max(sizes) > 256
+            )
     out["load"] = load.result()
     out["measured"] = {
         part: {
@@ -150,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 "command": previous.get("command"),
                 "load": previous.get("load"),
             }
-            for part in ("parse", "watch", "slots", "relaunch", "spare")
+            for part in PARTS
             if part in previous
         }
         # The file's own load and command stay those of the run that measured most of it.

@@ -10,6 +10,7 @@ from bench.summarize.sections.chaos import chaos_section
 from bench.summarize.sections.control_plane import control_plane_section
 from bench.summarize.sections.evaluation import evaluation_section
 from bench.summarize.sections.recovery import recovery_section
+from bench.summarize.sections.scale import scale_section
 from bench.summarize.sections.stall import stall_section
 from bench.summarize.targets import targets
 
@@ -58,6 +59,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
     lines += recovery_section(tp, cp)
     lines += chaos_section(summary)
     lines += control_plane_section(cp)
+    lines += scale_section(cp)
     lines += evaluation_section(tp)
 
     lines += [
@@ -74,6 +76,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
         lines += [
             ".venv-airflow/bin/python -m bench.chaos --duration-s 480 --spare-nodes 1   # the run with a hot spare",
             "python3 -m bench.run --only spare,chaos,chaos_spares   # some parts again, merged into the rest",
+        ]
+    if cp.get("scale"):
+        lines += [
+            "python3 -m bench.run --only scale   # the EKS backend at 16 to 1,024 kwok nodes (about 10 min)",
+            ".venv-airflow/bin/python -m bench.control_plane --only scale --scale-sizes 64,256   # other sizes",
         ]
     lines += [
         "```",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.summarize.formats import METHOD_NAMES, fmt_s, fmt_stat
+from bench.summarize.sections.scale import scale_targets
 
 
 def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
@@ -150,6 +151,7 @@ def targets(summary: dict[str, Any]) -> list[tuple[str, str, str, bool | None]]:
                 slots["slots_held_while_deferred"] == 0 and slots["deferrals"] > 0,
             )
         )
+    rows += scale_targets((summary.get("control_plane") or {}).get("scale"))
     evaluation = (summary.get("training_plane") or {}).get("eval_load")
     if evaluation:
         r = evaluation["ratios"]["load_over_raw_read_model_bytes"]

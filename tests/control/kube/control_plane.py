@@ -190,6 +190,10 @@ class ControlPlane:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     #: The deploy kit the last test applied (KubeCluster.load prunes what the next one lacks).
     applied_kit: list[dict] = field(default_factory=list)
+    #: The tests' short node heartbeat; the scale benchmark (bench/control_plane/eks_scale.py) sets
+    #: EKS's (40 s lease, 50 s grace): kwok renewing 1,024 leases every 3 s would load 2 cores.
+    node_lease_duration_s: int = NODE_LEASE_DURATION_S
+    node_monitor_grace_s: int = NODE_MONITOR_GRACE_S
 
     @property
     def bin(self) -> Path:
@@ -288,7 +292,7 @@ class ControlPlane:
             f"--cluster-signing-key-file={pki / 'ca.key'}",
             "--controllers=*",
             "--node-monitor-period=1s",
-            f"--node-monitor-grace-period={NODE_MONITOR_GRACE_S}s",
+            f"--node-monitor-grace-period={self.node_monitor_grace_s}s",
             "--concurrent-job-syncs=5",
         ])  # fmt: skip
         self._spawn("kube-scheduler", [
@@ -302,7 +306,7 @@ class ControlPlane:
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION[0]}={KWOK_ANNOTATION[1]}",
             f"--config={STAGES}",
             f"--server-address=127.0.0.1:{self.ports['kwok']}",
-            f"--node-lease-duration-seconds={NODE_LEASE_DURATION_S}",
+            f"--node-lease-duration-seconds={self.node_lease_duration_s}",
         ])  # fmt: skip
         return self
 
