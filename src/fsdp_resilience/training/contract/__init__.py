@@ -111,6 +111,7 @@ from fsdp_resilience.training.contract.model_sizes import (
 )
 from fsdp_resilience.training.contract.rundir import (
     RunDir,
+    clear_stop,
     declare_stop,
     final_status,
     launch_ended_by,
@@ -199,6 +200,7 @@ __all__ = [
     "checkpoint_files",
     "checkpoint_step",
     "checksum_share",
+    "clear_stop",
     "declare_stop",
     "describe_process_exit",
     "exit_code_for",

@@ -293,6 +293,7 @@ def run_dir_page() -> str:
         for f in (
             rundir.declare_stop,
             rundir.read_stop,
+            rundir.clear_stop,
             rundir.record_membership,
             rundir.final_status,
             rundir.launch_ended_by,

@@ -1,6 +1,6 @@
 """The run dir: its layout (``RunDir``) and the records the ranks and launchers leave in it
 besides the events log and the checkpoints: which nodes train (the membership record), the stop
-marker (``declare_stop``, ``read_stop``), the run's outcome (``final_status``) and whether a launch
+marker (``declare_stop``, ``read_stop``, ``clear_stop``), the run's outcome (``final_status``) and whether a launch
 ended (``launch_ended_by``)."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class RunDir:
                                saves (DerivedTimeouts), by rank 0 at each derivation; run.json
                                keeps what was asked for
       control/STOP.json        written by the first rank that hits a fault no restart can fix
-                               (user error, non-finite state, storage): every layer stops
+                               (user error, non-finite state, storage): every layer stops;
+                               moved aside as STOP.cleared.<ms>.json once it no longer holds
       control/launch-node<N>.lock  held (flock) by the one fsdp_resilience.training.launch of node N
       logs/                    launcher logs, one per node
       launches/<launch_id>.json the config of each (re)launch, written by the backend
@@ -159,6 +160,23 @@ def read_stop(layout: RunDir) -> dict[str, Any] | None:
     if not isinstance(data, dict) or data.get("failure_class") not in {c.value for c in STOP_CLASSES}:
         return {"failure_class": FailureClass.USER_ERROR.value, "error": f"unreadable {layout.stop_marker.name}"}
     return data
+
+
+def clear_stop(layout: RunDir, failure: FailureClass) -> Path | None:
+    """Move a stop marker that no longer holds aside, kept for the record as
+    ``control/STOP.cleared.<ms>.json``: only one that records ``failure`` (a storage stop once the
+    run dir takes writes again; a stop the control plane blamed on a node it replaced). Returns
+    where it went, or None when there was no such marker (none, another class, or another
+    launcher or the control plane moved it first)."""
+    stop = read_stop(layout)
+    if stop is None or stop.get("failure_class") != failure.value:
+        return None
+    cleared = layout.control / f"STOP.cleared.{int(time.time() * 1000)}.json"
+    try:
+        os.rename(layout.stop_marker, cleared)
+    except FileNotFoundError:
+        return None
+    return cleared
 
 
 def final_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -4,11 +4,9 @@ earlier launch cleared once writes work again."""
 from __future__ import annotations
 
 import errno
-import os
-import time
 from pathlib import Path
 
-from fsdp_resilience.training.contract import ConfigError, FailureClass, RunDir, probe_writable, read_stop
+from fsdp_resilience.training.contract import ConfigError, FailureClass, RunDir, clear_stop, probe_writable
 
 
 class StorageError(Exception):
@@ -45,13 +43,8 @@ STORAGE_ADVICE = "free space or fix the mount, then launch again"
 def clear_storage_stop(layout: RunDir) -> bool:
     """A storage stop from an earlier launch no longer holds once the run dir takes writes again
     (space was freed, the mount fixed): move the marker aside (kept for the record) and go on."""
-    stop = read_stop(layout)
-    if stop is None or stop.get("failure_class") != FailureClass.STORAGE_ERROR.value:
-        return False
-    try:
-        os.rename(layout.stop_marker, layout.control / f"STOP.cleared.{int(time.time() * 1000)}.json")
-    except FileNotFoundError:
-        pass  # another node's launcher cleared it
+    if clear_stop(layout, FailureClass.STORAGE_ERROR) is None:
+        return False  # none, another class, or another node's launcher moved it first
     print(
         f"[launch] {layout.stop_marker} recorded a storage error; the run dir takes writes again: cleared", flush=True
     )
