@@ -24,7 +24,11 @@ elsewhere plan_export says why it is skipped.
 
 Each escalation rung runs only when the launch before it failed with a retryable class and the
 run's max_node_replacements allows it; otherwise its tasks show as skipped, with the reason in the
-log. user_error, storage_error, non_finite and already_running never climb: resolve_outcome fails
+log. user_error, storage_error, non_finite and unknown climb only when decide finds a node
+unhealthy by its own signals (a node condition False, Ready not True, the node gone, a failed NVRx
+health check): its log names the node and the signal, diagnose_and_replace replaces it and moves
+the failure's stop marker aside (control/STOP.cleared.<ms>.json, recorded in the escalation event).
+On nodes healthy by every signal they never climb, nor does already_running: resolve_outcome fails
 the run with what to do.
 
 Parameters a run cannot be started with (a dataset or run name that is not a folder under its root,
@@ -288,7 +292,7 @@ def fsdp_training():
             def decide(rung: int = rung, watched: tuple = tuple(w.task_id for w in watches)) -> dict:
                 run = run_of_this_dag()
                 outcome = ladder.latest_outcome(outcomes_of(list(watched)))
-                climb, why = ladder.should_escalate(outcome, rung, run.max_node_replacements)
+                climb, why = ladder.decide_escalation(run, outcome, rung)
                 if not climb:
                     raise AirflowSkipException(f"rung {rung} not needed: {why}")
                 print(f"rung {rung}: escalating: {why}")

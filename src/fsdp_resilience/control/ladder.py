@@ -6,8 +6,15 @@ The ladder: in-process and in-job restarts happen inside the job. When a launch 
 retryable failure (restarts exhausted, a lost node, no progress), the control plane diagnoses
 which node(s) failed, has the backend replace them, waits for capacity, and relaunches from the
 newest committed checkpoint — at most ``max_node_replacements`` times. A user error, a full or
-read-only run dir, training state that keeps turning NaN/inf, or a run another launcher is
-already training never replaces a node and is never relaunched: the failure message says what to do.
+read-only run dir, training state that keeps turning NaN/inf, or an unknown failure climbs only
+when the backend's diagnosis blames a node by that node's own health signals (a monitoring-agent
+condition False, Ready not True, the node gone, a failed NVRx health check in this launch: what a
+failing GPU, NIC or disk looks like from the code above it; ``decide_escalation``); the rung's
+reason names the node and the signal, and the stop marker the failure left
+(``control/STOP.json``) is moved aside, kept, so the relaunch may start. On nodes healthy by every
+signal they never replace a node and are never relaunched: the failure message says what to do.
+A run another launcher is already training, or a launcher that started after its launch ended,
+never climbs.
 
 With hot spares (``spare_nodes``), a lost node does not end the launch: a spare takes its place
 at the next in-job restart, and the control plane keeps the pool whole behind it while training
@@ -29,15 +36,20 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_resilience.control import settings
-from fsdp_resilience.control.backends import BackendError, InsufficientCapacityError, JobHandle, get_backend
+from fsdp_resilience.control.backends import BackendError, Diagnosis, InsufficientCapacityError, JobHandle, get_backend
+from fsdp_resilience.control.backends.evidence import HEALTH_EXPLAINED_FAILURES
 from fsdp_resilience.control.task_data import Launch, Outcome, Run
 from fsdp_resilience.control.trusted_checkpoint import CheckpointChoice, choose_checkpoint
 from fsdp_resilience.training.contract import (
     REPLACEABLE_FAILURES,
+    STOP_CLASSES,
     ConfigError,
     Event,
     EventLog,
+    FailureClass,
     RunConfig,
+    clear_stop,
+    read_stop,
     what_to_do,
 )
 
@@ -202,16 +214,67 @@ def latest_outcome(outcomes: list[Outcome | None]) -> Outcome:
     return seen[-1]
 
 
-def should_escalate(outcome: Outcome, rung: int, max_replacements: int) -> tuple[bool, str]:
-    """Whether rung ``rung`` (1-based) climbs, and why (not)."""
+#: Failure classes outside ``REPLACEABLE_FAILURES`` that climb when a node is unhealthy by its own
+#: signals: those a failing machine can cause (``HEALTH_EXPLAINED_FAILURES``). Never
+#: ``already_running`` or ``launch_ended``: the launcher did nothing.
+HEALTH_CLIMBING_FAILURES = (
+    HEALTH_EXPLAINED_FAILURES
+    - REPLACEABLE_FAILURES
+    - {
+        FailureClass.ALREADY_RUNNING.value,
+        FailureClass.LAUNCH_ENDED.value,
+    }
+)
+
+
+def health_blame(failure: str | None, diagnosis: Diagnosis | None) -> str:
+    """The nodes ``diagnosis`` blames for ``failure`` (a class outside ``REPLACEABLE_FAILURES``)
+    by their own health signals, with those signals, for the rung's reason; "" when it blames none
+    that way. For such a class a backend blames only nodes unhealthy by their own signals
+    (``evidence.health_aware_diagnosis``), never by exit codes; a node without a signal on record
+    is not taken."""
+    if (
+        failure not in HEALTH_CLIMBING_FAILURES
+        or diagnosis is None
+        or diagnosis.failure_class != failure
+        or not diagnosis.replaceable
+        or not diagnosis.bad_node_ids
+        or not all(diagnosis.signals.get(n) for n in diagnosis.bad_node_ids)
+    ):
+        return ""
+    return "; ".join(f"{n}: {'; '.join(diagnosis.signals[n])}" for n in diagnosis.bad_node_ids)
+
+
+def should_escalate(
+    outcome: Outcome, rung: int, max_replacements: int, diagnosis: Diagnosis | None = None
+) -> tuple[bool, str]:
+    """Whether rung ``rung`` (1-based) climbs, and why (not). A class outside
+    ``REPLACEABLE_FAILURES`` climbs only when ``diagnosis`` (the backend's, of this launch) blames
+    a node by its own health signals (``health_blame``)."""
     failure = outcome.failure_class
     if outcome.outcome == "success":
         return False, "the launch succeeded"
-    if failure not in REPLACEABLE_FAILURES:
+    blame = "" if failure in REPLACEABLE_FAILURES else health_blame(failure, diagnosis)
+    if failure not in REPLACEABLE_FAILURES and not blame:
         return False, f"failure class {failure} is never retried and replaces no node: {what_to_do(failure)}"
     if rung > max_replacements:
         return False, f"max_node_replacements={max_replacements} spent"
+    if blame:
+        return True, (
+            f"{failure} on node(s) unhealthy by their own health signals, which are blamed instead of the "
+            f"code or the data: {blame}"
+        )
     return True, f"{failure}: {outcome.message}"
+
+
+def decide_escalation(run: Run, outcome: Outcome, rung: int) -> tuple[bool, str]:
+    """``should_escalate``, with the backend's diagnosis of the launch when only a node's own
+    health could make it climb (a class in ``HEALTH_CLIMBING_FAILURES``). Asked even with no rung
+    left, so that the reason says the budget is spent rather than blame the code."""
+    diagnosis = None
+    if outcome.outcome != "success" and outcome.failure_class in HEALTH_CLIMBING_FAILURES:
+        diagnosis = get_backend(**run.backend).diagnose(JobHandle.from_dict(outcome.handle))
+    return should_escalate(outcome, rung, run.max_node_replacements, diagnosis)
 
 
 def failure_message(run: Run, outcome: Outcome) -> str:
@@ -249,6 +312,7 @@ def diagnose_and_replace(run: Run, outcome: Outcome, rung: int) -> dict[str, Any
     if replacement.refused:
         raise EscalationError(f"the backend refused to replace {replacement.refused}: {replacement.reason}")
     cfg = RunConfig.from_dict(run.config)
+    cleared = clear_blamed_stop(cfg, handle, diagnosis, replacement.replaced)
     EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
         Event.ESCALATION,
         rung=rung,
@@ -258,6 +322,7 @@ def diagnose_and_replace(run: Run, outcome: Outcome, rung: int) -> dict[str, Any
         nodes=replacement.replaced,
         reason="; ".join(diagnosis.evidence),
         signals={n: diagnosis.signals.get(n, []) for n in replacement.replaced},
+        **({"stop_cleared": cleared} if cleared else {}),
     )
     return {
         "rung": rung,
@@ -266,7 +331,33 @@ def diagnose_and_replace(run: Run, outcome: Outcome, rung: int) -> dict[str, Any
         "replaced": replacement.replaced,
         "evidence": diagnosis.evidence,
         "signals": diagnosis.signals,
+        **({"stop_cleared": cleared} if cleared else {}),
     }
+
+
+def clear_blamed_stop(cfg: RunConfig, handle: JobHandle, diagnosis: Diagnosis, replaced: list[str]) -> str:
+    """Move ``control/STOP.json`` aside (``clear_stop``) when the stop it records is the failure
+    the diagnosis blamed on the nodes just replaced (their own health signals), so the relaunch may
+    start; say where it went and why, or "" when it stays: no marker, another class, or one written
+    before this launch was submitted."""
+    failure = diagnosis.failure_class
+    if not replaced or failure in REPLACEABLE_FAILURES or failure not in {c.value for c in STOP_CLASSES}:
+        return ""
+    stop = read_stop(cfg.layout)
+    submitted_at = handle.extra.get("submitted_at")
+    if stop is None or stop.get("failure_class") != failure:
+        return ""
+    if isinstance(submitted_at, (int, float)) and isinstance(stop.get("ts"), (int, float)):
+        if stop["ts"] < submitted_at:
+            return ""  # an earlier launch's stop: not the one blamed here
+    path = clear_stop(cfg.layout, FailureClass(failure))
+    if path is None:
+        return ""
+    where = f" (rank {stop['rank']}, step {stop.get('step')})" if stop.get("rank") is not None else ""
+    return (
+        f"{path.name}: the {failure} stop{where} was blamed on {', '.join(replaced)}, unhealthy by "
+        "their own health signals, which were replaced"
+    )
 
 
 def trusted_checkpoint(run: Run, task: str) -> CheckpointChoice:

@@ -7,11 +7,13 @@ rules end to end)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from fsdp_resilience.control import ladder
-from fsdp_resilience.control.backends import JobStatus, NodeStatus
-from fsdp_resilience.control.backends.evidence import blame_from_events
+from fsdp_resilience.control.backends import Diagnosis, JobHandle, JobStatus, NodeStatus
+from fsdp_resilience.control.backends.evidence import blame_from_events, blamed
 from fsdp_resilience.control.task_data import Outcome, Run
 from fsdp_resilience.training.contract import (
     FINAL_FAILURES,
@@ -20,8 +22,11 @@ from fsdp_resilience.training.contract import (
     EventLog,
     ExitCode,
     FailureClass,
+    RunConfig,
+    declare_stop,
     failure_class_for_exit,
     most_telling_failure,
+    read_stop,
     what_to_do,
 )
 
@@ -152,3 +157,67 @@ def test_faults_that_point_at_a_file_or_the_data_blame_no_node(tmp_path):
     bad, why = blame({"event": Event.FAULT_INJECTED, "node_id": "slot-1", "kind": "nan", "step": 5})
     assert bad == ["slot-0"] and "launcher(s) on ['slot-0'] reported" in why[0]
     assert blame({"event": Event.FAULT_INJECTED, "node_id": "slot-1", "kind": "sigkill", "step": 5})[0] == ["slot-1"]
+
+
+GPU_CHECK = "NVRx gpu health check failed (inprocess_wrapper, NVRx 0.7.0): GPU 3 failed its health check"
+
+
+def health_diagnosis(failure: FailureClass, signals: dict[str, list[str]] | None = None) -> Diagnosis:
+    """What a backend's ``diagnose`` says of a launch whose node slot-0 is unhealthy by its own
+    signals (``evidence.health_aware_diagnosis``)."""
+    signals = {"slot-0": [GPU_CHECK]} if signals is None else signals
+    return blamed(failure.value, signals, ["status: node 0 failed"])
+
+
+@pytest.mark.parametrize(
+    "failure", [FailureClass.USER_ERROR, FailureClass.STORAGE_ERROR, FailureClass.NON_FINITE, FailureClass.UNKNOWN]
+)
+def test_a_fault_on_a_node_unhealthy_by_its_own_signals_climbs_naming_the_node_and_the_signal(failure):
+    climb, why = ladder.should_escalate(outcome(failure), 1, max_replacements=1, diagnosis=health_diagnosis(failure))
+    assert climb and "slot-0" in why and GPU_CHECK in why and failure.value in why
+    # bounded by max_node_replacements like any rung
+    climb, why = ladder.should_escalate(outcome(failure), 2, max_replacements=1, diagnosis=health_diagnosis(failure))
+    assert not climb and "max_node_replacements=1 spent" in why
+
+
+@pytest.mark.parametrize("failure", [FailureClass.USER_ERROR, FailureClass.NON_FINITE, FailureClass.UNKNOWN])
+def test_the_same_fault_on_healthy_nodes_stops_with_todays_message(failure):
+    healthy = Diagnosis(failure.value, [], False, ["every node of the job is healthy by every signal it reports"])
+    expected = ladder.should_escalate(outcome(failure), 1, max_replacements=3)
+    assert not expected[0] and what_to_do(failure.value) in expected[1]
+    for diagnosis in (
+        None,
+        healthy,
+        health_diagnosis(failure, {"slot-0": []}),  # blamed with no signal on record: not by its health
+        health_diagnosis(FailureClass.RESTARTS_EXHAUSTED),  # a diagnosis of another failure
+    ):
+        assert ladder.should_escalate(outcome(failure), 1, max_replacements=3, diagnosis=diagnosis) == expected
+
+
+@pytest.mark.parametrize("failure", [FailureClass.ALREADY_RUNNING, FailureClass.LAUNCH_ENDED])
+def test_a_launcher_that_did_nothing_never_climbs_whatever_its_node_says(failure):
+    climb, why = ladder.should_escalate(outcome(failure), 1, max_replacements=3, diagnosis=health_diagnosis(failure))
+    assert not climb and what_to_do(failure.value) in why
+
+
+def test_the_stop_marker_is_moved_aside_only_for_the_blamed_failure_of_this_launch(tmp_path):
+    cfg = RunConfig(run_id="r", run_dir=str(tmp_path / "run"), dataset_dir=str(tmp_path / "data"))
+    handle = JobHandle(
+        backend="local", run_id="r", job_name="r-0", launch_id="0", extra={"submitted_at": time.time() - 5}
+    )
+    user_bug = health_diagnosis(FailureClass.USER_ERROR)
+    assert declare_stop(cfg.layout, FailureClass.NON_FINITE, rank=1, step=4, error="loss is nan")
+    assert ladder.clear_blamed_stop(cfg, handle, user_bug, ["slot-0"]) == ""  # the marker records another fault
+    assert read_stop(cfg.layout)["failure_class"] == "non_finite"
+    cfg.layout.stop_marker.unlink()
+    assert declare_stop(cfg.layout, FailureClass.USER_ERROR, rank=1, step=4, error="CUDA error: an illegal access")
+    earlier = JobHandle(
+        backend="local", run_id="r", job_name="r-0", launch_id="0", extra={"submitted_at": time.time() + 60}
+    )
+    assert ladder.clear_blamed_stop(cfg, earlier, user_bug, ["slot-0"]) == ""  # written before this launch
+    assert ladder.clear_blamed_stop(cfg, handle, user_bug, []) == ""  # nothing replaced
+    why = ladder.clear_blamed_stop(cfg, handle, user_bug, ["slot-0"])
+    assert why.startswith("STOP.cleared.") and "user_error" in why and "slot-0" in why and "rank 1" in why
+    assert read_stop(cfg.layout) is None
+    (kept,) = cfg.layout.control.glob("STOP.cleared.*.json")
+    assert kept.name == why.split(":")[0] and "CUDA error" in kept.read_text()  # kept, never deleted

@@ -248,6 +248,13 @@ class Escalation(EventRecord):
             "fault, a pod's exit)",
         ]
     ]
+    stop_cleared: NotRequired[
+        Annotated[
+            str,
+            "where control/STOP.json was moved aside (``clear_stop``) and why: the stop a rank declared was "
+            "blamed on a node its own health signals call unhealthy, and that node was replaced",
+        ]
+    ]
 
 
 class TimeoutsDerived(EventRecord):
