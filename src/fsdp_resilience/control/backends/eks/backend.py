@@ -224,10 +224,8 @@ class EksBackend(TrainingBackend):
                         cfg, launch_id, self.settings, owner=existing, airflow_run_id=airflow_run_id
                     )
                 )
-                ensure_budget(  # before any pod runs: no voluntary eviction by others
-                    kube,
-                    disruption_budget(cfg, launch_id, self.settings, owner=existing, airflow_run_id=airflow_run_id),
-                )
+                budget = disruption_budget(cfg, launch_id, self.settings, owner=existing, airflow_run_id=airflow_run_id)
+                ensure_budget(kube, budget)  # before any pod runs: no voluntary eviction by others
                 existing = kube.resume_job(existing)
             except BackendError as e:
                 raise BackendError(
