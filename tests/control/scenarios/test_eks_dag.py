@@ -483,6 +483,19 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
         try:
             outcome, kept = asyncio.run(side_by_side())
             outcome = Outcome.from_dict(watch.execute_complete(context, outcome))  # the watch's XCom
+            # The watch reads success from the success policy being met; the Job controller writes
+            # Complete once the pods are gone, on its own schedule: read it before the cancel below.
+            job = wait_for(
+                lambda: (
+                    (j := cluster.job(NS, launch.handle["job_name"]))
+                    and any(
+                        c["type"] == "Complete" and c["status"] == "True" for c in j["status"].get("conditions") or []
+                    )
+                    and j
+                ),
+                timeout=120,
+                what="the Job controller to mark the Job Complete",
+            )
         finally:
             get_backend(**run.backend).cancel(JobHandle.from_dict(launch.handle))
     assert outcome.outcome == "success" and outcome.launch_id == "0", outcome
@@ -505,6 +518,4 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     assert sorted(r["node_rank"] for r in standby) == [1, 2]
     # One Job, never relaunched; it completed with every index (the spares' too).
     assert len([r for r in cluster.requests if r.resource == "jobs" and r.verb == "create"]) == 1
-    job = cluster.job(NS, launch.handle["job_name"])
-    assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"])
     assert job["status"]["failed"] == 1 and CheckpointCatalog(eks_env / "runs" / "spares-eks").latest().step == 20
