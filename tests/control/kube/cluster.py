@@ -337,7 +337,7 @@ class KubeCluster:
         body = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]}, "spec": {"taints": taints}}
         return self.patch(f"/api/v1/nodes/{name}", body, "merge")
 
-    def lose_node(self, name: str, *, evict_pods: bool = True, timeout: float = 60) -> None:
+    def lose_node(self, name: str, *, evict_pods: bool = True, timeout: float = 120) -> None:
         """The node stops reporting: kwok stops running it and its lease renewals no longer reach the
         apiserver (LOST_NODE_POLICY), so the real node lifecycle controller marks it Ready=Unknown
         and taints it unreachable (NoSchedule and NoExecute).
