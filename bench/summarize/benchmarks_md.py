@@ -59,8 +59,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
     lines += recovery_section(tp, cp)
     lines += chaos_section(summary)
     lines += control_plane_section(cp)
-    lines += scale_section(cp)
     lines += evaluation_section(tp)
+    lines += scale_section(cp)
 
     lines += [
         "### Reproduce",

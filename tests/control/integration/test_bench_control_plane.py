@@ -78,5 +78,5 @@ def test_the_scale_part_measures_a_launch_its_watch_and_a_failed_nodes_diagnosis
     assert one["diagnose_and_replace_s"] > 0
     scale = {"rows": [row], "polls": 3, "node_lease_s": 12, "node_monitor_grace_s": 10}
     page = "\n".join(scale_section({"scale": scale}))
-    assert "### 5. The EKS backend at scale" in page and "| 6 | 5 | 2 |" in page
+    assert "### 6. The EKS backend at scale" in page and "| 6 | 5 | 2 |" in page
     assert scale_targets(scale)[0][-1] is True

@@ -9,6 +9,7 @@ from bench.summarize.sections.chaos import chaos_section
 from bench.summarize.sections.control_plane import control_plane_section
 from bench.summarize.sections.evaluation import evaluation_section
 from bench.summarize.sections.recovery import recovery_section
+from bench.summarize.sections.scale import scale_section
 from bench.summarize.sections.stall import stall_section
 
 
@@ -18,6 +19,7 @@ def test_a_section_without_its_results_is_left_out():
     assert chaos_section({}) == []
     assert control_plane_section({}) == []
     assert evaluation_section({}) == []
+    assert scale_section({}) == []
     page = render_markdown({})
     assert page.startswith("## Benchmarks") and "### Reproduce" in page and "### 1." not in page
 
@@ -32,6 +34,7 @@ def test_each_section_of_the_committed_summary_opens_with_its_heading_and_is_on_
         "### 3. Goodput under chaos": chaos_section(summary),
         "### 4. Control-plane overhead": control_plane_section(cp),
         "### 5. Evaluation load": evaluation_section(tp),
+        "### 6. The EKS backend at scale (simulated p5 nodes, real control plane)": scale_section(cp),
     }
     for heading, lines in sections.items():
         assert lines[0] == heading
