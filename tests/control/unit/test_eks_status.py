@@ -253,6 +253,11 @@ def test_a_cancelled_job_failed_with_its_verdict_and_keeps_the_nodes_it_ran_on()
     assert status.message.startswith(f"{FailureClass.NO_PROGRESS.value}: no checkpoint for 600s")
     assert [n.node_id for n in status.nodes] == ["gpu-0", "gpu-1"]
 
+    # One pod is still there (a failed one, kept as evidence), the other went with the suspend:
+    # each index keeps a node, so diagnose can read the health of the node whose pod is gone.
+    kept = [make_pod(0, "Failed", node="gpu-0", exit_code=ExitCode.RESTARTS_EXHAUSTED)]
+    assert [n.node_id for n in job_status(job, kept).nodes] == ["gpu-0", "gpu-1"]
+
 
 def test_cancel_verdict_job_finished_and_run_config_of():
     assert cancel_verdict(make_job()) is None

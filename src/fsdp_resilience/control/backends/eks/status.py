@@ -256,11 +256,14 @@ def job_status(job: dict[str, Any], pods: list[dict[str, Any]], *, provisions_on
         and p is not newest.get(pod_index(p))
         and (p.get("status") or {}).get("phase") == "Failed"
     ]
-    if cancel and not any(n.node_id for n in nodes):
+    if cancel:
+        # The suspended Job's pods are deleted: the nodes they ran on are the ones cancel recorded
+        # (diagnose reads each node's own health, so a pod gone must not hide its node).
+        recorded = cancel.get("nodes", {})
         nodes = [
-            NodeStatus(
-                n.index, cancel.get("nodes", {}).get(str(n.index)), n.state, n.failure_class, n.exit_code, n.message
-            )
+            n
+            if n.node_id
+            else NodeStatus(n.index, recorded.get(str(n.index)), n.state, n.failure_class, n.exit_code, n.message)
             for n in nodes
         ]
     exit_codes = {n.index: n.exit_code for n in nodes if n.state in ("succeeded", "failed", LOST)}
