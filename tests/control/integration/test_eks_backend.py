@@ -99,6 +99,9 @@ def test_bad_input_and_missing_capacity_fail_before_anything_is_created(cluster,
         backend_for(tmp_path).submit(outside, "0")
     with pytest.raises(InsufficientCapacityError, match="needs 2 healthy node"):
         backend_for(tmp_path).submit(cfg, "0")
+    add_gpu_node(cluster, "gpu-1")  # enough for the training nodes, not for a spare beside them
+    with pytest.raises(InsufficientCapacityError, match=r"needs 3 healthy node.*\(nodes 2 \+ spare_nodes 1\); 2 of 2"):
+        backend_for(tmp_path).submit(spare_run(tmp_path), "0")
     with pytest.raises(BackendError, match="replacement="):
         backend_for(tmp_path, replacement="magic")
     assert not [r for r in cluster.requests if r.verb == "create"]
