@@ -589,10 +589,14 @@ class KubeCluster:
             if ns in system:
                 continue
             self.api("DELETE", f"/apis/batch/v1/namespaces/{ns}/jobs", query={"propagationPolicy": "Background"})
+            # Objects a launch owns go with their Job, but the garbage collector takes its time;
+            # Services go whoever made them (the kit has none; a client test makes one unowned).
             for kind, path in (("services", "/api/v1"), ("configmaps", "/api/v1"),
-                               ("networkpolicies", "/apis/networking.k8s.io/v1")):  # fmt: skip
+                               ("networkpolicies", "/apis/networking.k8s.io/v1"),
+                               ("poddisruptionbudgets", "/apis/policy/v1")):  # fmt: skip
                 for obj in self.get(f"{path}/namespaces/{ns}/{kind}")["items"]:
-                    if any(o.get("kind") == "Job" for o in obj["metadata"].get("ownerReferences") or []):
+                    owners = obj["metadata"].get("ownerReferences") or []
+                    if kind == "services" or any(o.get("kind") == "Job" for o in owners):
                         self._delete(f"{path}/namespaces/{ns}/{kind}/{obj['metadata']['name']}")
             self.api("DELETE", f"/api/v1/namespaces/{ns}/events")
         for pod in self.get("/api/v1/pods")["items"]:
