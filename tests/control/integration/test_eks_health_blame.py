@@ -18,31 +18,35 @@ def node_writes(cluster) -> list:
     return [r for r in cluster.requests if r.resource == "nodes" and r.verb in ("patch", "update")]
 
 
-def user_bug(cluster, backend, cfg, exit_node_index: int = 0) -> tuple[object, dict[str, str]]:
+def user_bug(cluster, backend, cfg, exit_node_index: int = 0, before_exit=None) -> tuple[object, list[dict]]:
     """Submit a launch and end pod ``exit_node_index`` with the user-error exit code (78): the
-    Job fails at once (podFailurePolicy). Returns the handle and node -> pod name."""
+    Job fails at once (podFailurePolicy). ``before_exit(node_name)`` runs just before the pod
+    ends. Returns the handle and the launch's running pods, by index."""
     handle = backend.submit(cfg, "0")
     pods = running_pods(cluster, handle.job_name, 2)
-    names = {p["spec"]["nodeName"]: p["metadata"]["name"] for p in pods}
+    if before_exit is not None:
+        before_exit(pods[exit_node_index]["spec"]["nodeName"])
     cluster.terminate_pod(NS, pods[exit_node_index]["metadata"]["name"], int(ExitCode.USER_ERROR))
     status = status_when(backend, handle, "failed")
     assert status.failure_class == "user_error", status.message
-    return handle, names
+    return handle, pods
 
 
 def test_a_user_bug_on_a_node_whose_gpu_condition_is_false_blames_and_replaces_that_node(cluster, tmp_path):
     for i in range(3):
         add_gpu_node(cluster, f"gpu-{i}")
     backend = backend_for(tmp_path, replacement="cordon")
-    cfg = run_config(tmp_path, run_id="bug-on-bad-gpu")
-    handle = backend.submit(cfg, "0")
-    pods = running_pods(cluster, handle.job_name, 2)
-    bad = pods[0]["spec"]["nodeName"]
     # The GPU fault surfaced as a CUDA exception in user code: the pod exits as a user error,
     # while the monitoring agent marks the GPU unhealthy.
-    cluster.set_node_condition(bad, "AcceleratedHardwareReady", "False", "NvidiaXID79", "GPU has fallen off the bus")
-    cluster.terminate_pod(NS, pods[0]["metadata"]["name"], int(ExitCode.USER_ERROR))
-    assert status_when(backend, handle, "failed").failure_class == "user_error"
+    handle, pods = user_bug(
+        cluster,
+        backend,
+        run_config(tmp_path, run_id="bug-on-bad-gpu"),
+        before_exit=lambda node: cluster.set_node_condition(
+            node, "AcceleratedHardwareReady", "False", "NvidiaXID79", "GPU has fallen off the bus"
+        ),
+    )
+    bad = pods[0]["spec"]["nodeName"]
 
     diagnosis = backend.diagnose(handle)
     assert diagnosis.failure_class == "user_error"

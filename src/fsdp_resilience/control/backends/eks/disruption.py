@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_resilience.control.backends.base import BackendError
 from fsdp_resilience.control.backends.eks.constants import LABEL_JOB
-from fsdp_resilience.control.backends.eks.networking import _launch_object_metadata
+from fsdp_resilience.control.backends.eks.networking import launch_object_metadata
 from fsdp_resilience.control.backends.eks.pod_settings import PodTemplateSettings
 from fsdp_resilience.training.contract import RunConfig
 
@@ -58,7 +58,7 @@ def disruption_budget(
     starts (training nodes and spares): a Job has no scale subresource, so ``maxUnavailable`` and
     percentages cannot be used, and with an integer equal to the pod count no voluntary eviction
     is allowed while they are healthy."""
-    name, metadata = _launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
+    name, metadata = launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
     metadata.setdefault("annotations", {})[INTENDED_ANNOTATION] = str(cfg.launch_nodes)
     return {
         "apiVersion": "policy/v1",

@@ -29,7 +29,7 @@ def rendezvous_host(job_name: str, namespace: str) -> str:
     return f"{job_name}-0.{job_name}.{namespace}.svc"
 
 
-def _launch_object_metadata(
+def launch_object_metadata(
     cfg: RunConfig,
     launch_id: str,
     settings: PodTemplateSettings,
@@ -63,7 +63,7 @@ def rendezvous_service(
     """The headless Service named like the launch's Job: it gives pod ``<job>-0`` the DNS name
     ``rendezvous_host(job, namespace)``. With ``owner`` (the created Job), deleting the Job
     (or its TTL expiring) deletes the Service too."""
-    name, metadata = _launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
+    name, metadata = launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -92,7 +92,7 @@ def rendezvous_network_policy(
     launches of the same run, are refused (the kit also denies all other ingress to the training
     namespace). EFA traffic is OS-bypass and never meets the CNI's policy. Egress is not limited
     (FSx, the registry, S3). With ``owner`` (the created Job), it goes with the Job."""
-    name, metadata = _launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
+    name, metadata = launch_object_metadata(cfg, launch_id, settings, owner, airflow_run_id)
     launch_pods = {"matchLabels": {LABEL_JOB: name}}
     return {
         "apiVersion": "networking.k8s.io/v1",
