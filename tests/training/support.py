@@ -85,13 +85,19 @@ def write_config(tmp_path: Path, dataset: Path, run_id: str, **overrides) -> Run
     return cfg
 
 
-def launch(cfg: RunConfig, cfg_path: Path, *, node_rank: int | None = None) -> subprocess.Popen:
+def launch(
+    cfg: RunConfig, cfg_path: Path, *, node_rank: int | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)]
     if node_rank is not None:
         cmd += ["--node-rank", str(node_rank), "--rdzv-host", "127.0.0.1"]
-    log = open(Path(cfg_path).with_suffix(f".node{node_rank or 0}.log"), "w")
+    log = open(Path(cfg_path).with_suffix(f".node{node_rank or 0}.log"), "a")
     return subprocess.Popen(
-        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 

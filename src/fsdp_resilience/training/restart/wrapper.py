@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -106,7 +108,49 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
     )
     if not restart_health_checks_wanted(cfg, device_type):
         disable_gpu_health_checks(wrapper)
+    exit_when_the_monitor_thread_dies()
     return wrapper
+
+
+#: What NVRx names the Wrapper's monitor thread (``MonitorThread-<rank>``, 0.4.1 and 0.7).
+_MONITOR_THREAD = "MonitorThread"
+
+
+def exit_when_the_monitor_thread_dies() -> None:
+    """End this rank's process when the Wrapper's monitor thread dies before the Wrapper stopped it.
+
+    The monitor thread waits on the Wrapper's store, which lives with rank 0. When rank 0's node
+    is lost, the wait fails with ``DistNetworkError``, which the thread does not catch (only a
+    store timeout), so it dies. A rank that then fails a collective waits forever in the Wrapper
+    for that thread to pause it, and its progress watchdog keeps ticking, so no Wrapper timeout
+    fires: the surviving node hangs (seen on NVRx 0.7 when the rendezvous put rank 0 on the lost
+    node). Without its store the in-process layer cannot restart this rank anyway: exit, and
+    ft_launcher restarts the node's workers in-job, as for any rank the in-process layer gave up.
+    A thread the Wrapper itself stopped (``stop_loop``: an iteration or the run ended, and rank 0
+    may already be gone) is left to the usual hook.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "exits_on_monitor_death", False):
+        return  # installed by an earlier Wrapper in this process
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        thread = args.thread
+        stopping = getattr(thread, "stop_loop", None)
+        if thread is None or not thread.name.startswith(_MONITOR_THREAD) or stopping is None or stopping.is_set():
+            previous(args)
+            return
+        print(
+            f"error: NVRx's in-process monitor thread ({thread.name}) died: "
+            f"{args.exc_type.__name__}: {args.exc_value}. Its store (with rank 0) is gone, "
+            "so this rank cannot restart in-process; exiting so that ft_launcher restarts "
+            "this node's workers.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    hook.exits_on_monitor_death = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def restart_health_checks_wanted(cfg: RunConfig, device_type: str) -> bool:
