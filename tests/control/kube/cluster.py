@@ -329,13 +329,20 @@ class KubeCluster:
         self.patch(f"/api/v1/nodes/{name}/status", {"status": {"conditions": [condition]}})
 
     def add_node_taint(self, name: str, taint: dict) -> dict:
-        """A second controller adds ``taint`` (its own read-modify-write, with resourceVersion)."""
-        node = self.node(name)
-        taints = node["spec"].get("taints") or []
-        if not any((t["key"], t["effect"]) == (taint["key"], taint["effect"]) for t in taints):
-            taints = [*taints, taint]
-        body = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]}, "spec": {"taints": taints}}
-        return self.patch(f"/api/v1/nodes/{name}", body, "merge")
+        """A second controller adds ``taint`` (its own read-modify-write, with resourceVersion,
+        read again on a conflict: the cluster's own controllers write nodes too)."""
+        for attempt in range(20):
+            node = self.node(name)
+            taints = node["spec"].get("taints") or []
+            if not any((t["key"], t["effect"]) == (taint["key"], taint["effect"]) for t in taints):
+                taints = [*taints, taint]
+            body = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]}, "spec": {"taints": taints}}
+            try:
+                return self.patch(f"/api/v1/nodes/{name}", body, "merge")
+            except ApiError as e:
+                if e.status != 409 or attempt == 19:
+                    raise
+        raise AssertionError("unreachable")
 
     def lose_node(self, name: str, *, evict_pods: bool = True, timeout: float = 120) -> None:
         """The node stops reporting: kwok stops running it and its lease renewals no longer reach the
