@@ -244,8 +244,13 @@ class KubeCluster:
                     current = self.get(f"/api/v1/namespaces/{name}")
                     current["metadata"]["labels"] = labels
                     self.api("PUT", f"/api/v1/namespaces/{name}", current)
+        changed = objects != self.plane.applied_kit
         self.apply(objects)
         self.plane.applied_kit = objects
+        if changed and any(o["kind"].startswith("ValidatingAdmissionPolicy") for o in objects):
+            # Another kit's policies (an overlay's): the admission plugin reads them from informers,
+            # so under load a request right after could still meet the old ones.
+            self.wait_admission_policies()
 
     def add_namespace(self, name: str, labels: dict | None = None) -> dict:
         """Create the Namespace, or give it exactly ``labels`` (e.g. pod-security.kubernetes.io/*)."""
