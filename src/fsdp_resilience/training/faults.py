@@ -16,6 +16,10 @@ Each drill reproduces one way a real run dies, so every restart layer can be pro
                                                                 rollbacks run out -> NON_FINITE)
   user_bug          raises at the same step on every attempt -> USER_ERROR, never retried
 
+Most drills fire before the step's forward; the writer drills right after a save began; a drill
+``while_saving`` at the step's save-protocol round (the poll of a pending save, or a save's
+settle), where its peers wait in the protocol's collective.
+
 The drill writes a ``fault_injected`` event first, so tests and reports can line faults up with
 what the restart layers did.
 """
@@ -67,6 +71,17 @@ def descendants(pid: int) -> list[int]:
         found += kids
         todo += kids
     return found
+
+
+#: Where in a step a drill fires (``drill_phase``).
+BEFORE_STEP, SAVE_PROTOCOL, AFTER_SAVE = "before_step", "save_protocol", "after_save"
+
+
+def drill_phase(drill: FaultDrill) -> str:
+    """Where in its step ``drill`` fires."""
+    if drill.kind in ("checkpoint_crash", "writer_hang"):
+        return AFTER_SAVE  # they act on the save that just began
+    return SAVE_PROTOCOL if drill.while_saving else BEFORE_STEP
 
 
 def poison_loss(loss: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -98,6 +99,11 @@ def device_mesh(device: torch.device, nodes: int, procs_per_node: int) -> Device
     if nodes > 1 and procs_per_node > 1:
         return init_device_mesh(device.type, (nodes, procs_per_node), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device.type, (nodes * procs_per_node,), mesh_dim_names=("shard",))
+
+
+def mesh_groups(mesh: DeviceMesh) -> list[dist.ProcessGroup]:
+    """The process groups of ``mesh``'s dimensions (with HSDP: the replicate and shard groups)."""
+    return [mesh.get_group(dim) for dim in range(mesh.ndim)]
 
 
 def build_optimizer(model: nn.Module, device: torch.device, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:

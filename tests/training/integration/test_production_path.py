@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import time
 from pathlib import Path
@@ -115,6 +116,85 @@ def test_one_copy_per_save_and_the_writer_dies_with_its_trainer(tmp_path):
     while time.monotonic() < deadline and _alive(writer):
         time.sleep(0.1)
     assert not _alive(writer), "the checkpoint writer outlived its SIGKILLed trainer"
+
+
+#: One rank under the run's in-process Wrapper (soft timeout 2 s): it pings as a training step
+#: does, starts a save, and waits for it while its writer is frozen for 6 s (a write slower than the
+#: soft timeout: FSx behind the checkpoint interval). Prints the Wrapper iterations it ran.
+SLOW_WRITE = textwrap.dedent("""
+    import json, os, signal, sys, threading
+    import torch, torch.distributed as dist
+    from nvidia_resiliency_ext.inprocess import CallWrapper
+    from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
+    from fsdp_resilience.training.contract import EventLog, RunConfig
+    from fsdp_resilience.training.restart.wrapper import inprocess_wrapper
+
+
+    def main():
+        cfg = RunConfig(run_id="slow", run_dir=sys.argv[1], dataset_dir=sys.argv[1], device="cpu",
+                        hang_timeout_s=2.0, collective_timeout_s=3.0, heartbeat_timeout_s=30.0,
+                        initial_heartbeat_timeout_s=30.0, max_inprocess_restarts=1)
+        pings = []
+        ckpt = AsyncCheckpointer(cfg.run_dir, rank=0, world_size=1, writer_stall_s=120.0, fork_writer=True)
+        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]) + 1, 1, True, use_libuv=False)
+        iterations = []
+
+        def train(call_wrapper: CallWrapper = None):
+            iterations.append(call_wrapper.iteration)
+            if call_wrapper.iteration > 0:
+                return  # restarted: what the test looks for
+            dist.init_process_group("gloo", store=dist.PrefixStore("iter-0", store), rank=0, world_size=1)
+            try:
+                def progress():
+                    pings.append(1)
+                    call_wrapper.ping()
+
+                ckpt.rebind(dist.group.WORLD, timeout_s=3.0, progress=progress)
+                call_wrapper.ping()  # as every training step does
+                (writer,) = ckpt.writer_pids()
+                os.kill(writer, signal.SIGSTOP)  # before the save: the write cannot finish first
+                threading.Timer(6.0, os.kill, (writer, signal.SIGCONT)).start()
+                ckpt.save(1, {"model": {"w": torch.randn(256, 256)}})
+                ckpt.wait()
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+
+        inprocess_wrapper(cfg, lambda: EventLog(cfg.layout.events), device_type="cpu")(train)()
+        ckpt.close(wait=False)
+        print("SEEN " + json.dumps({"iterations": iterations, "pings": len(pings)}), flush=True)
+
+
+    if __name__ == "__main__":  # the Wrapper spawns its monitor process, which imports this file
+        main()
+""")
+
+
+def test_a_save_waiting_on_a_slow_write_is_not_taken_for_a_hang(tmp_path):
+    """The Wrapper restarts a rank whose last ping is older than its soft timeout. A save that
+    waits on a write slower than that (an 8b save to FSx slower than the interval) pings from each
+    round of its wait (every 50 ms), so the rank is not restarted: one iteration, no soft timeout.
+    (Without the pings the same wait is taken for a hang, but only when NVRx's monitor process
+    happens to check between its watchdog's messages: not something a test can count on.)"""
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    env.pop("LOCAL_RANK", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), env.get("PYTHONPATH", "")])
+    # A file, not -c: the Wrapper's monitor process is spawned, and imports the main script.
+    script = tmp_path / "slow_write.py"
+    script.write_text(SLOW_WRITE)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+    seen = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SEEN "))[5:])
+    assert seen["iterations"] == [0] and "SOFT_TIMEOUT" not in proc.stderr, output
+    assert seen["pings"] >= 20, seen  # a 6 s wait in 50 ms rounds (fewer on a loaded machine)
 
 
 def _alive(pid: int) -> bool:
@@ -292,6 +372,36 @@ def test_the_launcher_refuses_an_ft_config_nvrx_would_ignore(tmp_path, dataset, 
     monkeypatch.setattr(launch_command, "ft_launcher_config", with_a_typo)
     assert launch_main(["--config", str(cfg_path), "--dry-run"]) == ExitCode.CONFIG_ERROR
     assert "rank_heartbeat_timout" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_launch_needs_no_ft_launcher_script_next_to_the_interpreter(tmp_path, dataset):
+    """The NGC image runs /usr/bin/python, and pip puts ft_launcher's console script in
+    /usr/local/bin. Here: the base interpreter (no venv, no console script next to it or on PATH),
+    with the packages on PYTHONPATH; an injob launch with a SIGKILL trains to the end."""
+    base = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    assert not (base.parent / "ft_launcher").exists(), base
+    cfg = write_config(
+        tmp_path, dataset, "noscript", steps=6, restart_mode="injob", faults=[{"kind": "sigkill", "step": 4, "rank": 1}]
+    )
+    paths = sysconfig.get_paths()
+    env = {k: v for k, v in os.environ.items() if k not in ("PATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")}
+    env["PATH"] = "/usr/bin:/bin"
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([str(REPO / "src"), paths["purelib"], paths["platlib"]]))
+    proc = subprocess.run(
+        [str(base), "-m", "fsdp_resilience.training.launch", "--config", str(tmp_path / "noscript.json")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = read_events(cfg.layout.events)
+    command = next(r["command"] for r in events if r["event"] == "launch_begin")
+    assert command.startswith(f"{base} -c "), command
+    assert any(r["event"] == "restart_end" and r["layer"] == "injob" for r in events)
+    assert max(r["step"] for r in events if r["event"] == "step") == 6
 
 
 @pytest.mark.slow

@@ -182,6 +182,34 @@ def test_a_resume_on_another_world_size_reseeds_every_rank(faulty_run, tmp_path)
     assert [(r["resumed_from"], r["rng"], r["world_size"]) for r in last] == [("step_00000012", "reseeded", 1)]
 
 
+def test_a_fault_while_a_save_is_pending_is_recovered_in_process(tmp_path, dataset):
+    """Rank 0 fails at the save protocol's round while the save of step 3 is pending: rank 1 waits
+    in that round's collective, on the protocol's own gloo group (the group a GPU run's pending
+    saves use too). Rank 0 breaks the group's connections, so rank 1 fails at once and both
+    restart in-process: no in-job restart. With log_interval=5 the protocol runs no round at step
+    4, so the drill of step 4 fires at step 5's round (after rank 0 logged step 5)."""
+    run = run_training(
+        tmp_path,
+        dataset,
+        "whilesaving",
+        steps=8,
+        log_interval=5,
+        faults=[{"kind": "exception", "step": 4, "rank": 0, "while_saving": True}],
+    )
+    assert run.rc == ExitCode.SUCCESS, run.output[-3000:]
+    fired = run.of("fault_injected")
+    assert [(r["kind"], r["step"], r["rank"]) for r in fired] == [("exception", 4, 0)]
+    logged_5 = next(r for r in run.events if r["event"] == "step" and r["step"] == 5)
+    assert fired[0]["ts"] > logged_5["ts"]  # at step 5's round, after the step was logged
+    # The pending save never committed before the fault; it stays torn or is saved again.
+    commits_before = [r for r in run.of("checkpoint_commit") if r["ts"] < fired[0]["ts"]]
+    assert commits_before == []
+    assert any(r["layer"] == "inprocess" for r in run.of("restart_end"))
+    assert not [r for r in run.of("restart_begin") if r["layer"] == "injob"]
+    assert {r["attempt"] for r in run.of("train_begin")} == {0}
+    assert max(r["step"] for r in run.of("step")) == 8
+
+
 def wait_for_lock_free(path, timeout):
     deadline = time.monotonic() + timeout
     while True:

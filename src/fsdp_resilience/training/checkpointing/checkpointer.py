@@ -104,6 +104,10 @@ class SaveStats:
     snapshot_bytes: int
 
 
+def _no_progress() -> None:
+    """``AsyncCheckpointer``'s progress callback when nothing watches progress."""
+
+
 class AsyncCheckpointer(CommitRounds):
     """Asynchronous DCP checkpoints of one run, with the commit protocol of ``CheckpointCatalog``.
 
@@ -156,6 +160,7 @@ class AsyncCheckpointer(CommitRounds):
         self.last_save: SaveStats | None = None
 
         self._group: dist.ProcessGroup | None = None
+        self._progress: Callable[[], None] = _no_progress
         self._rank = rank if rank is not None else (dist.get_rank() if dist.is_initialized() else 0)
         self._world_size = (
             world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
@@ -234,10 +239,21 @@ class AsyncCheckpointer(CommitRounds):
         never deletes it until this checkpointer commits a newer one. Local."""
         self._committer.trusted = step
 
-    def rebind(self, process_group: dist.ProcessGroup | None = None) -> None:
-        """Use ``process_group`` (None: the default group) from now on, e.g. the new group of an
-        in-process restart. A save still pending on the old group is abandoned (stays torn); a
-        writer process that died, or stalled with work, is replaced. Local: no collective."""
+    def rebind(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        timeout_s: float | None = None,
+        progress: Callable[[], None] | None = None,
+    ) -> None:
+        """Use ``process_group``'s ranks (None: the default group's) from now on, e.g. the new
+        group of an in-process restart: the save protocol gets a gloo group of its own over them,
+        with collective timeout ``timeout_s`` (a collective: every rank calls this at the same
+        point). ``progress`` is called at each round of the blocking waits (settling before a
+        save, waiting for the previous one's write): the in-process Wrapper's ``ping``, so a rank
+        waiting on a slow write is not taken for a hung one. A save still pending on the old
+        group is abandoned (stays torn); a writer process that died, or stalled with work, is
+        replaced."""
         self._require_open()
         if self._pending is not None:
             self.abandon_pending()
@@ -245,7 +261,8 @@ class AsyncCheckpointer(CommitRounds):
             raise RuntimeError("rebind needs an initialized torch.distributed process group")
         group = process_group if process_group is not None else dist.group.WORLD
         self._drop_plan_cache()  # a plan made over another group (ranks may have moved) is not reused
-        self._group = _protocol_group(group)
+        self._progress = progress if progress is not None else _no_progress
+        self._group = _protocol_group(group, timeout_s)
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
         self._collective_device = collective_device(self._group)
@@ -315,6 +332,15 @@ class AsyncCheckpointer(CommitRounds):
         # Its request stays in self._calls until the writer reports it done (see forget_up_to).
         log.info("rank %d: abandoned checkpoint step %d (left uncommitted)", self._rank, pending.step)
         return pending.step
+
+    def unbind(self) -> int | None:
+        """After a fault: abandon the pending save (``abandon_pending``) and drop the save
+        protocol's group, whose connections the fault broke, so nothing holds it past the attempt
+        (the next attempt's ``rebind`` makes a new one). Local. Returns the abandoned step."""
+        step = self.abandon_pending()
+        self._group = None
+        self._progress = _no_progress
+        return step
 
     def close(self, wait: bool = True) -> None:
         """Commit the pending save (``wait=True``: a collective) or abandon it, then stop the

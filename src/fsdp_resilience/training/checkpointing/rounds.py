@@ -15,6 +15,7 @@ on, ``CheckpointWriterError``, and ``CommitRounds``, the rounds themselves.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Callable
@@ -54,18 +55,19 @@ class _PendingSave:
     error: str = ""
 
 
-def _protocol_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group the save protocol (planning, settle and finalize rounds, commit) runs on.
+def _protocol_group(group: dist.ProcessGroup, timeout_s: float | None = None) -> dist.ProcessGroup:
+    """The group the save protocol (planning, settle and finalize rounds, commit) runs on: a gloo
+    group over ``group``'s ranks, on every backend, with ``timeout_s`` (the run's collective
+    timeout; None: torch's gloo default, 30 min).
 
-    On NCCL every round would be a GPU collective plus a host sync of its result, once per step
-    while a save is pending. A gloo group over the same ranks keeps them on the host, off the GPU
-    streams, as torch's docs recommend for async checkpointing. Creating it is a collective:
-    ``rebind`` is called on every rank at the same point."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" not in backend or "gloo" in backend:
-        return group
+    On NCCL every round would otherwise be a GPU collective plus a host sync of its result, once
+    per step while a save is pending; a gloo group keeps them on the host, off the GPU streams, as
+    torch's docs recommend for async checkpointing. On gloo a group of its own runs the same code
+    as on NCCL, so the CPU lanes test the path GPUs take. Creating it is a collective: ``rebind``
+    is called on every rank at the same point."""
     ranks = None if group is dist.group.WORLD else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo")
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
 
 
 def _failed_ranks(states: list[int]) -> list[int]:
@@ -111,6 +113,7 @@ class CommitRounds:
         self._require_group()
         deadline = time.monotonic() + self.start_timeout_s
         while True:
+            self._progress()  # each round: a rank waiting here for writers is not hung
             state = _DONE
             if self.async_save:
                 state = self._writer_state(deadline)
@@ -168,6 +171,8 @@ class CommitRounds:
         pending = self._pending
         self._require_group()
         while True:
+            if blocking:
+                self._progress()  # each round: a rank waiting for a slow write is not hung
             state = self._write_state(pending, _ROUND_S if blocking else 0.0)
             states, steps = self._agree(state, pending.step)
             if len(set(steps)) != 1:

@@ -51,6 +51,13 @@ FAULT_DRILLS = {
     "user_bug": "raises on every attempt: must end as USER_ERROR, never retried",
 }
 FAULT_KINDS = tuple(FAULT_DRILLS)
+#: ``RunConfig.log_interval`` when unset, per collective backend. On CUDA a logged step syncs the
+#: host with the GPU (the loss all-reduce and ``.tolist()``): the CPU stops queueing kernels ahead
+#: until the step ends. A pending save's commit round (a gloo all-reduce across nodes) runs at
+#: logged steps only. Once in 20 steps pays a twentieth of both.
+LOG_INTERVAL_DEFAULT = {"gloo": 1, "nccl": 20}
+#: The drills that may fire in the save protocol's round (``FaultDrill.while_saving``): one rank's own faults.
+WHILE_SAVING_KINDS = ("exception", "hang", "sigstop", "sigkill", "oom")
 _RUN_ID_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 #: Spare nodes a run may ask for, and spares the control plane may add to one launch after
@@ -90,6 +97,11 @@ class FaultDrill:
     """When set, only processes on this node or local slot (``TRAINING_NODE_ID``) fire it; null: any node."""
     once: bool = False
     """With ``attempt`` null: fire the first time any round reaches it and never again (not for ``user_bug``)."""
+    while_saving: bool = False
+    """Fire at the step's save-protocol round (before the checkpointer polls a pending save, or a save
+    settles) instead of before the forward, so the peers wait in the save protocol's collective. At the
+    step after a checkpoint step the save begun there is still pending. For exception, hang, sigstop,
+    sigkill and oom, at a step after the first checkpoint step."""
 
     def validate(self, cfg: "RunConfig", where: str) -> None:
         if self.kind not in FAULT_KINDS:
@@ -117,6 +129,14 @@ class FaultDrill:
             raise ConfigError(
                 f"{where}.once={self.once!r}: once is true or false, and a drill that fires once "
                 "takes attempt null (any round) and is not a user_bug (which fires every time)"
+            )
+        if not isinstance(self.while_saving, bool) or (
+            self.while_saving and (self.kind not in WHILE_SAVING_KINDS or self.step <= cfg.checkpoint_interval)
+        ):
+            raise ConfigError(
+                f"{where}.while_saving={self.while_saving!r}: true or false; a drill while saving is one of "
+                f"{', '.join(WHILE_SAVING_KINDS)}, at a step after the first checkpoint step "
+                f"(checkpoint_interval={cfg.checkpoint_interval}), e.g. step {cfg.checkpoint_interval + 1}"
             )
         if self.node_id is not None and (not isinstance(self.node_id, str) or not self.node_id):
             raise ConfigError(f"{where}.node_id must be a node name or null, got {self.node_id!r}")
@@ -228,8 +248,10 @@ class RunConfig:
     """Where ranks train: one of ``DEVICES`` (``auto``: CUDA when present, else CPU)."""
     rdzv_port: int = 29400
     """The rendezvous port, on node 0's address: 1024 .. 65,000."""
-    log_interval: int = 1
-    """Steps between ``step`` events: 1 .. 1,000,000."""
+    log_interval: int | None = None
+    """Steps between ``step`` events, and between the rounds that commit a pending save: 1 ..
+    1,000,000; null: ``LOG_INTERVAL_DEFAULT`` for the backend (1 on CPU; 20 on CUDA, where each
+    logged step waits for the GPU to finish and each round is a collective across nodes)."""
     eval_batches: int = 8
     """Validation batches ``fsdp_resilience.training.evaluate`` averages: 1 .. 100,000."""
     gpu_health_checks: bool = True
@@ -285,6 +307,10 @@ class RunConfig:
     def collective_backends(self) -> tuple[str, ...]:
         """The collective backends this run may use: its device decides (``auto``: either)."""
         return {"cpu": ("gloo",), "cuda": ("nccl",)}.get(self.device, ("gloo", "nccl"))
+
+    def log_every(self, backend: str) -> int:
+        """Steps between logged steps (and a pending save's commit rounds) on ``backend``."""
+        return self.log_interval if self.log_interval is not None else LOG_INTERVAL_DEFAULT[backend]
 
     def timeouts(self, backend: str) -> "RestartTimeouts":
         """Every restart-layer timeout of this run on ``backend`` ("gloo" or "nccl")."""
@@ -357,7 +383,8 @@ class RunConfig:
         _check_float("stall_timeout_s", self.stall_timeout_s, 1.0, 30 * 86_400.0)
         _check_choice("device", self.device, DEVICES)
         _check_int("rdzv_port", self.rdzv_port, 1024, 65_000)
-        _check_int("log_interval", self.log_interval, 1, 1_000_000)
+        if self.log_interval is not None:
+            _check_int("log_interval", self.log_interval, 1, 1_000_000)
         _check_int("eval_batches", self.eval_batches, 1, 100_000)
         _check_int("max_nonfinite_rollbacks", self.max_nonfinite_rollbacks, 0, 100)
         if not isinstance(self.gpu_health_checks, bool):

@@ -119,6 +119,20 @@ def nnodes_flag(cfg: RunConfig) -> str:
     return f"--nnodes={cfg.nodes}"
 
 
+#: ft_launcher, run by this interpreter: what its console script does, without needing the script.
+#: In the NGC image the interpreter is /usr/bin/python and pip puts console scripts in
+#: /usr/local/bin, so "next to sys.executable" finds nothing, and a PATH lookup may find another
+#: environment's. ``python -m`` of the module is no better: NVRx's rendezvous imports the launcher
+#: module again under its own name, and its ``except UnhealthyNodeException`` would then miss the
+#: other copy's class. ``argv[0]`` is named as the script would be (``ps`` shows ``ft_launcher``).
+FT_LAUNCHER = [
+    sys.executable,
+    "-c",
+    "import sys; sys.argv[0] = 'ft_launcher'; "
+    "from nvidia_resiliency_ext.fault_tolerance.launcher import main; sys.exit(main())",
+]
+
+
 def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: Path, log_dir: Path) -> list[str]:
     """The launcher command for this node."""
     rdzv = [
@@ -133,7 +147,6 @@ def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: P
         "--monitor-interval=0.5",
     ]
     worker = ["-m", "fsdp_resilience.training.train", "--config", str(Path(cfg.run_dir) / "run.json")]
-    bindir = Path(sys.executable).parent
     if cfg.restart_mode in ("layered", "injob"):
         checks = []
         if cfg.spare_nodes and nvrx_version() >= (0, 6):
@@ -142,7 +155,7 @@ def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: P
             # turned away (its launcher exits, saying why) instead of taking a rank.
             checks = [f"--ft-storage-health-check-path={Path(cfg.run_dir).absolute() / 'checkpoints'}"]
         return [
-            str(bindir / "ft_launcher"),
+            *FT_LAUNCHER,
             f"--ft-cfg-path={ft_cfg_path}",
             # 0.4.1 ignores enable_nic_monitor in YAML; both versions accept the flag.
             "--ft-enable-nic-monitor=false",

@@ -22,17 +22,20 @@ class GroupTransport:
     The descriptors stay open (gloo owns them and closes them when the group is freed), so this
     is safe from any thread, at any time, and more than once.
 
-    Which sockets: the TCP connections this process opened or accepted since ``mark`` (called just
-    before the attempt's first group forms), less those of the stores (``MASTER_PORT`` .. +2, and
-    any server listening before ``mark``): the groups' pairs, whichever groups the attempt made
-    (the default group, a device mesh's). Connections something else opens in this process during
-    an attempt would be broken too; nothing in the training worker does. Listening sockets are left
-    alone: gloo's listener treats a failed accept as fatal.
+    Which sockets: the TCP connections this process opened or accepted between ``mark`` (just
+    before the attempt's first gloo group forms) and ``seal`` (just after its last one formed),
+    less those of the stores (``MASTER_PORT`` .. +2, and any server listening before ``mark``):
+    the pairs of the attempt's gloo groups. On gloo those are every group the attempt made (the
+    default group, a device mesh's, the save protocol's); on NCCL, the save protocol's gloo group
+    alone (``mark`` comes after NCCL's groups formed, whose own sockets are NCCL's to abort).
+    Before ``seal``, everything opened since ``mark``. Listening sockets are left alone: gloo's
+    listener treats a failed accept as fatal.
     """
 
     def __init__(self) -> None:
         self._before: frozenset[str] | None = None  # "socket:[inode]" of sockets open before mark
         self._skip_ports: frozenset[int] = frozenset()
+        self._sealed: frozenset[str] | None = None  # the attempt's connections, once sealed
 
     def mark(self) -> None:
         """Call just before the attempt's first gloo process group forms."""
@@ -50,31 +53,51 @@ class GroupTransport:
                 pass
         self._before = frozenset(before)
         self._skip_ports = frozenset(ports)
+        self._sealed = None
+
+    def seal(self) -> int:
+        """Call just after the attempt's last gloo group formed: from now on only the connections
+        opened since ``mark`` are broken, whatever opens later. Returns how many there are."""
+        if self._before is None:
+            return 0
+        self._sealed = frozenset(link for link, _ in self._connections())
+        return len(self._sealed)
 
     def shut_down(self) -> int:
         """Break every connection of the attempt's groups; returns how many were shut down now.
-        A no-op before ``mark`` (and on NCCL, where nothing marks). Never raises: it runs on the
-        way out of a fault."""
+        A no-op before ``mark``. Never raises: it runs on the way out of a fault."""
         if self._before is None:
             return 0
         count = 0
-        for link, sock in _borrowed_sockets():
-            if link in self._before:
+        for link, sock in self._connections():
+            if self._sealed is not None and link not in self._sealed:
                 continue
             try:
-                if not _is_tcp(sock) or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    continue
-                if {sock.getsockname()[1], sock.getpeername()[1]} & self._skip_ports:
-                    continue
                 sock.shutdown(socket.SHUT_RDWR)
                 count += 1
             except OSError:  # not connected, already shut down, reset by the peer, or closed
                 pass
         return count
 
+    def _connections(self):
+        """("socket:[inode]", socket) for each connected TCP socket opened since ``mark``, less
+        the stores'."""
+        for link, sock in _borrowed_sockets():
+            if self._before is None or link in self._before:
+                continue
+            try:
+                if not _is_tcp(sock) or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                if {sock.getsockname()[1], sock.getpeername()[1]} & self._skip_ports:
+                    continue
+            except OSError:  # not connected, or closed meanwhile
+                continue
+            yield link, sock
 
-#: The current attempt's gloo connections: ``init_process_group`` marks them, a fault breaks them
-#: (``Trainer._on_fault`` on the failing rank, the Wrapper's abort on every rank).
+
+#: The current attempt's gloo connections: the Trainer marks and seals them around the attempt's
+#: groups, a fault breaks them (``Trainer._on_fault`` on the failing rank, the Wrapper's abort on
+#: every rank).
 group_transport = GroupTransport()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ def init_process_group(
     store = dist.PrefixStore(f"train-iter-{iteration}", app_store)
     if backend == "gloo":
         group_transport.mark()  # so a fault can break this attempt's connections (GroupTransport)
+    # (On NCCL the Trainer marks just before the save protocol's gloo group, the attempt's only one.)
     dist.init_process_group(
         backend=backend,
         store=store,
@@ -54,9 +56,49 @@ def init_process_group(
         **process_group_options(device if device is not None else torch.device("cpu")),
     )
     dist.barrier()  # every rank is connected before the timeout shrinks
+    set_collective_timeout(timeout_s)
+
+
+def set_collective_timeout(timeout_s: float, groups: Iterable[dist.ProcessGroup] = ()) -> None:
+    """Give the default group and ``groups`` (a device mesh's sub-groups) the collective timeout.
+
+    torch gives every group it creates without an explicit timeout its backend's default (NCCL
+    10 min, gloo 30 min), and ``init_device_mesh`` passes none: on a multi-node HSDP run the
+    replicate and shard groups would not keep the timeout order the run config checked
+    (``RestartTimeouts.check``). Where torch has no way to set it, nothing changes, and
+    ``check_collective_timeouts`` says so."""
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is not None:
-        set_timeout(datetime.timedelta(seconds=timeout_s))
+    if set_timeout is None:
+        return
+    for group in (None, *groups):
+        set_timeout(datetime.timedelta(seconds=timeout_s), group)
+
+
+def collective_timeout_s(group: dist.ProcessGroup | None = None) -> float | None:
+    """The timeout (seconds) of ``group``'s backend (None: the default group), read from the
+    backend's options; None where torch does not show it."""
+    group = group if group is not None else dist.group.WORLD
+    timeouts = set()
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+            timeouts.add(backend.options._timeout.total_seconds())
+        except (AttributeError, RuntimeError, ValueError):
+            continue  # no backend for this device type, or options not exposed
+    return timeouts.pop() if len(timeouts) == 1 else None
+
+
+def check_collective_timeouts(timeout_s: float, groups: Iterable[dist.ProcessGroup] = ()) -> None:
+    """Raise if the default group or one of ``groups`` does not have ``timeout_s``: the timeout
+    order of ``RestartTimeouts.check`` holds only if every group the training waits on has it."""
+    for group in (None, *groups):
+        got = collective_timeout_s(group)
+        if got is not None and abs(got - timeout_s) > 1e-3:
+            name = "default" if group is None else dist.distributed_c10d._get_process_group_name(group)
+            raise RuntimeError(
+                f"process group {name!r} has a collective timeout of {got:.0f}s, not the run's {timeout_s:.0f}s: "
+                "the restart layers' timeout order would not hold on it"
+            )
 
 
 def app_store() -> dist.TCPStore:

@@ -24,16 +24,18 @@ from fsdp_resilience.training.restart.process_group import use_libuv
 class _AbortProcessGroups(inprocess.abort.Abort):
     """Tear down the training process groups so blocked ranks can unwind.
 
-    Runs in every rank's Wrapper monitor thread once any rank reported a fault. On CUDA, NVRx's
-    ``AbortTorchDistributed`` aborts the NCCL communicators (a blocked NCCL collective otherwise
-    never returns) and destroys the groups. On gloo, no abort reaches a blocked collective:
-    breaking the attempt's connections (``GroupTransport``) fails it at once, and fails every
-    peer's pending collective with this rank too. The default group may already be destroyed
-    (``Trainer.run`` does it on the way out); its connections live on until it is freed.
+    Runs in every rank's Wrapper monitor thread once any rank reported a fault. No abort reaches
+    a blocked gloo collective: breaking the attempt's gloo connections (``GroupTransport``) fails
+    it at once, and fails every peer's pending collective with this rank too. Those are every
+    group on CPU, and the save protocol's gloo group on CUDA, where a healthy rank may wait in a
+    round of a pending save. On CUDA, NVRx's ``AbortTorchDistributed`` then aborts the NCCL
+    communicators (a blocked NCCL collective otherwise never returns) and destroys the groups.
+    The default group may already be destroyed (``Trainer.run`` does it on the way out); its
+    connections live on until it is freed.
     """
 
     def __call__(self, state):
-        group_transport.shut_down()  # a no-op unless this attempt's groups are gloo's
+        group_transport.shut_down()  # the attempt's gloo connections, on every backend
         if not (dist.is_available() and dist.is_initialized()):
             return state
         if torch.cuda.is_available():

@@ -69,13 +69,21 @@ class FaultHandling:
     ``env``, ``layout``, ``events``, ``monitor``, ``checkpointer`` and ``device``, and the state of
     its attempt: ``attempt``, ``iteration``, ``fired`` and ``loss_target``."""
 
-    def _maybe_inject(self, step: int, *, before_save: bool):
-        """Fire the drill configured for this step and rank, if any; returns it when training
-        goes on (the writer drills, ``nan``), else None. The writer drills act on the save that
-        just started (``before_save=False``), every other drill before the step."""
-        drill = self.cfg.fault_at(step, self.env.rank, self.attempt, self.env.node_rank, node_id(), self.loss_target)
-        if drill is None or (drill.kind in ("checkpoint_crash", "writer_hang")) == before_save:
+    def _maybe_inject(self, step: int, phase: str, *, since: int | None = None):
+        """Fire the drill configured for this step and rank if it fires in ``phase`` of the step
+        (``faults.drill_phase``); returns it when training goes on (the writer drills, ``nan``),
+        else None. ``since``: also a drill of a step after ``since`` (the save protocol's rounds
+        run at logged steps only, so a drill ``while_saving`` fires at the first round at or
+        after its step)."""
+        drill = None
+        for at in range(step if since is None else since + 1, step + 1):
+            found = self.cfg.fault_at(at, self.env.rank, self.attempt, self.env.node_rank, node_id(), self.loss_target)
+            if found is not None and faults.drill_phase(found) == phase:
+                drill = found
+                break
+        if drill is None:
             return None
+        step = drill.step  # fired once, and recorded as the step it was configured for
         key = (step, drill.attempt, drill.kind)
         # A user bug fires on every attempt by definition; a nan drill with attempt null on every
         # pass (after each rollback too), so the rollback bound can be reached.
@@ -123,7 +131,8 @@ class FaultHandling:
 
         First of all, this attempt is over for this rank: it breaks its process groups'
         connections, so peers blocked in a collective with it fail now instead of at their
-        collective timeout (``restart.gloo_transport.GroupTransport``; gloo only).
+        collective timeout (``restart.gloo_transport.GroupTransport``: its gloo groups, which on
+        CUDA are the save protocol's).
         """
         group_transport.shut_down()
         signature = fault_signature(exc)

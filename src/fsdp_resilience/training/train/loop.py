@@ -28,8 +28,20 @@ from fsdp_resilience.training.contract import (
 )
 from fsdp_resilience.training.data import BatchSampler, TokenShards
 from fsdp_resilience.training.model import cross_entropy_loss
-from fsdp_resilience.training.parallelize import backend_for, build_optimizer, build_sharded_model, device_mesh
-from fsdp_resilience.training.restart.process_group import app_store, init_process_group
+from fsdp_resilience.training.parallelize import (
+    backend_for,
+    build_optimizer,
+    build_sharded_model,
+    device_mesh,
+    mesh_groups,
+)
+from fsdp_resilience.training.restart.gloo_transport import group_transport
+from fsdp_resilience.training.restart.process_group import (
+    app_store,
+    check_collective_timeouts,
+    init_process_group,
+    set_collective_timeout,
+)
 from fsdp_resilience.training.restart.rank_monitor import RankMonitor
 from fsdp_resilience.training.train.env import WorkerEnv
 from fsdp_resilience.training.train.fault_handling import FaultHandling, NonFiniteState, nonfinite_flags
@@ -93,7 +105,17 @@ class Trainer(FaultHandling):
                 self.device,
             )
             mesh = device_mesh(self.device, cfg.nodes, cfg.procs_per_node)
-            self.checkpointer.rebind(dist.group.WORLD)
+            groups = mesh_groups(mesh)
+            set_collective_timeout(self.timeouts.collective_s, groups)
+            check_collective_timeouts(self.timeouts.collective_s, groups)
+            if self.backend != "gloo":
+                group_transport.mark()  # the save protocol's gloo group is this attempt's only one
+            self.checkpointer.rebind(
+                dist.group.WORLD,
+                timeout_s=self.timeouts.collective_s,
+                progress=call_wrapper.ping if call_wrapper is not None else None,
+            )
+            group_transport.seal()  # a fault breaks these connections, and only these
             self.attempt = job_restart_round(env.attempt, self.device)
             self.events = self.events.bind(attempt=self.attempt)
             if cfg.spare_nodes and self.iteration == 0:
@@ -102,7 +124,9 @@ class Trainer(FaultHandling):
             while True:  # one pass per rollback from non-finite state
                 self.monitor.enter("setup")  # a restore: the configured (long) timeouts
                 with restore_timeout(
-                    self.timeouts.collective_s, max(self.timeouts.collective_s, cfg.initial_heartbeat_timeout_s)
+                    self.timeouts.collective_s,
+                    max(self.timeouts.collective_s, cfg.initial_heartbeat_timeout_s),
+                    groups,
                 ):
                     model, optimizer, sampler, start = self._restore(mesh)
                 try:
@@ -111,8 +135,10 @@ class Trainer(FaultHandling):
                 except NonFiniteState as e:
                     rollback = e
                     del model, optimizer  # before the next pass builds their replacements
-        except Exception:  # not a BaseException such as StopTraining or the Wrapper's interrupt
-            self.checkpointer.abandon_pending()
+        except BaseException:  # a fault, a peer's (the Wrapper's interrupt), or a stop
+            # The pending save stays torn, and the save protocol's group goes with the attempt
+            # (the next one makes its own): after a fault its connections are broken.
+            self.checkpointer.unbind()
             raise
         finally:
             self.monitor.stop()
@@ -188,13 +214,15 @@ class Trainer(FaultHandling):
         # The first step since the ranks last compared at which this rank's loss / gradient norm
         # was NaN or inf (0: none): a device tensor, so keeping it costs no host sync.
         nonfinite = torch.zeros(2, dtype=torch.int64, device=self.device)
+        log_every = cfg.log_every(self.backend)
+        protocol_round = start  # the last step that ran a round of the save protocol
         for step in range(start + 1, cfg.steps + 1):
             self.monitor.enter("step")
             t0 = time.perf_counter()
-            log_step = step % cfg.log_interval == 0 or step == cfg.steps
+            log_step = step % log_every == 0 or step == cfg.steps
             save_step = step % cfg.checkpoint_interval == 0 or step == cfg.steps
             try:
-                drill = self._maybe_inject(step, before_save=True)
+                drill = self._maybe_inject(step, faults.BEFORE_STEP)
                 inputs, targets = (t.to(self.device, non_blocking=True) for t in sampler.next_batch())
                 loss = cross_entropy_loss(model(inputs), targets)
                 if drill is not None and drill.kind == "nan":
@@ -239,13 +267,17 @@ class Trainer(FaultHandling):
                     "rng": {rank_rng_key(env.rank): rng_state(self.device)},
                 }
                 try:
+                    self._maybe_inject(step, faults.SAVE_PROTOCOL, since=protocol_round)
+                    protocol_round = step
                     self.checkpointer.save(step, app_state(model, optimizer, trainer_state))
-                    self._maybe_inject(step, before_save=False)
+                    self._maybe_inject(step, faults.AFTER_SAVE)
                 except Exception as exc:
                     self._on_fault(exc, step)
                     raise
-            else:
+            elif log_step:  # a pending save's round rides with the step's host sync
                 try:
+                    self._maybe_inject(step, faults.SAVE_PROTOCOL, since=protocol_round)
+                    protocol_round = step
                     self.checkpointer.poll()  # commits saves that every rank finished
                 except Exception as exc:
                     self._on_fault(exc, step)

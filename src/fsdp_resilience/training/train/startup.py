@@ -4,20 +4,21 @@ the job's restart round, and the longer collective timeout a restore runs under.
 from __future__ import annotations
 
 import contextlib
-import datetime
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
 from fsdp_resilience.training.contract import RunConfig
 from fsdp_resilience.training.parallelize import choose_device
+from fsdp_resilience.training.restart.process_group import set_collective_timeout
 from fsdp_resilience.training.train.env import WorkerEnv
 
 
 @contextlib.contextmanager
-def restore_timeout(collective_s: float, restore_s: float):
-    """Run a restore under the default group's longer ``restore_s`` timeout, then return to
-    ``collective_s``.
+def restore_timeout(collective_s: float, restore_s: float, groups: Iterable[dist.ProcessGroup] = ()):
+    """Run a restore under the longer ``restore_s`` timeout on the default group and ``groups``
+    (the device mesh's), then return to ``collective_s``.
 
     The short collective timeout detects a failed peer during training steps, where ranks move in
     lockstep. In a restore they do not: each rank checksums its own share of the files, rank 0
@@ -26,16 +27,16 @@ def restore_timeout(collective_s: float, restore_s: float):
     for a large model). ``restore_s`` is the bound the run config gives a start and restore
     (``initial_heartbeat_timeout_s``); a rank that dies meanwhile is still found by ft_launcher's
     process monitoring."""
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is None or restore_s <= collective_s:
+    groups = tuple(groups)
+    if restore_s <= collective_s:
         yield
         return
-    set_timeout(datetime.timedelta(seconds=restore_s))
+    set_collective_timeout(restore_s, groups)
     try:
         yield
     finally:
         if dist.is_initialized():
-            set_timeout(datetime.timedelta(seconds=collective_s))
+            set_collective_timeout(collective_s, groups)
 
 
 def job_restart_round(local_count: int, device: torch.device) -> int:

@@ -52,6 +52,26 @@ def test_bad_fault_drills_are_rejected():
         make(faults=[{"kind": "exception", "step": 1, "when": "now"}])
 
 
+def test_a_drill_while_saving_is_a_ranks_own_fault_after_the_first_save():
+    cfg = make(checkpoint_interval=3, faults=[{"kind": "exception", "step": 4, "rank": 1, "while_saving": True}])
+    assert cfg.faults[0].while_saving and RunConfig.from_json(cfg.to_json()) == cfg
+    assert make(faults=[{"kind": "exception", "step": 4}]).faults[0].while_saving is False
+    with pytest.raises(ConfigError, match=r"faults\[0\].while_saving=True.*one of exception, hang.*e.g. step 4"):
+        make(checkpoint_interval=3, faults=[{"kind": "exception", "step": 3, "while_saving": True}])
+    with pytest.raises(ConfigError, match=r"faults\[0\].while_saving=True"):
+        make(checkpoint_interval=3, faults=[{"kind": "node_loss", "step": 7, "while_saving": True}])
+    with pytest.raises(ConfigError, match=r"faults\[0\].while_saving='yes': true or false"):
+        make(faults=[{"kind": "exception", "step": 4, "while_saving": "yes"}])
+
+
+def test_log_interval_unset_is_one_on_cpu_and_twenty_on_cuda():
+    assert make().log_interval is None
+    assert (make().log_every("gloo"), make().log_every("nccl")) == (1, 20)
+    assert (make(log_interval=5).log_every("gloo"), make(log_interval=5).log_every("nccl")) == (5, 5)
+    with pytest.raises(ConfigError, match="log_interval=0 is out of range"):
+        make(log_interval=0)
+
+
 def test_unknown_and_missing_fields_are_named():
     with pytest.raises(ConfigError, match=r"unknown run config field\(s\) \['stepz'\]"):
         RunConfig.from_dict({"run_id": "a", "run_dir": "r", "dataset_dir": "d", "stepz": 3})

@@ -35,3 +35,33 @@ def test_only_the_connections_opened_since_mark_are_broken(monkeypatch):
     finally:
         for s in (store_client, store_accepted, client, accepted, late_store_client, late_store_accepted, group, store):
             s.close()
+
+
+def test_once_sealed_only_the_attempts_groups_are_broken(monkeypatch):
+    """On CUDA the attempt's only gloo group is the save protocol's: marked just before it forms,
+    sealed just after. What opens later (NCCL's own sockets, say) is not the transport's to break."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    transport = GroupTransport()
+    assert transport.seal() == 0  # before mark: nothing
+    transport.mark()
+    group = socket.create_server(("127.0.0.1", 0))
+    client, accepted = connected_pair(group)  # the protocol group's pair
+    assert transport.seal() == 2
+    later_client, later_accepted = connected_pair(group)  # opened after the seal
+    try:
+        assert transport.shut_down() == 2
+        assert client.recv(1) == b"" and accepted.recv(1) == b""
+        later_client.sendall(b"x")
+        assert later_accepted.recv(1) == b"x"
+        transport.mark()  # the next attempt starts afresh: unsealed until it seals again
+        fresh_group = socket.create_server(("127.0.0.1", 0))
+        fresh_client, fresh_accepted = connected_pair(fresh_group)
+        try:
+            assert transport.shut_down() == 2
+            assert fresh_client.recv(1) == b""
+        finally:
+            for s in (fresh_client, fresh_accepted, fresh_group):
+                s.close()
+    finally:
+        for s in (client, accepted, later_client, later_accepted, group):
+            s.close()
