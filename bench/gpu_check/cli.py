@@ -37,6 +37,8 @@ def probe_versions(work: Path) -> dict[str, Any]:
 
 def run_on_gpus(args: argparse.Namespace, gpus: int, checks: tuple[Check, ...]) -> int:
     started = time.time()
+    # Report-writing and the final lines take seconds: the checks get the rest of the limit.
+    deadline = time.monotonic() + args.time_limit - 10
     work = args.work.resolve()
     log(f"gpu-check on {gpus} GPU(s): {', '.join(c.key for c in checks)}; work dir {work}")
     dataset = ensure_dataset(work / "dataset", sys.executable)
@@ -45,7 +47,7 @@ def run_on_gpus(args: argparse.Namespace, gpus: int, checks: tuple[Check, ...]) 
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ctx = Context(work, gpus, configs, write_configs(configs, work / "configs"))
+    ctx = Context(work, gpus, configs, write_configs(configs, work / "configs"), deadline, args.keep_checkpoints)
     versions = probe_versions(work)
     log(f"versions: {versions}")
     results = [run_check(ctx, check) for check in checks]
@@ -55,6 +57,9 @@ def run_on_gpus(args: argparse.Namespace, gpus: int, checks: tuple[Check, ...]) 
     report = new_report(versions, results, started, False, work)
     write_report(report, args.doc, args.json)
     failed = [r.key for r in results if not r.passed]
+    for r in results:  # one line per check, whatever the log above says
+        why = f" ({'; '.join(r.problems)})" if r.problems else ""
+        print(f"{'PASS' if r.passed else 'FAIL'} {r.key}: {r.summary}{why}")
     print(
         f"gpu-check: {report['passed']} of {len(results)} checks passed on {gpus} × {versions.get('gpu')} "
         f"in {report['wall_s'] / 60:.1f} min"

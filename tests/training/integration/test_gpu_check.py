@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from bench.gpu_check import CHECKS, DOC, JSON_OUT, LAUNCH_SCENARIOS, WORKERS
 
 from training.support import REPO
@@ -35,3 +37,59 @@ def test_dry_run_wires_every_scenario_and_writes_nothing_in_the_repo():
             x.startswith(f"[dry-run] {worker}:") and "torch.distributed.run" in x for x in proc.stdout.splitlines()
         ), output
     assert (_stamp(DOC), _stamp(JSON_OUT)) == before, "a dry run must not write docs/gpu.md or bench/results/gpu.json"
+
+
+# The judging, without a GPU: what turns a GPU run's figures into pass or fail.
+
+
+def test_the_stall_target_is_a_pass_condition():
+    from bench.gpu_check.configs import STALL_TARGET
+    from bench.gpu_check.worker_checks import stall_problems
+
+    assert stall_problems({"stall_over_memcpy": STALL_TARGET}) == []
+    [problem] = stall_problems({"stall_over_memcpy": STALL_TARGET + 0.5})
+    assert f"{STALL_TARGET:g}× target" in problem
+
+
+def test_memory_is_compared_with_the_estimate_for_the_same_gpu_count(tmp_path):
+    from bench.gpu_check.worker_checks import memory_estimate, memory_problems
+    from fsdp_resilience.training.contract import RunConfig
+
+    where = {"run_id": "memory", "run_dir": str(tmp_path), "dataset_dir": str(tmp_path)}
+    cfg = RunConfig(**where, model="1b", device="cuda", batch_size=4, seq_len=4096)
+    one, eight = memory_estimate(cfg, 1), memory_estimate(cfg, 8)
+    assert one["sharded_state"] == pytest.approx(8 * eight["sharded_state"], rel=0.01)
+    expected = one["total"] - one["overhead"]  # max_memory_allocated sees no CUDA context or NCCL buffers
+    assert memory_problems(expected, one) == (pytest.approx(1.0), [])
+    ratio, [problem] = memory_problems(1.5 * expected, one)
+    assert ratio == pytest.approx(1.5) and "understates" in problem
+    assert "overstates" in memory_problems(0.5 * expected, one)[1][0]
+
+
+def test_the_while_saving_drill_fires_the_step_after_a_checkpoint_and_is_judged_by_the_pending_save():
+    from bench.gpu_check.launched_checks import pending_save_at_fault
+    from fsdp_resilience.training.contract import FaultDrill
+
+    scenario = LAUNCH_SCENARIOS["while_saving"]
+    [fault] = scenario["faults"]
+    assert fault["while_saving"] and fault["step"] % scenario["checkpoint_interval"] == 1
+    drill = FaultDrill(**fault)
+    begun = {"event": "checkpoint_begin", "step": 5, "ts": 1.0}
+    fired = {"event": "fault_injected", "kind": "exception", "step": 6, "ts": 2.0}
+    later = {"event": "checkpoint_commit", "step": 5, "ts": 3.0}
+    pending = {"pending_save_step": 5, "pending_at_fault": True}
+    assert pending_save_at_fault([begun, fired, later], drill) == ([], pending)
+    problems, figures = pending_save_at_fault([begun, {**later, "ts": 1.5}, fired], drill)
+    assert figures["pending_at_fault"] is False and "committed before the drill" in problems[0]
+    assert "nothing was pending" in pending_save_at_fault([fired], drill)[0][0]
+
+
+def test_a_check_left_without_time_fails_without_running(tmp_path):
+    import time
+
+    from bench.gpu_check.checks import Check, Context, run_check
+
+    ran = []
+    check = Check("train", "a check", 600, lambda ctx, chk: ran.append(chk))
+    result = run_check(Context(tmp_path, 1, {}, {}, deadline=time.monotonic() + 5), check)
+    assert result.passed is False and "time limit" in result.problems[0] and not ran
