@@ -1,5 +1,6 @@
-"""`make gpu-check` (bench/gpu_check/), dry: its wiring holds without a GPU. With --dry-run it
-runs dry on a GPU machine too, so this test means the same everywhere."""
+"""`make gpu-check` (bench/gpu_check/) without a GPU: its wiring holds (the dry run; with --dry-run it
+runs dry on a GPU machine too, so this test means the same everywhere), what judges a GPU run's
+figures, and the wheels `make gpu-wheels` carries to a GPU machine without a registry."""
 
 from __future__ import annotations
 
@@ -93,3 +94,40 @@ def test_a_check_left_without_time_fails_without_running(tmp_path):
     check = Check("train", "a check", 600, lambda ctx, chk: ran.append(chk))
     result = run_check(Context(tmp_path, 1, {}, {}, deadline=time.monotonic() + 5), check)
     assert result.passed is False and "time limit" in result.problems[0] and not ran
+
+
+# The wheels `make gpu-wheels` carries to a GPU machine without a registry (bench/gpu_check/wheels.py).
+
+
+def test_the_carried_wheels_are_the_image_s_versions_and_never_torch_or_cuda(tmp_path):
+    import re
+
+    from bench.gpu_check import wheels
+
+    pins = wheels.read_list()
+    dockerfile = (REPO / "images" / "training" / "Dockerfile").read_text()
+    image = dict(re.findall(r"^ARG (NVRX_VERSION|CRC32C_VERSION)=(\S+)$", dockerfile, re.M))
+    assert pins["nvidia-resiliency-ext"] == image["NVRX_VERSION"] and pins["crc32c"] == image["CRC32C_VERSION"]
+    assert {"numpy", "pyyaml", "grpcio", "psutil", "pip"} <= set(pins)
+    for name in ("torch", "triton", "nvidia-cuda-runtime-cu13", "nvidia-nccl-cu13"):
+        bad = tmp_path / f"{name}.txt"
+        bad.write_text(f"{name}==1.0\n")
+        with pytest.raises(SystemExit, match="never carried"):
+            wheels.read_list(bad)
+
+
+def test_only_what_the_machine_lacks_is_installed_but_nvrx_is_the_version_under_test():
+    from bench.gpu_check import wheels
+
+    pins = {"nvidia-resiliency-ext": "0.7.0", "numpy": "2.5.5", "grpcio": "1.85.3", "pip": "26.3"}
+    machine = {"nvidia-resiliency-ext": "0.4.1", "numpy": "1.26.4", "grpcio": None, "pip": "24.0"}
+    assert wheels.to_install(pins, machine) == ["nvidia-resiliency-ext==0.7.0", "grpcio==1.85.3"]
+    assert wheels.to_install(pins, {**machine, "nvidia-resiliency-ext": "0.7.0", "grpcio": "1.70.0"}) == []
+
+
+def test_the_platforms_asked_for_cover_every_older_manylinux():
+    from bench.gpu_check import wheels
+
+    tags = wheels.platforms("2.39", "x86_64")
+    assert tags[0] == "manylinux_2_39_x86_64" and "manylinux_2_28_x86_64" in tags  # numpy's
+    assert "manylinux2014_x86_64" in tags and tags[-1] == "manylinux1_x86_64"
