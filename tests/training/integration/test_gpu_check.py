@@ -131,3 +131,25 @@ def test_the_platforms_asked_for_cover_every_older_manylinux():
     tags = wheels.platforms("2.39", "x86_64")
     assert tags[0] == "manylinux_2_39_x86_64" and "manylinux_2_28_x86_64" in tags  # numpy's
     assert "manylinux2014_x86_64" in tags and tags[-1] == "manylinux1_x86_64"
+
+
+def test_a_gpu_run_prints_a_line_per_check_and_writes_only_the_block_of_the_page(tmp_path, monkeypatch, capsys):
+    """run_on_gpus end to end with stand-in checks: what a GPU machine would print and write."""
+    from bench.gpu_check import cli
+    from bench.gpu_check.arguments import parse_args
+    from bench.gpu_check.checks import Check, CheckResult
+    from bench.gpu_check.report import BEGIN, END
+
+    monkeypatch.setattr(cli, "ensure_dataset", lambda dst, python: dst)
+    monkeypatch.setattr(cli, "probe_versions", lambda work, timeout_s: {"torch": "2.11.0+cu130", "gpu": "H200"})
+    passing = Check("train", "training", 60, lambda ctx, c: CheckResult(c.key, c.title, True, summary="1 s/step"))
+    failing = Check("memory", "memory", 60, lambda ctx, c: CheckResult(c.key, c.title, False, problems=["too big"]))
+    page = tmp_path / "gpu.md"
+    page.write_text(f"# GPU check\n\nby hand\n\n{BEGIN}\nold run\n{END}\n\nafter\n")
+    args = parse_args(["--work", str(tmp_path / "work"), "--doc", str(page), "--json", str(tmp_path / "gpu.json")])
+    assert cli.run_on_gpus(args, 1, (passing, failing)) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "PASS train: 1 s/step" in lines and "FAIL memory: too big" in lines
+    text = page.read_text()
+    assert text.startswith("# GPU check\n\nby hand\n\n") and text.endswith(f"{END}\n\nafter\n")
+    assert "old run" not in text and "**1 of 2 checks passed**" in text and "2.11.0+cu130" in text
