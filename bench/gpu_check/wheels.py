@@ -121,12 +121,16 @@ def install(wheels: Path, target: Path) -> int:
     if torch is None:
         print(f"gpu-check: {sys.executable} has no torch; it runs on the machine's own torch", file=sys.stderr)
         return 2
-    pip_wheel = next(iter(sorted(wheels.glob(f"pip-{pins['pip']}-*.whl"))), None)
-    if pip_wheel is None:
-        print(f"gpu-check: no pip wheel in {wheels}: run `make gpu-wheels` where a registry is", file=sys.stderr)
-        return 2
     installed = {name: installed_version(name) for name in pins}
     wanted = to_install(pins, installed)
+    pip_wheel = next(iter(sorted(wheels.glob(f"pip-{pins['pip']}-*.whl"))), None)
+    if wanted and pip_wheel is None:  # a machine that has it all (the training image) needs no wheels
+        print(
+            f"gpu-check: {sys.executable} lacks {', '.join(wanted)} and {wheels} has no wheels: run "
+            "`make gpu-wheels` on a machine with a registry and bring that folder",
+            file=sys.stderr,
+        )
+        return 2
     shutil.rmtree(target, ignore_errors=True)  # from the wheels alone, every time: nothing stale
     target.mkdir(parents=True)
     if wanted:
