@@ -124,8 +124,13 @@ def check_exception(ctx: Context, check: Check) -> CheckResult:
 def pending_save_at_fault(events: list[dict], drill: FaultDrill) -> tuple[list[str], dict[str, Any]]:
     """That the drill fired while a save was pending: the newest save begun before it had not been
     committed yet (events of one machine: the writers' clocks are the same clock)."""
-    fired = next(
-        (r for r in events if r.get("event") == Event.FAULT_INJECTED.value and r.get("step") == drill.step), None
+    fired = next(  # at the first save-protocol round at or after its step
+        (
+            r
+            for r in events
+            if r.get("event") == Event.FAULT_INJECTED.value and r.get("kind") == drill.kind and r["step"] >= drill.step
+        ),
+        None,
     )
     begun = [r for r in events if r.get("event") == Event.CHECKPOINT_BEGIN.value and fired and r["ts"] <= fired["ts"]]
     if fired is None or not begun:
