@@ -135,7 +135,10 @@ def install(wheels: Path, target: Path) -> int:
     target.mkdir(parents=True)
     if wanted:
         command = [sys.executable, str(pip_wheel / "pip"), "install", "--no-index", "--find-links", str(wheels)]
-        command += ["--no-deps", "--target", str(target), "--quiet", "--disable-pip-version-check", *wanted]
+        # --isolated: no pip configuration or PIP_* variable of the machine applies (an index, a
+        # find-links folder); a root user on a GPU box is ordinary, so no warning about it.
+        command += ["--no-deps", "--target", str(target), "--quiet", "--isolated", "--root-user-action=ignore"]
+        command += ["--disable-pip-version-check", *wanted]
         rc = subprocess.run(command).returncode
         if rc != 0:
             print(f"gpu-check: installing {wanted} from {wheels} failed (exit {rc})", file=sys.stderr)
