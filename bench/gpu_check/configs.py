@@ -33,10 +33,11 @@ GPU_RUN: dict[str, Any] = {
     "eval_batches": 8,
 }
 #: The ``python -m fsdp_resilience.training.launch`` runs. Each drill fires after the step-5
-#: checkpoint, so each recovery also restores a committed checkpoint; ``while_saving`` fires at step
-#: 6, in the save-protocol round of step 6, while the save begun at step 5 is still pending (the
-#: state defect 2 of issue 28 is about: on more than one GPU the peers then wait in the save
-#: protocol's collective).
+#: checkpoint, so each recovery also restores a committed checkpoint. ``while_saving`` fires at the
+#: first save-protocol round at or after step 6, while the save begun at step 5 is still pending
+#: (the state defect 2 of issue 28 is about: on more than one GPU the peers then wait in the save
+#: protocol's collective). On NCCL a pending save's rounds ride with logged steps (every 20), so
+#: that round is step 10's settle before its own save; on gloo, step 6's poll.
 LAUNCH_SCENARIOS: dict[str, dict[str, Any]] = {
     "train": {"steps": 30, "checkpoint_interval": 10},
     "exception": {"steps": 12, "checkpoint_interval": 5, "faults": [{"kind": "exception", "step": 7, "rank": 0}]},
