@@ -17,7 +17,7 @@ CKVENV  := .venv-checkov
 CKSTAMP := $(CKVENV)/.installed
 PIP     := pip install --quiet --disable-pip-version-check
 
-.PHONY: setup demo demo-training lint format reference test test-training test-nvrx07 kube-control-plane test-control lint-deploy bench bench-quick gpu-check clean
+.PHONY: setup demo demo-training lint format reference test test-training test-nvrx07 kube-control-plane test-control lint-deploy bench bench-quick gpu-wheels gpu-check clean
 
 setup: $(STAMP) $(AFSTAMP) $(CKSTAMP)
 
@@ -99,11 +99,29 @@ bench: $(STAMP) $(AFSTAMP)
 bench-quick: $(STAMP) $(AFSTAMP)
 	$(AFBIN)/python -m bench.run --quick
 
-# The training plane on a CUDA machine (every GPU it finds, NCCL): bf16 FSDP2, the async
-# checkpoint, in-process and in-job restarts, evaluation, the 1b preset's memory -> docs/gpu.md.
-# Without a GPU it checks its own wiring and says so (make test runs that dry mode).
-gpu-check: $(STAMP)
-	$(BIN)/python -m bench.gpu_check
+# The training plane on a CUDA machine (every GPU it finds, NCCL): bf16 FSDP2, restarts in-process
+# (one while a save is pending) and in-job, evaluation, the async checkpoint's stall, the 1b preset's
+# memory; a PASS/FAIL line per check, docs/gpu.md and bench/results/gpu.json, within
+# GPU_CHECK_LIMIT_S (docs/gpu.md). It runs under the GPU machine's own python3 and torch, which
+# need no registry: `make gpu-wheels` first, on a machine with one, downloads NVRx 0.7.0 and what
+# it and this project need besides torch (bench/gpu_check/wheels.txt, 27 MiB) for that machine's
+# Python and glibc into build/gpu-wheels; gpu-check installs from there only what python3 lacks,
+# into build/gpu-site. Without a GPU it checks its own wiring (make test runs that dry mode).
+GPU_PYTHON         ?= python3
+GPU_PYTHON_VERSION ?= 3.12
+GPU_GLIBC          ?= 2.39
+GPU_WHEELS         ?= build/gpu-wheels
+GPU_SITE           := build/gpu-site
+GPU_CHECK_LIMIT_S  ?= 450
+
+gpu-wheels:
+	$(PYTHON) bench/gpu_check/wheels.py download --dest $(GPU_WHEELS) \
+		--python-version $(GPU_PYTHON_VERSION) --glibc $(GPU_GLIBC)
+
+# src/ first: the tree's code, never a stale installed copy of it.
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check/wheels.py install --wheels $(GPU_WHEELS) --target $(GPU_SITE)
+	PYTHONPATH="$(CURDIR)/src:$(CURDIR)/$(GPU_SITE)" $(GPU_PYTHON) -m bench.gpu_check --time-limit $(GPU_CHECK_LIMIT_S)
 
 # The deployment kit alone (make test runs it): render every kustomization with kubectl's
 # kustomize and validate each object, and each object the EKS backend creates, strictly against

@@ -8,7 +8,7 @@ from pathlib import Path
 from bench import gpu_check as package
 from bench.common import REPO
 from bench.gpu_check.checks import CHECKS, WORKERS
-from bench.gpu_check.configs import DOC, JSON_OUT, WORK
+from bench.gpu_check.configs import DOC, JSON_OUT, TIME_LIMIT_S, WORK
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -20,6 +20,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: every visible one; dry run: 1)")
     parser.add_argument("--work", type=Path, default=WORK, help=f"run dirs and logs (default {WORK.relative_to(REPO)})")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep the runs' checkpoints (GBs)")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=TIME_LIMIT_S,
+        help=f"seconds for the whole command on a GPU (default {TIME_LIMIT_S:g}); a check left without time fails",
+    )
     parser.add_argument("--doc", type=Path, default=DOC, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, default=JSON_OUT, help=argparse.SUPPRESS)
     # A worker process of a check (started by torchrun), not for direct use.

@@ -21,13 +21,13 @@ from bench.gpu_check.workers import worker_checkpoint, worker_memory, worker_pro
 from fsdp_resilience.training.contract import ConfigError, RunConfig
 
 
-def probe_versions(work: Path) -> dict[str, Any]:
+def probe_versions(work: Path, timeout_s: float = 180) -> dict[str, Any]:
     result = work / "results" / "probe.json"
     result.unlink(missing_ok=True)
     rc, _ = run_bounded(
         [sys.executable, "-m", "bench.gpu_check", "--worker", "probe", "--result", str(result)],
         work / "logs" / "probe.log",
-        timeout_s=180,
+        timeout_s=timeout_s,
     )
     try:
         return json.loads(result.read_text())
@@ -37,6 +37,8 @@ def probe_versions(work: Path) -> dict[str, Any]:
 
 def run_on_gpus(args: argparse.Namespace, gpus: int, checks: tuple[Check, ...]) -> int:
     started = time.time()
+    # Report-writing and the final lines take seconds: the checks get the rest of the limit.
+    deadline = time.monotonic() + args.time_limit - 10
     work = args.work.resolve()
     log(f"gpu-check on {gpus} GPU(s): {', '.join(c.key for c in checks)}; work dir {work}")
     dataset = ensure_dataset(work / "dataset", sys.executable)
@@ -45,8 +47,8 @@ def run_on_gpus(args: argparse.Namespace, gpus: int, checks: tuple[Check, ...]) 
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ctx = Context(work, gpus, configs, write_configs(configs, work / "configs"))
-    versions = probe_versions(work)
+    ctx = Context(work, gpus, configs, write_configs(configs, work / "configs"), deadline, args.keep_checkpoints)
+    versions = probe_versions(work, timeout_s=min(180, max(10, deadline - time.monotonic())))
     log(f"versions: {versions}")
     results = [run_check(ctx, check) for check in checks]
     if not args.keep_checkpoints:  # GBs per run; logs and events stay for diagnosis
@@ -55,6 +57,10 @@ def run_on_gpus(args: argparse.Namespace, gpus: int, checks: tuple[Check, ...]) 
     report = new_report(versions, results, started, False, work)
     write_report(report, args.doc, args.json)
     failed = [r.key for r in results if not r.passed]
+    for r in results:  # one line per check, whatever the log above says
+        why = "; ".join(r.problems)
+        detail = f"{r.summary} ({why})" if r.summary and why else r.summary or why
+        print(f"{'PASS' if r.passed else 'FAIL'} {r.key}: {detail}")
     print(
         f"gpu-check: {report['passed']} of {len(results)} checks passed on {gpus} × {versions.get('gpu')} "
         f"in {report['wall_s'] / 60:.1f} min"

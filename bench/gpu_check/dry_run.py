@@ -15,8 +15,18 @@ from pathlib import Path
 from bench.common import REPO, ensure_dataset
 from bench.gpu_check.arguments import parse_args
 from bench.gpu_check.checks import LAUNCHED, WORKERS, Check, CheckResult, nccl_timeouts
-from bench.gpu_check.configs import build_configs, launch_command, worker_command, write_configs
-from bench.gpu_check.report import new_report, write_report
+from bench.gpu_check.configs import (
+    CHECKPOINT_MODEL,
+    DOC,
+    MEMORY_TOLERANCE,
+    STALL_TARGET,
+    build_configs,
+    launch_command,
+    worker_command,
+    write_configs,
+)
+from bench.gpu_check.report import BEGIN, END, new_report, write_report
+from bench.gpu_check.worker_checks import checkpoint_space, memory_estimate
 from bench.gpu_check.workers import training_api
 from fsdp_resilience.training.contract import ConfigError
 
@@ -47,6 +57,15 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             f"{len(configs)} run configs valid for {gpus} GPU(s) (NCCL: hang {t['hang_timeout_s']:g} s, "
             f"hard {t['hard_timeout_s']:g} s, collective {t['collective_timeout_s']:g} s, "
             f"heartbeat {t['heartbeat_timeout_s']:g} s)"
+        )
+        # What the worker checks will judge against, for this GPU count.
+        estimate = memory_estimate(configs["memory"], gpus)
+        state, _ = checkpoint_space(work, gpus)
+        expected_gib = estimate["total"] - estimate["overhead"]
+        print(
+            f"[dry-run] judging: memory within ±{MEMORY_TOLERANCE:.0%} of {expected_gib:.1f} GiB "
+            f"a GPU (1b, {gpus} GPU(s)); checkpoint stall ≤ {STALL_TARGET:g}× a pinned memcpy of "
+            f"{state / 1e9:.1f} GB ({CHECKPOINT_MODEL}) in all"
         )
         for name in LAUNCHED:  # what `fsdp_resilience.training.launch` would start, without starting it
             proc = subprocess.run(
@@ -96,6 +115,10 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             "gpu_count": 0,
         }
         report = new_report(versions, results, started, True, work)
+        # Into a copy of docs/gpu.md: its hand-written parts must come through the run's block intact.
+        page = DOC.read_text() if DOC.exists() else ""
+        if page:
+            (work / "gpu.md").write_text(page)
         write_report(report, work / "gpu.md", work / "gpu.json")
         text = (work / "gpu.md").read_text()
         if not all(c.title in text for c in checks) or json.loads((work / "gpu.json").read_text())["total"] != len(
@@ -103,7 +126,10 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
         ):
             print("error: the report writer left out checks; see render_markdown", file=sys.stderr)
             return 1
-        done.append("report writer (temp dir; docs/gpu.md untouched)")
+        if page and (text.split(BEGIN)[0] != page.split(BEGIN)[0] or text.split(END)[1] != page.split(END)[1]):
+            print(f"error: the report writer changed {DOC} outside its block", file=sys.stderr)
+            return 1
+        done.append("report writer (into a copy of docs/gpu.md; the page itself untouched)")
     print(
         f"gpu-check dry run: {reason}; wired {len(checks)} checks ({', '.join(c.key for c in checks)}): "
         f"{'; '.join(done)}; in {time.time() - started:.1f} s. Run `make gpu-check` on a CUDA machine for figures."

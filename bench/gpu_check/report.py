@@ -14,15 +14,18 @@ from typing import Any
 from bench.common import REPO, machine, write_json
 from bench.gpu_check.checks import CheckResult
 
+#: docs/gpu.md is written by hand but for this block, which a run on a GPU replaces.
+BEGIN = "<!-- gpu-check:begin (make gpu-check writes this block) -->"
+END = "<!-- gpu-check:end -->"
+
 
 def render_markdown(report: dict[str, Any]) -> str:
+    """The block of docs/gpu.md a run writes: what ran where, a line per check, then the details."""
     v = report["versions"]
     checks = report["checks"]
     passed = sum(c["passed"] is True for c in checks)
     when = report["started_at"][:16].replace("T", " ")
     lines = [
-        "# GPU check",
-        "",
         f"Written by `make gpu-check` (`python -m bench.gpu_check`) on {when} in "
         f"{report['wall_s'] / 60:.1f} min: **{passed} of {len(checks)} checks passed**"
         + (" (dry run: nothing ran on a GPU)" if report["dry_run"] else "")
@@ -46,9 +49,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     for i, c in enumerate(checks, 1):
         result = {True: "passed", False: "**failed**", None: "not run"}[c["passed"]]
         lines.append(f"| {i} | {c['title']} | {result} | {c['summary']} | {c['seconds']:.0f} s |")
-    lines += ["", "## Details", ""]
+    lines += ["", "### Details", ""]
     for i, c in enumerate(checks, 1):
-        lines += [f"### {i}. {c['title']}", ""]
+        lines += [f"#### {i}. {c['title']}", ""]
         if c["command"]:
             lines += [f"`{c['command'].replace(str(REPO) + '/', '')}`", ""]
         lines += [f"- {k}: {json.dumps(val, default=str, ensure_ascii=False)}" for k, val in c["figures"].items()]
@@ -57,14 +60,21 @@ def render_markdown(report: dict[str, Any]) -> str:
         if c["log_tail"]:
             lines += ["", "```", c["log_tail"], "```"]
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def write_report(report: dict[str, Any], md_path: Path, json_path: Path) -> None:
+    """bench/results/gpu.json whole, and the block between BEGIN and END in ``md_path`` (a page of
+    the block alone where there is none yet): the page's hand-written parts stay."""
     write_json(json_path, report)
+    page = md_path.read_text() if md_path.exists() else f"# GPU check\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in page or END not in page or page.index(BEGIN) > page.index(END):
+        raise ValueError(f"{md_path} has no {BEGIN} ... {END} block to write the run into")
+    head, rest = page.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
     md_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = md_path.with_name(f".{md_path.name}.tmp.{os.getpid()}")
-    tmp.write_text(render_markdown(report))
+    tmp.write_text(f"{head}{BEGIN}\n{render_markdown(report)}{END}{tail}")
     os.replace(tmp, md_path)
 
 

@@ -31,14 +31,7 @@ def training_api() -> SimpleNamespace:
     from fsdp_resilience.training.checkpointing.checkpointer import AsyncCheckpointer
     from fsdp_resilience.training.checkpointing.snapshot import app_state
     from fsdp_resilience.training.contract import EventLog
-    from fsdp_resilience.training.model import (
-        BYTE_VOCAB,
-        PRESET_RUNS,
-        PRESETS,
-        cross_entropy_loss,
-        memory_per_gpu,
-        param_count,
-    )
+    from fsdp_resilience.training.model import BYTE_VOCAB, PRESETS, cross_entropy_loss, param_count
     from fsdp_resilience.training.parallelize import build_optimizer, build_sharded_model, device_mesh
 
     return SimpleNamespace(
@@ -54,8 +47,6 @@ def training_api() -> SimpleNamespace:
         build_optimizer=build_optimizer,
         build_sharded_model=build_sharded_model,
         device_mesh=device_mesh,
-        PRESET_RUNS=PRESET_RUNS,
-        memory_per_gpu=memory_per_gpu,
     )
 
 
@@ -131,7 +122,6 @@ def worker_memory(cfg: RunConfig, result_path: Path) -> None:
                 "gpu_total_gib": round(ranks[0]["total"], 1),
                 "losses": losses,
                 "step_s": step_s,
-                "estimate_gib": api.memory_per_gpu(api.PRESETS[cfg.model], api.PRESET_RUNS[cfg.model]),
             },
         )
     api.dist.destroy_process_group()
