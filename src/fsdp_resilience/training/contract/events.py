@@ -392,6 +392,33 @@ def read_events(path: str | os.PathLike, event: Event | str | None = None) -> li
     return out
 
 
+def parse_event_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The records in ``data`` (bytes of the events log from some offset on), and how many bytes
+    they took: whole lines only, so a line still being written is read next time from
+    ``offset + consumed``. What ``read_events_since`` and a reader of an S3 copy share."""
+    consumed = data.rfind(b"\n") + 1
+    out = []
+    for line in data[:consumed].decode(errors="replace").splitlines():
+        rec = _parse_event_line(line.strip())
+        if rec is not None:
+            out.append(rec)
+    return out, consumed
+
+
+def read_events_since(path: str | os.PathLike, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The records appended to the log since byte ``offset``, and the offset to read from next: a
+    log that grows is read once, however often it is looked at. A log that is missing, or shorter
+    than ``offset`` (replaced), reads as nothing new."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    records, consumed = parse_event_lines(data)
+    return records, offset + consumed
+
+
 def _parse_event_line(line: str) -> dict[str, Any] | None:
     """One record; if a killed writer left a partial record in front of it on the same line, the
     complete record that ends the line."""

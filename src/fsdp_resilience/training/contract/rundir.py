@@ -182,7 +182,12 @@ def clear_stop(layout: RunDir, failure: FailureClass) -> Path | None:
 def final_status(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The run's outcome: the last ``final`` record (the worst across nodes if several ended the
     same launch), or None while it is still running."""
-    finals = read_events(RunDir(run_dir).events, Event.FINAL)
+    return final_of(read_events(RunDir(run_dir).events, Event.FINAL))
+
+
+def final_of(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``final_status`` of records already read (the events log, in its order)."""
+    finals = [r for r in events if r.get("event") == Event.FINAL.value]
     if not finals:
         return None
     last_launch = finals[-1].get("launch_id", "")  # the log is in time order

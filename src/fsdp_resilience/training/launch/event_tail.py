@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from fsdp_resilience.training.contract import read_events_since
 
 
 class EventTail:
@@ -15,20 +16,5 @@ class EventTail:
         self.offset = 0
 
     def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        out = []
-        for line in data[:end].splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a torn line of a killed writer
-            if isinstance(record, dict):
-                out.append(record)
-        return out
+        records, self.offset = read_events_since(self.path, self.offset)
+        return records
