@@ -69,7 +69,14 @@ class SimulatedRun:
         ranks = []
         for rank in (0, 1):
             ranks.append(
-                self.log.bind(pid=self.next_pid, rank=rank, node_rank=0, attempt=self.attempt, iteration=self.iteration)
+                self.log.bind(
+                    pid=self.next_pid,
+                    rank=rank,
+                    node_rank=0,
+                    attempt=self.attempt,
+                    iteration=self.iteration,
+                    launch_id=self.launch_id,  # as training/train/loop.py binds TRAINING_LAUNCH_ID
+                )
             )
             self.next_pid += 1
         self.rank0 = ranks[0]
@@ -127,7 +134,9 @@ class SimulatedRun:
             step=step,
         )
 
-    def detect(self, layer: str, step: int, after: float = 0.01) -> None:
+    def detect(self, layer: str, step: int, after: float = 0.01, failure_class: str = "restarts_exhausted") -> None:
+        # The class a rank gives a fault it cannot blame on the user: what the launch ends with
+        # if no restart recovers it (training/train/fault_handling.py).
         self.emit(
             self.rank0.bind(rank=1, pid=self.rank0.context["pid"] + 1),
             Event.FAULT_DETECTED,
@@ -137,6 +146,7 @@ class SimulatedRun:
             step=step,
             error="peer gone | see logs",
             repeated=False,
+            failure_class=failure_class,
         )
 
     def restart_inprocess(self, detect_s: float, restore_s: float, start_step: int) -> None:
@@ -145,7 +155,14 @@ class SimulatedRun:
         self.iteration += 1
         pids = [self.rank0.context["pid"], self.rank0.context["pid"] + 1]
         workers = [
-            self.log.bind(pid=pid, rank=rank, node_rank=0, attempt=self.attempt, iteration=self.iteration)
+            self.log.bind(
+                pid=pid,
+                rank=rank,
+                node_rank=0,
+                attempt=self.attempt,
+                iteration=self.iteration,
+                launch_id=self.launch_id,
+            )
             for rank, pid in enumerate(pids)
         ]
         self.rank0 = workers[0]

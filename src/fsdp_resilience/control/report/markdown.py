@@ -16,6 +16,7 @@ from fsdp_resilience.control.report.records import (
     SPARE_PROMOTED,
     StepExecution,
     blame_evidence,
+    fault_outcomes,
     node_list,
     number,
     read_json_object,
@@ -26,7 +27,7 @@ from fsdp_resilience.training.contract import (
     CheckpointCatalog,
     Event,
     RunDir,
-    final_status,
+    final_of,
     verify_checkpoint,
 )
 
@@ -63,11 +64,13 @@ def render_markdown(
     accounting: dict[str, Any],
     executions: list[StepExecution],
     evaluation: dict[str, Any] | None,
-    paths: ReportPaths,
+    paths: ReportPaths | None,
 ) -> str:
+    """The report in Markdown; without ``paths`` (the UI's view, which draws its own figures) it
+    has no Figures section."""
     config = read_json_object(layout.config) or {}
     run_id = config.get("run_id") or next((r["run_id"] for r in events if r.get("run_id")), layout.root.name)
-    final = final_status(layout.root)
+    final = final_of(events)
     start = accounting["start_ts"]
 
     lines = [f"# Run report: {run_id}", ""]
@@ -116,6 +119,7 @@ def render_markdown(
         ),
         ("escalations", len(escalations) or "none"),
         ("spares promoted / added", _spare_counts(by_kind)),
+        ("checkpoints committed", len(by_kind.get(Event.CHECKPOINT_COMMIT.value, [])) or "none"),
         ("checkpoints quarantined / skipped / stale saves", _checkpoint_counts(checkpoint_rows)),
         (
             "faults injected / detected",
@@ -150,26 +154,15 @@ def render_markdown(
     else:
         lines += ["No restarts.", ""]
 
-    faults = [
-        r for r in timed_records(events) if r.get("event") in (Event.FAULT_INJECTED.value, Event.FAULT_DETECTED.value)
-    ]
+    faults = fault_rows(events, start)
     if faults:
-        lines += ["## Faults", ""] + _table(
-            ("t (s)", "event", "step", "rank", "kind", "layer", "class", "error"),
-            (
-                (
-                    f"{r['ts'] - start:.1f}",
-                    r.get("event"),
-                    r.get("step"),
-                    r.get("rank"),
-                    r.get("kind"),
-                    r.get("layer"),
-                    r.get("failure_class"),
-                    str(r.get("error") or "")[:120],
-                )
-                for r in faults
-            ),
-        )
+        lines += [
+            "## Faults",
+            "",
+            "Each fault a rank caught, the layer that took it and whether training recovered; "
+            '"points at" is what the launch would have ended with had no restart helped.',
+            "",
+        ] + _table(("t (s)", "event", "step", "rank", "kind", "taken by", "outcome", "points at", "error"), faults)
 
     checks = [r for r in timed_records(events) if r.get("event") == Event.HEALTH_CHECK_FAILED.value]
     if checks:
@@ -279,10 +272,40 @@ def render_markdown(
         "",
     ]
 
+    if paths is None:
+        return "\n".join(lines)
     lines += ["## Figures", ""]
     for title, png in (("Loss", paths.loss_png), ("Timeline", paths.timeline_png), ("Goodput", paths.goodput_png)):
         lines += [f"![{title}]({png.relative_to(paths.markdown.parent).as_posix()})", ""]
     return "\n".join(lines)
+
+
+def fault_rows(events: list[dict[str, Any]], start: float) -> list[tuple[Any, ...]]:
+    """The Faults table: every drill that fired (``fault_injected``) and every fault a rank caught
+    (``fault_detected``) with its ``FaultOutcome``, in time order."""
+    outcomes = {id(o.fault): o for o in fault_outcomes(events)}
+    rows = []
+    for r in timed_records(events):
+        if r.get("event") == Event.FAULT_INJECTED.value:
+            rows.append(
+                (f"{r['ts'] - start:.1f}", "injected", r.get("step"), r.get("rank"), r.get("kind"))
+                + (None, None, None, None)
+            )
+        elif (o := outcomes.get(id(r))) is not None:
+            rows.append(
+                (
+                    f"{r['ts'] - start:.1f}",
+                    "detected",
+                    r.get("step"),
+                    r.get("rank"),
+                    r.get("kind"),
+                    o.taken_by,
+                    o.outcome,
+                    o.points_at,
+                    str(r.get("error") or "")[:120],
+                )
+            )
+    return rows
 
 
 def _newest_committed(newest: Any) -> str | None:

@@ -184,3 +184,78 @@ def blame_evidence(escalation: dict[str, Any]) -> str | None:
             for node, found in signals.items()
         )
     return escalation.get("reason")
+
+
+#: What a ``fault_detected`` record's ``failure_class`` says the fault points at, in words. The
+#: class is what the launch ends with *if* no restart recovers it, so a report must not show it as
+#: the fault's outcome ("restarts_exhausted" for an exception recovered in-process at once).
+POINTS_AT = {
+    "restarts_exhausted": "the machine (transient)",
+    "user_error": "the user's code",
+    "storage_error": "storage",
+    "non_finite": "non-finite state",
+    "checkpoint": "a checkpoint's files",
+}
+
+
+@dataclass(frozen=True)
+class FaultOutcome:
+    """What became of one ``fault_detected``: the layer that took it, whether training recovered
+    (None while the launch is still going and nothing has resumed yet), and in words."""
+
+    fault: dict[str, Any]
+    taken_by: str | None
+    recovered: bool | None
+    outcome: str
+
+    @property
+    def points_at(self) -> str | None:
+        failure_class = self.fault.get("failure_class")
+        return POINTS_AT.get(str(failure_class), failure_class)
+
+
+def fault_outcomes(events: Iterable[dict[str, Any]]) -> list[FaultOutcome]:
+    """One ``FaultOutcome`` per ``fault_detected``, oldest first.
+
+    Recovered by a layer: the first ``restart_end`` after the fault in the same launch (in-process,
+    in-job, or a non-finite rollback). Not recovered in the launch: its ``final`` came first with a
+    failure; then the ladder's relaunch recovered it if a later launch resumed training
+    (``restart_end`` of layer ``relaunch``). A launch that ended ``success`` after the fault
+    recovered it too (a fault at the last step needs no step after it).
+    """
+    timed = timed_records(events)
+    out = []
+    for i, fault in enumerate(timed):
+        if fault.get("event") != Event.FAULT_DETECTED.value:
+            continue
+        launch = fault.get("launch_id")
+        taken_by: str | None = str(fault.get("layer") or "") or None
+        recovered: bool | None = None
+        outcome = "not recovered yet"
+        if fault.get("layer") == "none":
+            recovered, outcome = False, f"not retried: the run stopped ({fault.get('failure_class')})"
+        ended: dict[str, Any] | None = None
+        for later in timed[i + 1 :] if recovered is None else ():
+            kind = later.get("event")
+            if ended is None and later.get("launch_id") == launch:
+                if kind == Event.RESTART_END.value:
+                    taken_by, recovered = str(later.get("layer") or taken_by), True
+                    latency = number(later, "latency_s")
+                    outcome = f"recovered ({taken_by}" + (f", {latency:.1f} s)" if latency is not None else ")")
+                    break
+                if kind == Event.FINAL.value:
+                    if later.get("failure_class") == "success":
+                        recovered, outcome = True, "recovered (the launch completed)"
+                        break
+                    ended = later
+                    recovered = False
+                    outcome = f"not recovered in launch {launch}: it ended {later.get('failure_class')}"
+            elif ended is not None and kind == Event.RESTART_END.value and later.get("layer") == "relaunch":
+                taken_by, recovered = "relaunch", True
+                outcome = (
+                    f"launch {launch} ended {ended.get('failure_class')}; "
+                    f"recovered by relaunch {later.get('launch_id')}"
+                )
+                break
+        out.append(FaultOutcome(fault, taken_by, recovered, outcome))
+    return out
