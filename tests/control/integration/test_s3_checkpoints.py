@@ -74,3 +74,30 @@ def test_s3_progress_agrees_with_the_catalog_skipping_torn_checkpoints(s3, tmp_p
     upload(s3, torn_only, "runs/r2")
     assert CheckpointCatalog(torn_only).latest() is None
     assert latest_committed_in_s3("s3://exports/runs/r2", aws_conn_id=None) is None
+
+
+# -- the events log from the S3 export, read as it grows (the run report in the UI) ----------------
+
+
+def test_the_s3_event_feed_reads_only_what_was_exported_since(s3, tmp_path):
+    from fsdp_resilience.control.report.event_feed import S3EventFeed
+    from fsdp_resilience.training.contract import EventLog
+
+    feed = S3EventFeed("s3://exports/runs/r1", aws_conn_id=None)
+    assert feed.source == "s3://exports/runs/r1/events.jsonl"
+    assert feed.read(0) == ([], 0)  # not exported yet
+
+    log = EventLog(tmp_path / "events.jsonl", run_id="r1")
+    for step in range(1, 4):
+        log.emit("step", step=step)
+    exported = (tmp_path / "events.jsonl").read_bytes()
+    s3.put_object(Bucket="exports", Key="runs/r1/events.jsonl", Body=exported + b'{"event": "step", "st')
+    records, offset = feed.read(0)
+    assert [r["step"] for r in records] == [1, 2, 3] and offset == len(exported)  # the torn line waits
+    assert feed.read(offset) == ([], offset)  # nothing new past the whole lines
+
+    log.emit("step", step=4)
+    s3.put_object(Bucket="exports", Key="runs/r1/events.jsonl", Body=(tmp_path / "events.jsonl").read_bytes())
+    records, end = feed.read(offset)
+    assert [r["step"] for r in records] == [4] and end == (tmp_path / "events.jsonl").stat().st_size
+    assert feed.read(end) == ([], end)  # a range past the end: nothing new

@@ -307,6 +307,15 @@ class TrainingBackend(abc.ABC):
         polls and checks at once when one changes. Default: none (state behind an API)."""
         return []
 
+    def event_feed(self, run_dir: str) -> Any:
+        """Where the control plane reads a run's events log as it grows (the run report in the
+        Airflow UI): an ``EventFeed``. Both backends write the run dir to a file system the control
+        plane mounts (a local folder; FSx on EKS), or export it to S3 (``FSDP_CHECKPOINTS_S3``):
+        the default reads it there (``report.event_feed.event_feed_for``)."""
+        from fsdp_resilience.control.report.event_feed import event_feed_for
+
+        return event_feed_for(run_dir)
+
     def add_spare(self, handle: JobHandle, reason: str) -> NodeStatus:
         """Give a running job one more spare node, after a spare took a lost node's place
         (``cfg.spare_nodes``): the job's pool is whole again. The new node's launcher joins the
