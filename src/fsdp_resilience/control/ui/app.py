@@ -28,8 +28,6 @@ from fsdp_resilience.control import settings
 from fsdp_resilience.control.backends import TrainingBackend
 from fsdp_resilience.control.report.live import LiveReports, numbers_only
 
-#: Where the app is mounted in the API server (``/fsdp-report/...``).
-URL_PREFIX = "/fsdp-report"
 STATIC = Path(__file__).parent / "static"
 #: The run names the DAG accepts (``run_name``'s pattern): nothing else becomes a path.
 RUN_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
