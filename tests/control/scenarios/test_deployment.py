@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
 from fsdp_resilience.training.contract import CheckpointCatalog, read_events
 
-from control.support.airflow_stack import CHROMIUM, REPO, AirflowStack, missing_for_browser, missing_for_stack, wait_for
+from control.support.airflow_stack import REPO, AirflowStack, missing_for_browser, missing_for_stack, wait_for
+from control.support.browser import logged_in_page
 from shared import FAST_RUN
 
 pytestmark = pytest.mark.slow
@@ -86,6 +90,7 @@ def stack(request, tmp_path_factory):
         else "the training environment .venv (make setup): the local backend trains with it"
     )
     stack = AirflowStack(tmp_path_factory.mktemp("airflow-stack"))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     tails = _LogTails(stack)
     request.config.pluginmanager.register(tails)
     began = time.monotonic()
@@ -207,6 +212,57 @@ FAILING_RUNS = {
 }
 
 
+REPORT_TAB, FLEET_TAB = "Training report", "Training fleet"
+
+
+def open_plugin_tab(page, stack: AirflowStack, path: str, tab: str):
+    """Open a page of the Airflow UI and its plugin tab ``tab``, as a user would; the tab's frame
+    once its page has loaded its data."""
+    page.goto(f"{stack.base_url}{path}")
+    page.get_by_text(tab, exact=True).first.click()
+    frame = page.frame_locator(f"iframe[title='{tab}']")
+    frame.locator("body[data-loaded]").wait_for()
+    return frame
+
+
+def report_tab(page, stack: AirflowStack, run_id: str):
+    return open_plugin_tab(page, stack, f"/dags/{TRAINING}/runs/{quote(run_id, safe='')}", REPORT_TAB)
+
+
+class LiveLook(threading.Thread):
+    """The run's report view in Chromium while the run trains: the view's own polling must show it
+    running with steps done, before the run ends. A screenshot of that moment is the artifact."""
+
+    def __init__(self, stack: AirflowStack, run_id: str):
+        super().__init__(name="report-view-live", daemon=True)
+        self.stack, self.run_id = stack, run_id
+        self.seen: str | None = None  # the status line while running, with a step done
+        self.ended: str | None = None  # the status line once the run ended, in the same page
+        self.states: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with logged_in_page(self.stack) as page:
+                frame = report_tab(page, self.stack, self.run_id)
+                deadline = time.monotonic() + TRAIN_TIMEOUT_S
+                while time.monotonic() < deadline:
+                    state = frame.locator("#run-state").text_content()
+                    status = frame.locator("#status").inner_text()
+                    if not self.states or self.states[-1] != state:
+                        self.states.append(state)
+                    if self.seen is None and state == "running" and re.search(r"steps [1-9]", status):
+                        self.seen = status
+                        page.screenshot(path=str(ARTIFACTS / "report-view-while-training.png"))
+                    if state not in ("running", "not started"):
+                        # The same page, never reloaded: its own polling brought the end in.
+                        self.ended = status
+                        return
+                    page.wait_for_timeout(1000)
+        except BaseException as e:  # reported by the test, not lost in the thread
+            self.error = e
+
+
 @dataclass
 class GoodRun:
     stage_run: str
@@ -222,6 +278,8 @@ class GoodRun:
     new_triggerer_pid: int | None = None
     #: the dag run id of each of FAILING_RUNS, by run name
     failing: dict[str, str] = field(default_factory=dict)
+    #: the report view, looked at in Chromium while the run trained
+    live: "LiveLook | None" = None
 
 
 def ti_of(stack: AirflowStack, run_id: str, task_id: str) -> dict:
@@ -251,6 +309,10 @@ def good_run(stack, refused_runs) -> GoodRun:
     )
     assert response.status_code in (200, 201), response.text
     record = GoodRun(stage_run=stage_run, run_id=response.json()["dag_run_id"])
+    # The report view in a browser while the run trains, alongside the watch's checks below.
+    if missing_for_browser() is None:
+        record.live = LiveLook(stack, record.run_id)
+        record.live.start()
     # Two runs that must fail without the ladder climbing, alongside it (4 slots; each takes one).
     for name, (overrides, _) in FAILING_RUNS.items():
         response = stack.trigger(TRAINING, conf(name, **overrides))
@@ -284,6 +346,8 @@ def good_run(stack, refused_runs) -> GoodRun:
 
     record.state = stack.wait_for_run(TRAINING, record.run_id, TRAIN_TIMEOUT_S)
     record.states = stack.task_states(TRAINING, record.run_id)
+    if record.live is not None:
+        record.live.join(timeout=120)
     return record
 
 
@@ -372,6 +436,112 @@ def test_a_user_bug_or_a_diverging_run_fails_without_replacing_a_node(stack, goo
 
 
 # ---------------------------------------------------------------------------------------------
+# The run report and the fleet page in the Airflow UI (the project's plugin, served by the API
+# server behind Airflow's auth).
+
+
+def test_the_report_view_shows_the_run_while_it_trains(stack, good_run):
+    require(missing_for_browser())
+    live = good_run.live
+    assert live is not None and not live.is_alive(), "the live look did not finish"
+    if live.error is not None:
+        raise live.error
+    assert live.seen, f"the report view never showed the run training with a step done (states seen: {live.states})"
+    assert "DAG run: running" in live.seen, live.seen
+    # The page kept itself up to date: without a reload it went on to show the run's end.
+    assert live.ended is not None and live.ended.startswith("success"), (live.states, live.ended)
+    assert "steps 12 / 12" in live.ended, live.ended
+    assert (ARTIFACTS / "report-view-while-training.png").is_file()
+
+
+def test_the_report_view_shows_the_finished_run(stack, good_run):
+    require(missing_for_browser())
+    from playwright.sync_api import expect
+
+    with logged_in_page(stack) as page:
+        frame = report_tab(page, stack, good_run.run_id)
+        expect(frame.locator("#run-state")).to_have_text("success", timeout=60_000)
+        status = frame.locator("#status").inner_text()
+        assert "steps 12 / 12" in status and "DAG run: success" in status, status
+        assert "restarts 2 (inprocess 1, injob 1)" in status, status
+        # The figures: both restarts' windows and the faults on the timeline, a loss curve.
+        assert frame.locator("#timeline-svg rect.restart").count() == 2
+        assert frame.locator("#timeline-svg path.fault").count() >= 1
+        assert frame.locator("#loss-svg circle").count() >= 1
+        # Hover a restart: its layer, latency and reason.
+        frame.locator("#timeline-svg rect.restart").first.hover()
+        expect(frame.locator("#tip")).to_contain_text("inprocess restart")
+        # The report's tables: restarts per layer, each fault with the layer that took it.
+        body = frame.locator("body").inner_text()
+        for text in ("Summary", "Restarts", "Faults", "recovered (inprocess", "recovered (injob", "step_00000012"):
+            assert text in body, f"{text!r} not in the report view"
+        # A fault that was recovered is never shown as restarts_exhausted.
+        assert "restarts_exhausted" not in body
+        page.screenshot(path=str(ARTIFACTS / "report-view.png"))
+        frame.locator("body").screenshot(path=str(ARTIFACTS / "report-view-full.png"))
+    print(f"\n[deployment] report view screenshots: {ARTIFACTS}/report-view*.png")
+
+
+def test_the_fleet_page_lists_every_run_sortable(stack, good_run):
+    require(missing_for_browser())
+    for run_id in good_run.failing.values():
+        stack.wait_for_run(TRAINING, run_id, TRAIN_TIMEOUT_S)
+    with logged_in_page(stack) as page:
+        frame = open_plugin_tab(page, stack, f"/dags/{TRAINING}", FLEET_TAB)
+        table = frame.locator("#runs table")
+        rows = {}
+        for line in table.locator("tbody tr").all_inner_texts():
+            cells = line.split("\t")
+            rows[cells[0].strip()] = cells
+        assert {GOOD, *FAILING_RUNS} <= set(rows), rows
+        assert rows[GOOD][2].strip() == "success" and rows["deploy-userbug"][2].strip() == "user error", rows
+        assert rows[GOOD][7].startswith("2"), rows[GOOD]  # two restarts
+
+        # Sort by restarts: most first, then (a second click) fewest first.
+        def restarts_column() -> list[int]:
+            return [int(line.split("\t")[7].split()[0]) for line in table.locator("tbody tr").all_inner_texts()]
+
+        header = frame.get_by_text("restarts", exact=True)
+        header.click()
+        assert restarts_column() == sorted(restarts_column(), reverse=True) and restarts_column()[0] >= 2
+        frame.get_by_text("restarts ▼", exact=True).click()
+        assert restarts_column() == sorted(restarts_column()) and restarts_column()[0] == 0
+        page.screenshot(path=str(ARTIFACTS / "fleet-page.png"))
+
+
+def test_the_report_needs_a_login_and_read_access_to_the_dag(stack, good_run):
+    import httpx
+
+    data = f"/fsdp-report/api/runs/{TRAINING}/{quote(good_run.run_id, safe='')}"
+    page = f"/fsdp-report/runs/{TRAINING}/{quote(good_run.run_id, safe='')}"
+    fleet = f"/fsdp-report/api/dags/{TRAINING}/fleet"
+    airflow_run = f"/api/v2/dags/{TRAINING}/dagRuns/{quote(good_run.run_id, safe='')}"
+    with httpx.Client(base_url=stack.base_url, timeout=60) as anonymous:
+        for path in (data, page, fleet, "/fsdp-report/assets/report.js"):
+            assert anonymous.get(path).status_code == 401, path
+
+    def as_user(user: str, path: str, cookie: bool = False) -> httpx.Response:
+        token = stack.token_for(user)
+        auth = {"cookies": {"_token": token}} if cookie else {"headers": {"Authorization": f"Bearer {token}"}}
+        with httpx.Client(base_url=stack.base_url, timeout=60, **auth) as client:
+            return client.get(path)
+
+    # A user Airflow grants no access to the DAG: Airflow's own API and the report both say 403.
+    assert as_user("outsider", airflow_run).status_code == 403
+    for path in (data, page, fleet):
+        response = as_user("outsider", path)
+        assert response.status_code == 403, (path, response.status_code, response.text[:300])
+    # A viewer reads it, with a bearer token or with the UI's cookie.
+    for cookie in (False, True):
+        response = as_user("viewer", data, cookie=cookie)
+        assert response.status_code == 200, response.text[:300]
+        assert response.json()["status"]["state"] == "success" and response.json()["brief"]["last_step"] == 12
+    # Another DAG's run has no training report.
+    response = stack.request("GET", f"/fsdp-report/api/runs/{STAGE}/{quote(good_run.stage_run, safe='')}")
+    assert response.status_code == 404 and "does not train" in response.json()["detail"]
+
+
+# ---------------------------------------------------------------------------------------------
 # The trigger form in a real browser (Debian's chromium driven by Playwright).
 
 #: The form's sections (dags/fsdp_training.py), each with a field it shows when open.
@@ -385,45 +555,25 @@ FORM_SECTIONS = {
 
 def test_the_trigger_form_submits_with_its_defaults(stack):
     require(missing_for_browser())
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     before = {r["dag_run_id"] for r in stack.get(f"/api/v2/dags/{TRAINING}/dagRuns", limit=100)["dag_runs"]}
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=[
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--no-first-run",
-            ],
-        )
-        try:
-            context = browser.new_context(viewport={"width": 1400, "height": 1800})
-            # Logged in as the login page would leave the browser: the JWT in the _token cookie.
-            context.add_cookies([{"name": "_token", "value": stack.token, "url": stack.base_url}])
-            page = context.new_page()
-            page.set_default_timeout(90_000)
-            page.goto(f"{stack.base_url}/dags/{TRAINING}")
-            page.get_by_role("button", name="Trigger").first.click()
-            dialog = page.get_by_role("dialog")
-            expect(dialog).to_be_visible()
-            submit = dialog.get_by_role("button", name="Trigger")
-            expect(submit).to_be_enabled()  # every optional field is nullable: nothing to type
-            # The artifact: the form, one picture per section (the sections open one at a time).
-            for n, (section, field_label) in enumerate(FORM_SECTIONS.items(), 1):
-                dialog.get_by_role("button", name=section).click()
-                expect(dialog.get_by_role("region").filter(has_text=field_label)).to_be_visible()
-                dialog.screenshot(path=str(ARTIFACTS / f"fsdp_training-trigger-form-{n}.png"))
-            expect(submit).to_be_enabled()
-            submit.click()
-            expect(dialog).to_be_hidden()
-        finally:
-            browser.close()
+    with logged_in_page(stack) as page:
+        page.goto(f"{stack.base_url}/dags/{TRAINING}")
+        page.get_by_role("button", name="Trigger").first.click()
+        dialog = page.get_by_role("dialog")
+        expect(dialog).to_be_visible()
+        submit = dialog.get_by_role("button", name="Trigger")
+        expect(submit).to_be_enabled()  # every optional field is nullable: nothing to type
+        # The artifact: the form, one picture per section (the sections open one at a time).
+        for n, (section, field_label) in enumerate(FORM_SECTIONS.items(), 1):
+            dialog.get_by_role("button", name=section).click()
+            expect(dialog.get_by_role("region").filter(has_text=field_label)).to_be_visible()
+            dialog.screenshot(path=str(ARTIFACTS / f"fsdp_training-trigger-form-{n}.png"))
+        expect(submit).to_be_enabled()
+        submit.click()
+        expect(dialog).to_be_hidden()
     print(f"\n[deployment] trigger form screenshots: {ARTIFACTS}/fsdp_training-trigger-form-*.png")
 
     def new_run():

@@ -353,6 +353,10 @@ class AirflowStack:
         self.api_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.api_port}"
         self.password = secrets.token_urlsafe(16)
+        #: Users besides admin: a viewer (reads every DAG) and a user with no role, whom the auth
+        #: manager grants no DAG at all (SimpleAuthManager's only per-DAG denial without
+        #: multi-team mode): the report must answer them as Airflow's own API does.
+        self.users = {"viewer": ("viewer", secrets.token_urlsafe(16)), "outsider": ("", secrets.token_urlsafe(16))}
         self.secrets = {"secret_key": secrets.token_hex(16), "jwt_secret": secrets.token_hex(32)}
         self.extra_env = extra_env or {}
         self.processes: dict[str, Process] = {}
@@ -377,7 +381,9 @@ class AirflowStack:
                 f"{af}CORE__EXECUTOR": "LocalExecutor",
                 f"{af}DATABASE__SQL_ALCHEMY_CONN": self.postgres.url,
                 # A real login: the admin user's password in a file of ours (POST /auth/token checks it).
-                f"{af}CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+                f"{af}CORE__SIMPLE_AUTH_MANAGER_USERS": ",".join(
+                    ["admin:admin"] + [f"{name}:{role}" for name, (role, _) in self.users.items()]
+                ),
                 f"{af}CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.home / "passwords.json"),
                 f"{af}API__HOST": "127.0.0.1",
                 f"{af}API__PORT": str(self.api_port),
@@ -421,7 +427,8 @@ class AirflowStack:
     def start(self) -> None:
         for path in (self.home, self.logs, self.runs_root, self.data_root, self.source_root):
             path.mkdir(parents=True, exist_ok=True)
-        (self.home / "passwords.json").write_text(json.dumps({"admin": self.password}))
+        passwords = {"admin": self.password, **{name: p for name, (_, p) in self.users.items()}}
+        (self.home / "passwords.json").write_text(json.dumps(passwords))
         self.postgres.start()
         migrate = subprocess.run(
             [str(AIRFLOW), "db", "migrate"], env=self.env(), cwd=self.root, capture_output=True, text=True
@@ -504,16 +511,23 @@ class AirflowStack:
             for part in ("metadatabase", "scheduler", "triggerer", "dag_processor")
         )
 
-    def login(self) -> str:
+    def token_for(self, username: str) -> str:
         """A JWT the way a client gets one: POST /auth/token with the user's password."""
         import httpx
 
+        password = self.password if username == "admin" else self.users[username][1]
         response = httpx.post(
-            f"{self.base_url}/auth/token", json={"username": "admin", "password": self.password}, timeout=60
+            f"{self.base_url}/auth/token", json={"username": username, "password": password}, timeout=60
         )
         if response.status_code != 201:
-            raise StackError(f"POST /auth/token answered {response.status_code}: {response.text}")
-        self.token = response.json()["access_token"]
+            raise StackError(f"POST /auth/token as {username} answered {response.status_code}: {response.text}")
+        return response.json()["access_token"]
+
+    def login(self) -> str:
+        """Log the stack's client in as admin."""
+        import httpx
+
+        self.token = self.token_for("admin")
         self._client = httpx.Client(
             base_url=self.base_url, timeout=60, headers={"Authorization": f"Bearer {self.token}"}
         )
