@@ -495,6 +495,12 @@ def test_helm_values_mount_fsx_in_workers_and_triggerer_and_set_the_connections(
         else:
             pytest.fail(f"{component} does not mount FSx at {FSX_MOUNT}")
     assert roles["workers"] != roles["triggerer"], "the triggerer has its own (describe-only) IAM role"
+    # The API server serves the run report (the plugin app): it reads the run dirs, and only reads.
+    api = values["apiServer"]
+    (mount,) = [m for m in api["extraVolumeMounts"] if m["mountPath"] == FSX_MOUNT]
+    (volume,) = [v for v in api["extraVolumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] is True and volume["persistentVolumeClaim"]["readOnly"] is True
+    assert (AIRFLOW_NAMESPACE, volume["persistentVolumeClaim"]["claimName"]) in claims
 
 
 def test_helm_values_work_with_their_defaults_on_the_image_the_docs_build():
@@ -835,8 +841,10 @@ for path in {sorted(str(p) for p in (tmp_path / "opt/airflow/dags").glob("*.py")
     spec = importlib.util.spec_from_file_location('dag_' + path.rsplit('/', 1)[1][:-3], path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 import fsdp_resilience.training.contract, fsdp_resilience_plugin
+from fsdp_resilience.control.ui.app import STATIC
 result = {{"contract": fsdp_resilience.training.contract.__file__,
-          "plugin": fsdp_resilience_plugin.FsdpResiliencePlugin.name, "torch": "torch" in sys.modules}}
+          "plugin": fsdp_resilience_plugin.FsdpResiliencePlugin.name, "torch": "torch" in sys.modules,
+          "static": sorted(p.name for p in STATIC.iterdir())}}
 print(json.dumps(result))
 """
     )
@@ -854,6 +862,9 @@ print(json.dumps(result))
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["contract"].startswith(str(site)), result
     assert result["plugin"] == "fsdp_resilience" and result["torch"] is False
+    # The report view's pages and scripts are installed with the package (package data).
+    static = REPO / "src" / "fsdp_resilience" / "control" / "ui" / "static"
+    assert result["static"] == sorted(p.name for p in static.iterdir()), result
 
 
 def test_training_image_runs_training_launch_from_any_directory(tmp_path):
