@@ -12,6 +12,8 @@
   FSDP_QUARANTINE_COOLDOWN_S  unset or 0 (default): a quarantined node stays out of service until a
                       person returns it; N > 0: the node_maintenance DAG returns nodes quarantined for
                       longer than N seconds, recording why
+  FSDP_REPORT_DAG_IDS comma-separated DAGs whose runs have a Training report tab in the UI;
+                      default fsdp_training (a copy of the DAG under another id: add it)
 
 The EKS backend (``backend_config("eks")``; see docs/run-on-eks.md):
   FSDP_EKS_IMAGE                 the training image (the DAG's `image` param overrides it)
@@ -39,7 +41,8 @@ The EKS backend (``backend_config("eks")``; see docs/run-on-eks.md):
   FSDP_FSX_FILE_SYSTEM_ID        the FSx for Lustre file system (fs-...): staging and export tasks
   FSDP_CHECKPOINTS_S3            optional s3://bucket/prefix that the runs root is exported to (the FSx
                                  data repository association): the watch reads checkpoint progress
-                                 there, for a triggerer that does not mount FSx
+                                 there, for a triggerer that does not mount FSx, and the run
+                                 report in the UI reads events there for an API server without it
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ REPO = Path(__file__).resolve().parents[3]  # src/fsdp_resilience/control/<this>
 
 def runs_root() -> Path:
     return Path(os.environ.get("FSDP_RUNS_ROOT", REPO / "runs")).resolve()
+
+
+def report_dag_ids() -> set[str]:
+    """The DAGs whose runs have a run report in the UI (``FSDP_REPORT_DAG_IDS``)."""
+    return {d.strip() for d in os.environ.get("FSDP_REPORT_DAG_IDS", "fsdp_training").split(",") if d.strip()}
 
 
 def data_root() -> Path:

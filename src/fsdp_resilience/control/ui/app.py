@@ -10,7 +10,6 @@ comes from ``/api/...``, which tops the run's events up from its ``EventFeed`` o
 
 from __future__ import annotations
 
-import os
 import re
 from functools import cache
 from pathlib import Path
@@ -43,17 +42,12 @@ app = FastAPI(
 )
 
 
-def training_dag_ids() -> set[str]:
-    """The DAGs whose runs train with this project (``FSDP_REPORT_DAG_IDS``, comma-separated)."""
-    return {d.strip() for d in os.environ.get("FSDP_REPORT_DAG_IDS", "fsdp_training").split(",") if d.strip()}
-
-
 def _training_dag(dag_id: str) -> None:
-    if dag_id not in training_dag_ids():
+    if dag_id not in settings.report_dag_ids():
         raise HTTPException(
             404,
             f"DAG {dag_id!r} does not train with fsdp_resilience: the training report covers "
-            f"{', '.join(sorted(training_dag_ids()))} (FSDP_REPORT_DAG_IDS)",
+            f"{', '.join(sorted(settings.report_dag_ids()))} (FSDP_REPORT_DAG_IDS)",
         )
 
 
@@ -88,8 +82,9 @@ def _report(dag_run: DagRun):
 def _markdown():
     from markdown_it import MarkdownIt
 
-    # html=False: the events log's text (error messages, reasons) is shown, never run as HTML.
-    return MarkdownIt("commonmark", {"html": False}).enable("table")
+    # html=False: the events log's text (error messages, reasons) is shown, never run as HTML;
+    # and no links or images: nothing in a log may make the page load or point elsewhere.
+    return MarkdownIt("commonmark", {"html": False}).enable("table").disable(["image", "link", "autolink"])
 
 
 def _airflow_state(dag_run: DagRun) -> dict[str, Any]:
@@ -102,9 +97,18 @@ def _airflow_state(dag_run: DagRun) -> dict[str, Any]:
     }
 
 
+#: no-store: a page behind a login is never served from a shared cache to someone else. The
+#: policy: scripts and styles from here only (the pages have no inline script), shown only in
+#: Airflow's own UI.
+HEADERS = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'self'",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
 def _page(name: str) -> HTMLResponse:
-    # no-store: a page behind a login must not be served from a shared cache to someone else.
-    return HTMLResponse((STATIC / name).read_text(), headers={"Cache-Control": "no-store"})
+    return HTMLResponse((STATIC / name).read_text(), headers=HEADERS)
 
 
 @app.get("/runs/{dag_id}/{run_id}", response_class=HTMLResponse, dependencies=[can_read_runs])
@@ -126,7 +130,7 @@ def asset(name: str, user: GetUserDep) -> FileResponse:
     """The pages' script and style (logged-in users only, like everything here)."""
     if name not in {"report.js", "fleet.js", "common.js", "style.css"}:
         raise HTTPException(404, f"no asset {name!r}")
-    return FileResponse(STATIC / name, headers={"Cache-Control": "no-store"})
+    return FileResponse(STATIC / name, headers=HEADERS)
 
 
 @app.get("/api/runs/{dag_id}/{run_id}", dependencies=[can_read_runs])
