@@ -143,3 +143,23 @@ def test_the_feed_is_the_run_dir_where_it_is_mounted(tmp_path, monkeypatch):
     assert remote.source == "s3://exports/runs/elsewhere/events.jsonl"
     monkeypatch.delenv("FSDP_CHECKPOINTS_S3")
     assert isinstance(event_feed_for(str(tmp_path / "elsewhere")), RunDirEventFeed)
+
+
+def test_the_view_shows_escalations_with_their_evidence_and_the_spares(tmp_path):
+    from control.fakes.simulated_run import relaunch_run, spare_run
+
+    for scenario in (relaunch_run, spare_run):
+        run = scenario(tmp_path / scenario.__name__)
+        live = LiveReport(str(run.layout.root), RunDirEventFeed(run.layout.root))
+        live.refresh()
+        view = live.view()
+        figures, brief = view["figures"], view["brief"]
+        if scenario is relaunch_run:
+            (escalation,) = figures["escalations"]
+            assert escalation["nodes"] == ["node-a"] and "replace node-a" in escalation["evidence"]
+            assert brief["escalations"] == 1 and brief["nodes_replaced"] == {"node-a": 1}
+            assert [launch["launch_id"] for launch in figures["launches"]] == ["launch-1", "launch-2"]
+            assert "## Escalations" in view["sections_markdown"]
+        else:
+            assert {s["event"] for s in figures["spares"]} == {"spare_promoted", "spare_added"}
+            assert "## Hot spares" in view["sections_markdown"]
