@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Callable
@@ -364,6 +365,14 @@ PARK = "park"
 LOSE_NODE = "lose_node"
 
 
+def _completion_index(pod: dict) -> int:
+    return int((pod["metadata"].get("labels") or {}).get("batch.kubernetes.io/job-completion-index", 0))
+
+
+def _job_of(pod: dict) -> str:
+    return (pod["metadata"].get("labels") or {}).get("batch.kubernetes.io/job-name", "")
+
+
 class TrainingPodPlayer:
     """Plays the pods of the fake cluster: what ``python -m fsdp_resilience.training.launch`` would leave in the run
     dir and which exit code it would end with, per (launch id, node index), as ``scenario`` says.
@@ -407,6 +416,8 @@ class TrainingPodPlayer:
         self._parked_lock = threading.Lock()
         self.after_commits = after_commits  # called by node 0 once its commits are done (to damage one)
         self.handled: set[str] = set()
+        self._first_played: set[str] = set()  # jobs whose node 0 pod was played
+        self._first_seen: dict[str, float] = {}  # pod -> when it was first seen running, waiting
         self.joined: list[str] = []
         self.evaluated: list[str] = []  # the checkpoint of each evaluation pod
         self._known_instances = set(asg_instances(asg)) if asg else set()
@@ -425,15 +436,27 @@ class TrainingPodPlayer:
         while not self._stop.wait(0.2):
             if self.asg:
                 self._join_new_nodes()
-            for pod in self.kube.pods(NS):
+            running = [p for p in self.kube.pods(NS) if p["status"].get("phase") == "Running"]
+            for pod in sorted(running, key=_completion_index):
                 name = pod["metadata"]["name"]
-                if name in self.handled or pod["status"].get("phase") != "Running":
+                if name in self.handled or self._waits_for_node_0(pod):
                     continue
                 self.handled.add(name)
+                if _completion_index(pod) == 0:
+                    self._first_played.add(_job_of(pod))
                 if self.threaded:
                     threading.Thread(target=self._play, args=(pod,), name=f"pod-{name}", daemon=True).start()
                 else:
                     self._play(pod)
+
+    def _waits_for_node_0(self, pod: dict) -> bool:
+        """Played one at a time, a pod of node > 0 waits for node 0's commits: play it only after
+        node 0's pod of its job (else the two would wait for each other until a timeout), unless
+        node 0 has not run for a few seconds (a scenario where it never does)."""
+        if self.threaded or _completion_index(pod) == 0 or _job_of(pod) in self._first_played:
+            return False
+        seen = self._first_seen.setdefault(pod["metadata"]["name"], time.monotonic())
+        return time.monotonic() - seen < 5.0
 
     def _join_new_nodes(self) -> None:
         current = set(asg_instances(self.asg))
