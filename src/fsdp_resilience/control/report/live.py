@@ -8,6 +8,7 @@ view is that report, with the figures' data as numbers for the page to draw inst
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, OrderedDict
 from typing import Any, Callable
@@ -21,7 +22,6 @@ from fsdp_resilience.control.report.records import (
     SPARE_PROMOTED,
     blame_evidence,
     fault_outcomes,
-    number,
     read_json_object,
     step_executions,
     timed_records,
@@ -65,15 +65,16 @@ class LiveReport:
             "message": " ".join(str(final.get("message") or "").split()),
         }
 
-    def brief(self) -> dict[str, Any]:
+    def brief(self, accounting: dict[str, Any] | None = None, config: dict[str, Any] | None = None) -> dict[str, Any]:
         """One row of the fleet page: status, steps, ETTR, restarts per layer, escalations and the
-        nodes they replaced."""
+        nodes they replaced (``accounting`` and ``config``: ``goodput`` of the events and
+        ``run.json``, when the caller has them already)."""
         events = self.events
-        accounting = goodput(events)
+        accounting = goodput(events) if accounting is None else accounting
         restarts = Counter(r["layer"] for r in accounting["restarts"])
         escalations = [r for r in events if r.get("event") == ESCALATION]
         replaced = Counter(str(n) for r in escalations if isinstance(r.get("nodes"), list) for n in r["nodes"])
-        config = read_json_object(self.layout.config) or {}
+        config = (read_json_object(self.layout.config) or {}) if config is None else config
         return {
             **self.status(),
             "run_id": config.get("run_id") or self.layout.root.name,
@@ -170,11 +171,11 @@ class LiveReport:
             "goodput": [{"category": "productive", "seconds": accounting["productive_s"]}]
             + [{"category": category_label(c), "seconds": s} for c, s in accounting["badput_s"].items() if s > 0],
         }
-        config = read_json_object(self.layout.config) or {}
+        brief = self.brief(accounting, read_json_object(self.layout.config) or {})
         return {
-            "run_id": config.get("run_id") or self.layout.root.name,
-            "status": self.status(),
-            "brief": self.brief(),
+            "run_id": brief["run_id"],
+            "status": {k: brief[k] for k in ("state", "exit_code", "message") if k in brief},
+            "brief": brief,
             "sections_html": to_html(sections) if to_html else None,
             "sections_markdown": sections,
             "figures": figures,
@@ -231,7 +232,7 @@ class LiveReports:
 def numbers_only(value: Any) -> Any:
     """``value`` with NaN/inf floats as None (JSON has no NaN; a diverging run logs one)."""
     if isinstance(value, float):
-        return value if number({"v": value}, "v") is not None else None
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: numbers_only(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
