@@ -17,21 +17,25 @@ from bench.common import summarize
 from fsdp_resilience.control.report.records import StepExecution, step_executions, timed_records
 from fsdp_resilience.training.contract import Event
 
+#: ft_launcher's log lines: NVRx 0.4.1 ``[2026-12-02 02:18:03,123] [INFO] [ft_launcher@host] msg``;
+#: NVRx 0.7 ``2026-12-02 02:18:03,123 [INFO] [host] [workload:...] file.py:123 msg``.
 _LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[\w+\] \[ft_launcher[^\]]*\] (.*)$")
+_LOG_LINE_07 = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[\w+\] \[[^\]]*\] \[[^\]]*\] \S+\.py:\d+ (.*)$")
 _LOG_MARKS = (
     ("worker_failed", re.compile(r"failed \(exitcode|Worker group (UNHEALTHY|FAILED)")),
     ("rdzv_join", re.compile(r"attempts to join the next round")),
-    ("rdzv_joined", re.compile(r"has joined round \d+")),
+    # 0.4.1: "... has joined round 3 ..."; 0.7: "The node '...' has joined the rendezvous '...' as rank 0"
+    ("rdzv_joined", re.compile(r"has joined round \d+|has joined the rendezvous ")),
 )
 
 
 def launcher_marks(text: str) -> list[tuple[float, str]]:
     """(unix time, mark) for the ft_launcher lines that time an in-job restart: a worker failed,
     the launcher joins the next rendezvous round (workers stopped), and it has joined (new
-    workers start). The launcher logs local time with milliseconds."""
+    workers start). The launcher logs local time with milliseconds, in either version's format."""
     marks = []
     for line in text.splitlines():
-        m = _LOG_LINE.match(line)
+        m = _LOG_LINE.match(line) or _LOG_LINE_07.match(line)
         if not m:
             continue
         for name, pattern in _LOG_MARKS:

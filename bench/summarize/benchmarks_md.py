@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.summarize.formats import fmt_met, fmt_when, md_table
+from bench.summarize.lanes import lane_label
 from bench.summarize.sections.chaos import chaos_section
 from bench.summarize.sections.control_plane import control_plane_section
 from bench.summarize.sections.evaluation import evaluation_section
@@ -19,6 +20,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
     tp = summary.get("training_plane") or {}
     cp = summary.get("control_plane") or {}
     chaos = summary.get("chaos") or {}
+    tp07 = summary.get("training_plane_nvrx07") or {}
     run = summary.get("run") or {}
     machine = tp.get("machine") or cp.get("machine") or chaos.get("machine") or {}
     versions = {**(tp.get("versions") or {}), **(cp.get("versions") or {})}
@@ -29,6 +31,11 @@ def render_markdown(summary: dict[str, Any]) -> str:
         + (f" on {run['started_at'][:10]}" if run.get("started_at") else "")
         + f": {machine.get('cores', '?')} cores ({machine.get('cpu', 'CPU')}), {machine.get('memory_gb', '?')} GB, "
         + ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
+        + (
+            f"; the recovery rows and the spare takeover also on {lane_label(tp07)} (tests/nvrx07/lane.sh --bench)"
+            if tp07
+            else ""
+        )
         + ". "
         "Other work shared the machine; each part records its load average. Each figure is a ratio "
         "measured within one run, or a latency as median (min–max) over repeated trials. Targets "
@@ -56,7 +63,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
     )
 
     lines += stall_section(tp)
-    lines += recovery_section(tp, cp)
+    lines += recovery_section(tp, cp, summary.get("training_plane_nvrx07"))
     lines += chaos_section(summary)
     lines += control_plane_section(cp)
     lines += evaluation_section(tp)
@@ -70,6 +77,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
         "                    # committed) and this table, docs/benchmarks.md",
         "make bench-quick    # smoke run of the same scripts, under a minute: bench/results/quick/",
         ".venv/bin/python -m bench.training_plane --sizes-mb 50,200,1000 --trials 5   # one part, any sizes",
+        "python3 -m bench.run --only training_plane_nvrx07   # recovery + spare takeover on NVRx 0.7 (the lane's root)",
         ".venv-airflow/bin/python -m bench.chaos --duration-s 600 --mtbf-s 60 --seed 1234",
     ]
     if summary.get("chaos_spares") or cp.get("spare"):

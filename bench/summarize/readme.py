@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.summarize.formats import fmt_s
+from bench.summarize.lanes import lane_label
 from bench.summarize.targets import targets
 
 README_BEGIN, README_END = "<!-- bench:begin (make bench writes this block) -->", "<!-- bench:end -->"
@@ -25,9 +26,11 @@ def _spread(values: list[float]) -> str:
     return fmt_s(low) if fmt_s(low) == fmt_s(high) else f"{fmt_s(low)}–{fmt_s(high)}"
 
 
-def _recovery(summary: dict[str, Any]) -> str | None:
-    """Median recovery (fault → next completed step) per layer, over the fault kinds it recovered."""
-    tp, cp = summary.get("training_plane") or {}, summary.get("control_plane") or {}
+def _recovery(tp: dict[str, Any], cp: dict[str, Any] | None = None) -> str | None:
+    """Median recovery (fault → next completed step) per layer, over the fault kinds it recovered,
+    on one training-plane lane (``cp``: the control plane's relaunch and spare rows, measured on the
+    .venv lane)."""
+    cp = cp or {}
     medians: dict[str, list[float]] = {}
     for row in (tp.get("recovery") or {}).get("rows") or []:
         if row.get("restart_mode") != "torchrun" and row["latency_s"].get("n"):
@@ -35,9 +38,14 @@ def _recovery(summary: dict[str, Any]) -> str | None:
     for row in (cp.get("relaunch") or {}).get("rows") or []:
         if row["total_s"].get("n"):
             medians.setdefault("relaunch", []).append(row["total_s"]["median"])
+    spares = []
+    if ((tp.get("spare") or {}).get("recovery_s") or {}).get("n"):
+        spares.append(fmt_s(tp["spare"]["recovery_s"]["median"]) + " (training plane)")
     if ((cp.get("spare") or {}).get("recovery_s") or {}).get("n"):
-        medians["spare"] = [cp["spare"]["recovery_s"]["median"]]
+        spares.append(fmt_s(cp["spare"]["recovery_s"]["median"]) + " (driven through the control plane)")
     parts = [f"{name} {_spread(medians[layer])}" for layer, name in _LAYERS if medians.get(layer)]
+    if spares:
+        parts.append(f"{_LAYERS[-1][1]} {', '.join(spares)}")
     return "; ".join(parts) if parts else None
 
 
@@ -65,8 +73,13 @@ def readme_block(summary: dict[str, Any]) -> str:
             f"{r['nvrx_async_over_torch_async_save_best']}× torch `async_save` at its best, "
             f"{r['nvrx_async_over_memcpy']}× a bare memcpy."
         )
-    if recovery := _recovery(summary):
-        lines.append(f"- Recovery, fault → next completed step (medians): {recovery}.")
+    # The production NVRx (0.7, the lane's root) first, then the .venv lane's.
+    tp07 = summary.get("training_plane_nvrx07") or {}
+    if tp07 and (recovery := _recovery(tp07)):
+        lines.append(f"- Recovery on {lane_label(tp07)}, fault → next completed step (medians): {recovery}.")
+    if recovery := _recovery(tp, cp):
+        on = f" on {lane_label(tp)}" if tp07 else ""
+        lines.append(f"- Recovery{on}, fault → next completed step (medians): {recovery}.")
     if chaos:
         lines.append(
             f"- Goodput under chaos (one fault per ~{chaos['mtbf_s']:.0f} s, Llama 3 mix, "

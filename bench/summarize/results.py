@@ -10,6 +10,8 @@ from bench.common import read_json
 SUMMARY = "latest.json"
 PARTS = {
     "training_plane": "training_plane.json",
+    # The training plane's recovery rows and spare takeover on NVRx 0.7 (the lane's root).
+    "training_plane_nvrx07": "training_plane_nvrx07.json",
     "chaos": "chaos.json",
     "chaos_spares": "chaos_spares.json",
     "control_plane": "control_plane.json",

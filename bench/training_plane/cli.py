@@ -4,15 +4,53 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 from bench import training_plane as package
-from bench.common import RESULTS, LoadMonitor, log, machine, write_json
+from bench.common import RESULTS, LoadMonitor, log, machine, read_json, write_json
 from bench.training_plane.eval_load import bench_eval_load
 from bench.training_plane.recovery import bench_recovery
+from bench.training_plane.spare import bench_spare_takeover
 from bench.training_plane.stall import bench_stall
+
+#: Where the training plane runs: the project's .venv (the NVRx that installs natively here), or
+#: the NVRx 0.7 test lane's Debian testing root (tests/nvrx07/lane.sh --bench).
+LANES = {
+    "venv": ".venv",
+    "nvrx07": "Debian testing chroot",
+}
+
+
+def lane_label(lane: str, versions: dict[str, str], python: str) -> str:
+    """How the results name their lane, e.g. "NVRx 0.7.0 (Debian testing chroot, Python 3.14,
+    Debian CPU torch 2.14.1)" or "NVRx 0.4.1 (.venv, Python 3.11, torch 2.13.0+cpu)"."""
+    torch = versions.get("torch", "?")
+    if lane == "nvrx07":
+        torch = "Debian CPU torch " + torch.split("+")[0]
+    else:
+        torch = "torch " + torch
+    py = ".".join(python.split(".")[:2])
+    return f"NVRx {versions.get('nvidia-resiliency-ext', '?')} ({LANES[lane]}, Python {py}, {torch})"
+
+
+def merge_parts(old: dict[str, Any], new: dict[str, Any], parts: list[str]) -> dict[str, Any]:
+    """``old`` results with the ``parts`` measured again from ``new``: the parts not run stay, and
+    so does the record of the load they were measured under (``load``); the new parts' load and
+    time go to ``measured[part]``, and ``versions``/``lane`` to the new run's."""
+    merged = {**old}
+    measured = dict(old.get("measured") or {})
+    for part in parts:
+        if part in new:
+            merged[part] = new[part]
+            measured[part] = {"load": new.get("load"), "command": new.get("command")}
+    merged["measured"] = measured
+    for key in ("versions", "lane", "machine"):
+        if key in new:
+            merged[key] = new[key]
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="comma-separated parts: stall,eval_load,recovery (default all; quick: stall,eval_load)",
+        help="comma-separated parts: stall,eval_load,recovery,spare (default all; quick: stall,eval_load)",
     )
+    parser.add_argument(
+        "--lane",
+        default="venv",
+        choices=sorted(LANES),
+        help="where this runs, for the results' label (nvrx07: inside tests/nvrx07/lane.sh --bench)",
+    )
+    parser.add_argument(
+        "--name",
+        default="training_plane",
+        help="results file stem: OUT/NAME.json (quick: NAME.quick.json); runs go to OUT/work/NAME "
+        "(OUT/work itself for the default)",
+    )
+    parser.add_argument("--spare-trials", type=int, default=None, help="hot-spare takeover runs (default 2; quick 1)")
     parser.add_argument(
         "--sizes-mb",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -42,25 +93,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234, help="seeds fault steps and ranks")
     parser.add_argument("--stall-timeout-s", type=float, default=900.0)
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="update OUT/NAME.json with the parts run (the others, and the top-level load record, stay; "
+        "this run's load goes to measured.PART)",
+    )
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
     args.only = [
         p.strip()
-        for p in (args.only or ("stall,eval_load" if args.quick else "stall,eval_load,recovery")).split(",")
+        for p in (args.only or ("stall,eval_load" if args.quick else "stall,eval_load,recovery,spare")).split(",")
         if p.strip()
     ]
     args.sizes_mb = args.sizes_mb or ([16] if args.quick else [50, 200, 1000])
     args.trials = args.trials or (2 if args.quick else 5)
     args.eval_model = args.eval_model or ("tiny" if args.quick else "small")
+    args.spare_trials = args.spare_trials or (1 if args.quick else 2)
+    unknown = set(args.only) - {"stall", "eval_load", "recovery", "spare"}
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}: stall, eval_load, recovery, spare")
+    versions = {p: importlib.metadata.version(p) for p in ("torch", "nvidia-resiliency-ext")}
 
     out: dict[str, Any] = {
         "bench": "training_plane",
         "quick": args.quick,
         "machine": machine(),
-        "versions": {p: importlib.metadata.version(p) for p in ("torch", "nvidia-resiliency-ext")},
+        "versions": versions,
+        "lane": {"name": args.lane, "label": lane_label(args.lane, versions, platform.python_version())},
         "command": "python -m bench.training_plane " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     work = args.out / ("quick" if args.quick else "work")
+    if args.name != "training_plane":
+        work = work / args.name
     work.mkdir(parents=True, exist_ok=True)
     with LoadMonitor() as load:
         if "stall" in args.only or "eval_load" in args.only:
@@ -71,9 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             out["eval_load"] = bench_eval_load(args, work)
         if "recovery" in args.only:
             out["recovery"] = bench_recovery(args, work)
+        if "spare" in args.only:
+            log(f"spare: {args.spare_trials} trial(s), 2 nodes + 1 spare, node 1 lost")
+            out["spare"] = bench_spare_takeover(args, work, args.spare_trials)
     out["load"] = load.result()
     if "stall" not in args.only:
         out.pop("stall", None)
-    path = write_json(args.out / ("training_plane.quick.json" if args.quick else "training_plane.json"), out)
+    target = args.out / (f"{args.name}.quick.json" if args.quick else f"{args.name}.json")
+    if args.merge and target.exists():
+        out = merge_parts(read_json(target), out, args.only)
+    path = write_json(target, out)
     log(f"wrote {path}")
     return 0

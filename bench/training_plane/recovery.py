@@ -111,7 +111,7 @@ def run_launch(
 def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from fsdp_resilience.training.contract import read_events
 
-    dataset = ensure_dataset(work / "data" / "stdlib-text")
+    dataset = ensure_dataset(work / "data" / "stdlib-text", python=sys.executable)  # this lane's interpreter
     runs = QUICK_RECOVERY_RUNS if args.quick else RECOVERY_RUNS
     interval, gap, first = 3, 8, 8
     out_runs, rows = [], []

@@ -6,10 +6,13 @@
 # which setup-root.sh builds, inside a private mount and PID namespace.
 #
 #   bash tests/nvrx07/lane.sh [pytest args]      (make test-nvrx07; make test runs it too)
+#   bash tests/nvrx07/lane.sh --bench MODULE [ARGS]   runs `python -m MODULE ARGS` in the root
+#                                                    instead of pytest (make bench: the 0.7 part)
 #
 # - Needs root, zstd, and debootstrap (debootstrap only while no cached root exists). Where those
 #   are missing, or NVRX07_LANE=skip, it prints one line and exits 0 (in CI, CI=true, it fails
-#   instead, unless NVRX07_LANE=skip: .ci/run installs what it needs).
+#   instead, unless NVRX07_LANE=skip: .ci/run installs what it needs). With --bench it exits 3
+#   there instead: no figures were written (bench.run reports the part skipped).
 # - Everything lives outside the repo, in ${NVRX07_CACHE:-~/.cache/fsdp-resilience}:
 #   - nvrx07-root-<hash>.tar.zst is the prepared root. <hash> is a hash of setup-root.sh, so
 #     changing the recipe rebuilds it; a cold build takes a few minutes and needs the Debian
@@ -59,6 +62,7 @@ safe_rm() {
 # Inside: pid 1 of a fresh mount + PID namespace (or a plain child, without unshare).
 #   lane.sh __inside__ build ROOT MIRROR     debootstrap + the recipe's chroot phase
 #   lane.sh __inside__ test ROOT REPO ARGS   the training tests
+#   lane.sh __inside__ bench ROOT REPO MODULE ARGS   /opt/venv/bin/python -m MODULE ARGS (benchmarks)
 MOUNTED=()
 LANE_ROOT=
 # Without a PID namespace, processes the tests left behind (a launcher in its own session, say)
@@ -124,9 +128,13 @@ inside() {
             bash /tmp/setup-root.sh chroot
         rm -f "$root/tmp/setup-root.sh"
         ;;
-    test)
+    test | bench)
         local repo=$1
         shift
+        if [ "$mode" = bench ] && [ $# -eq 0 ]; then
+            say "bench mode needs a module: lane.sh __inside__ bench ROOT REPO MODULE [ARGS]" >&2
+            exit 2
+        fi
         mount_system "$root"
         mnt "$root" /repo --bind "$repo"
         # Only this environment reaches the tests (env -i): nothing from the host's .venv (PATH,
@@ -146,14 +154,21 @@ inside() {
 from importlib.metadata import version
 nvrx, torch = version("nvidia-resiliency-ext"), version("torch")
 print(f"nvrx07 lane: nvidia-resiliency-ext {nvrx}, torch {torch}, Python {platform.python_version()}", flush=True)'
+        # bench: the same root, mounts and environment, `python -m MODULE ARGS` instead of pytest.
+        local run=(-m pytest -q -p no:cacheprovider)
+        if [ "$mode" = bench ]; then run=(-m); fi
         # shellcheck disable=SC2016  # $1 and $@ expand in the inner bash
         chroot "$root" /usr/bin/env -i "${env[@]}" /bin/bash -c '
             set -e
             cd /repo
             /opt/venv/bin/python -c "$1"
             shift
-            exec /opt/venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-        ' nvrx07-lane "$versions" "$@"
+            exec /opt/venv/bin/python "$@"
+        ' nvrx07-lane "$versions" "${run[@]}" "$@"
+        ;;
+    *)
+        say "unknown inside mode: $mode (build, test or bench)" >&2
+        exit 2
         ;;
     esac
 }
@@ -162,6 +177,17 @@ if [ "${1:-}" = __inside__ ]; then
     shift
     inside "$@"
     exit 0
+fi
+
+# `--bench MODULE [ARGS]`: run a benchmark module in the root instead of the tests.
+lane_mode=test
+if [ "${1:-}" = --bench ]; then
+    shift
+    if [ $# -eq 0 ] || [ -z "$1" ] || [ "${1#-}" != "$1" ]; then
+        say "usage: lane.sh --bench MODULE [ARGS] (MODULE: a Python module, e.g. bench.training_plane)" >&2
+        exit 2
+    fi
+    lane_mode=bench
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +199,8 @@ skip() {
         exit 1
     fi
     say "skipped: $*"
+    # A benchmark that could not run wrote no figures: exit 3 (bench.run reports the part skipped).
+    if [ "$lane_mode" = bench ]; then exit 3; fi
     exit 0
 }
 [ "${NVRX07_LANE:-}" != skip ] || skip "NVRX07_LANE=skip"
@@ -272,7 +300,7 @@ safe_rm "$root/tmp/lane"
 mkdir -p "$root/tmp/lane" "$root/repo"
 
 rc=0
-in_namespace test "$root" "$repo" "$@" || rc=$?
+in_namespace "$lane_mode" "$root" "$repo" "$@" || rc=$?
 if [ -n "$(mounted_under "$root")" ]; then
     say "warning: still mounted under $root: $(mounted_under "$root" | tr '\n' ' ')" >&2
 fi

@@ -30,7 +30,7 @@ def test_each_section_of_the_committed_summary_opens_with_its_heading_and_is_on_
     page = render_markdown(summary)
     sections = {
         "### 1. Checkpoint stall": stall_section(tp),
-        "### 2. Recovery per rung": recovery_section(tp, cp),
+        "### 2. Recovery per rung": recovery_section(tp, cp, summary.get("training_plane_nvrx07")),
         "### 3. Goodput under chaos": chaos_section(summary),
         "### 4. Control-plane overhead": control_plane_section(cp),
         "### 5. Evaluation load": evaluation_section(tp),
