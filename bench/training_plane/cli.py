@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-timeout-s", type=float, default=900.0)
     parser.add_argument("--run-timeout-s", type=float, default=600.0)
     parser.add_argument(
+        "--recovery-modes",
+        type=lambda s: [m.strip() for m in s.split(",") if m.strip()],
+        default=None,
+        help="only these recovery runs: layered,injob,torchrun (default all; quick: one layered exception)",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="update OUT/NAME.json with the parts run (the others, and the top-level load record, stay; "

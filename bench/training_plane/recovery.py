@@ -52,6 +52,30 @@ RECOVERY_RUNS = {
 
 #: The baseline's launcher: torch's own elastic agent, restarting the worker group on a crash.
 TORCHRUN_MODE = "torchrun"
+#: torchrun where torch is built without libuv (``USE_LIBUV=0``: the NVRx 0.7 lane's Debian torch,
+#: a quirk of that test environment). Its c10d rendezvous creates its TCPStores with the default
+#: ``use_libuv=True``, which such a torch refuses, and has no setting for it (ft_launcher 0.7
+#: patches the same spot for ``--rdzv-conf use_libuv=false``). So the agent's process gets the
+#: stores without libuv, and nothing else changes: same torchrun, same arguments, same workers.
+TORCHRUN_WITHOUT_LIBUV = (
+    "import functools, sys\n"
+    "import torch.distributed as dist\n"
+    "import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d\n"
+    "store = functools.partial(dist.TCPStore, use_libuv=False)\n"
+    "dist.TCPStore = c10d.TCPStore = store\n"
+    "from torch.distributed.run import main\n"
+    "sys.argv[0] = 'torchrun'\n"
+    "sys.exit(main())\n"
+)
+
+
+def torchrun_command() -> list[str]:
+    """How the baseline starts torchrun with this interpreter (see ``TORCHRUN_WITHOUT_LIBUV``)."""
+    if os.environ.get("USE_LIBUV", "1").strip().lower() in ("0", "false", "no"):
+        return [sys.executable, "-c", TORCHRUN_WITHOUT_LIBUV]
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
 QUICK_RECOVERY_RUNS = {"layered": ["exception"]}
 
 
@@ -78,9 +102,7 @@ def run_launch(
         cfg.layout.create()
         cfg.layout.config.write_text(cfg.to_json() + "\n")
         command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *torchrun_command(),
             "--standalone",
             f"--nproc-per-node={cfg.procs_per_node}",
             f"--max-restarts={torchrun_restarts}",
@@ -113,6 +135,9 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     dataset = ensure_dataset(work / "data" / "stdlib-text", python=sys.executable)  # this lane's interpreter
     runs = QUICK_RECOVERY_RUNS if args.quick else RECOVERY_RUNS
+    modes = getattr(args, "recovery_modes", None)
+    if modes:
+        runs = {mode: kinds for mode, kinds in RECOVERY_RUNS.items() if mode in modes}
     interval, gap, first = 3, 8, 8
     out_runs, rows = [], []
     for mode, kinds in runs.items():
