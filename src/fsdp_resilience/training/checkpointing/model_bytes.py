@@ -11,6 +11,7 @@ commit recorded. A layout this does not handle raises ``NotDirectlyReadable``: l
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import pickle
 import re
@@ -194,39 +195,103 @@ def plan_direct_read(path: Path, metadata: Any, params: dict[str, torch.Tensor])
     return chunks
 
 
-def _read_chunk(fd: int, chunk: _StoredChunk) -> memoryview:
-    """Read ``chunk``'s bytes into its slice of the parameter; returns those bytes."""
+#: Each chunk is read in blocks of this many bytes, and each block is checksummed right after it
+#: lands, while it is still in the CPU's cache: the read and the CRC32C are one pass over memory.
+_BLOCK_BYTES = 1 << 20
+
+#: CRC32C's polynomial, bit-reflected (as the crc32c package and iSCSI take it).
+_CRC32C_POLY = 0x82F63B78
+
+
+def _gf2_multiply(a: int, b: int) -> int:
+    """a(x)·b(x) modulo the CRC32C polynomial, both bit-reflected (zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+
+
+_X_POW_2K = [1 << 30]  # x^(2^k) mod P for k = 0, 1, ...: x^1, x^2, x^4, ...
+for _ in range(63):
+    _X_POW_2K.append(_gf2_multiply(_X_POW_2K[-1], _X_POW_2K[-1]))
+
+
+def _x_pow_8n(n: int) -> int:
+    """x^(8·n) mod P: what appending ``n`` bytes does to a CRC's register."""
+    p, k = 1 << 31, 3  # x^0; 8·n = n·2^3
+    while n:
+        if n & 1:
+            p = _gf2_multiply(_X_POW_2K[k], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+_X_POW_8N: dict[int, int] = {}  # by length: a model's chunks come in few sizes
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of A+B from ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len2`` = len(B)
+    (zlib's ``crc32_combine``), so that chunks checksummed apart, in any order, give the digest
+    the writer took over them in sequence."""
+    power = _X_POW_8N.get(len2)
+    if power is None:
+        power = _X_POW_8N[len2] = _x_pow_8n(len2)
+    return _gf2_multiply(power, crc1) ^ crc2
+
+
+def _read_chunk(fd: int, chunk: _StoredChunk) -> int:
+    """Read ``chunk``'s bytes into its slice of the parameter, block by block, and return the
+    CRC32C of the bytes that landed there: each block is checksummed in the parameter's own memory
+    right after it is read (still in cache), so the CRC is over exactly what the model will hold,
+    and a file changed after the read cannot change what was checked."""
     contiguous = chunk.target.is_contiguous()
     into = chunk.target if contiguous else torch.empty_like(chunk.target, memory_format=torch.contiguous_format)
-    view = memoryview(into.view(-1).view(torch.uint8).numpy()) if chunk.nbytes else memoryview(b"")
-    done = 0
+    if not chunk.nbytes:
+        return 0
+    data = into.view(-1).view(torch.uint8)
+    # A new model's memory is not mapped yet: touching one byte a page first maps it in one
+    # sweep, cheaper than the kernel faulting it in page by page in the middle of each read.
+    data[:: mmap.PAGESIZE].zero_()
+    view = memoryview(data.numpy())
+    crc, done = 0, 0
     while done < chunk.nbytes:
-        n = os.preadv(fd, [view[done:]], chunk.at + done)
+        n = os.preadv(fd, [view[done : done + _BLOCK_BYTES]], chunk.at + done)
         if n <= 0:
             raise OSError(f"{chunk.file} ends before byte {chunk.at + done}")
+        crc = crc32c.crc32c(view[done : done + n], crc)
         done += n
     if not contiguous:
         chunk.target.copy_(into)
-    return view
+    return crc
 
 
 def read_model_bytes(path: Path, chunks: list[_StoredChunk], world_size: int) -> list[str]:
     """Read every chunk into the model and return each saved rank's model digest over the bytes
     read (CRC32C in (fqn, offset) order, as ``write_job.model_digest`` took it at save).
-    Reader threads fill the parameters while this thread checksums what has landed, in digest
-    order (preadv and CRC32C both release the GIL)."""
-    stray = next((c for c in chunks if c.owner >= world_size), None)
-    if stray is not None:
-        raise NotDirectlyReadable(f"{stray.file} is from rank {stray.owner} of a {world_size}-rank save")
-    ordered = sorted(chunks, key=lambda c: (c.owner, c.fqn, c.offsets))
-    fds = {name: os.open(path / name, os.O_RDONLY) for name in {c.file for c in chunks}}
-    readers = max(1, min(4, (os.cpu_count() or 2) - 1))  # and one core to checksum
-    pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="eval-read")
-    digests = [0] * world_size
+
+    Reader threads, one a core, each read a chunk and checksum it in the same pass (preadv and
+    CRC32C both release the GIL, and this thread only waits); the chunks' CRCs are then combined
+    in digest order (``crc32c_combine``). Nothing here decides whether the bytes are good: the caller compares the
+    digests with those the commit recorded, and must not use the parameters unless they match."""
+    fds: dict[str, int] = {}
+    pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 2)), thread_name_prefix="eval-read")
+    landed = []
     try:
-        landed = [pool.submit(_read_chunk, fds[c.file], c) for c in ordered]
-        for chunk, future in zip(ordered, landed):
-            digests[chunk.owner] = crc32c.crc32c(future.result(), digests[chunk.owner])
+        for chunk in chunks:
+            if chunk.owner >= world_size:
+                raise NotDirectlyReadable(f"{chunk.file} is from rank {chunk.owner} of a {world_size}-rank save")
+            fd = fds.get(chunk.file)
+            if fd is None:
+                fd = fds[chunk.file] = os.open(path / chunk.file, os.O_RDONLY)
+            landed.append((chunk, pool.submit(_read_chunk, fd, chunk)))
+        digests = [0] * world_size
+        for chunk, crc in sorted(landed, key=lambda pair: (pair[0].owner, pair[0].fqn, pair[0].offsets)):
+            digests[chunk.owner] = crc32c_combine(digests[chunk.owner], crc.result(), chunk.nbytes)
     finally:
         pool.shutdown(cancel_futures=True)  # waits for reads under way: only then close their files
         for fd in fds.values():
