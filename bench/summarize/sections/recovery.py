@@ -208,7 +208,14 @@ def _spare_lanes_section(lanes: list[dict[str, Any]], cp_spare: dict[str, Any] |
         "after a `last_call_timeout_seconds` grace (1 s) for the previously active nodes. On both, the "
         "surviving node first waits for its in-process layer to give up on the lost ranks (the Wrapper's "
         "heartbeat timeout, max(5 s, hang timeout)), and the new workers' start (a fresh interpreter importing "
-        "torch and NVRx, the model built, the checkpoint loaded, on 2 shared cores) comes on top.",
+        "torch and NVRx, the model built, the checkpoint loaded, on 2 shared cores) comes on top. What NVRx "
+        "0.7.0 adds to every in-job restart, read from its sources: tear down ≈ 1 s is a fixed "
+        "`time.sleep(1.0)` between SIGTERM and SIGKILL of the workers' process groups "
+        "(`fault_tolerance/utils.py: terminate_mp_processes`), and its rendezvous polls for the next round "
+        "once a second (`ft_rendezvous_barrier.py`, Step 0); neither is configurable. Its one knob here, "
+        "`last_call_timeout` (`--rdzv-conf`, whole seconds), would save at most that 1 s of the spare's "
+        "rendezvous, and 0 would let a waiting spare close a round before a healthy node rejoins after a rank "
+        "fault, so the product keeps the default.",
         "",
     ]
     return lines
