@@ -8,7 +8,7 @@ a plain model on load. Writes ``<run_dir>/eval.json`` atomically and an ``eval``
     {"checkpoint_id": "step_00000100", "step": 100, "val_loss": 1.93, "perplexity": 6.9,
      "batches": 8, "tokens": 8192, "saved_world_size": 2, "evaluated_at": 1764480000.0}
 
-Nothing is used before it verifies. The model is built on the meta device and its bytes are read
+Nothing is used before it verifies. The model is built without initialising it and its bytes are read
 straight into its parameters; before they are read, the commit marker, every file's size and the
 CRC32C of ``.metadata`` are checked (``contract.verify_checkpoint``), and after, the bytes read are
 checked against the model digests the commit recorded (a CRC32C of each rank's model tensors).
@@ -32,6 +32,7 @@ Exit codes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.overrides import TorchFunctionMode
 
 from fsdp_resilience.training.checkpointing.model_bytes import NotDirectlyReadable, plan_direct_read, read_model_bytes
 from fsdp_resilience.training.checkpointing.resume import load_checkpoint
@@ -59,7 +61,7 @@ from fsdp_resilience.training.contract import (
     verify_checkpoint,
 )
 from fsdp_resilience.training.data import validation_batches
-from fsdp_resilience.training.model import build_model, cross_entropy_loss
+from fsdp_resilience.training.model import GPT, PRESETS, build_model, cross_entropy_loss
 from fsdp_resilience.training.parallelize import choose_device
 
 #: sysexits EX_NOINPUT: no committed checkpoint verifies and loads (or the requested one does not).
@@ -72,11 +74,43 @@ class NoUsableCheckpoint(Exception):
     """Committed checkpoints exist, but none that was asked for verifies and loads."""
 
 
+class _SkipInitialisers(TorchFunctionMode):
+    """While active, parameter initialisers do nothing: ``torch.nn.init``'s (those that dispatch
+    torch functions: ``normal_``, ``uniform_``, ``constant_``, ``kaiming_uniform_``, what
+    ``nn.Linear`` and ``nn.Embedding`` call; of the others only their random fills) and the
+    in-place random fills. For a model whose every parameter a checkpoint is about to fill, which
+    ``_other_model`` makes sure of before anything is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped = {getattr(torch.nn.init, n) for n in dir(torch.nn.init) if n.endswith("_") and n[0] != "_"}
+        self.skipped |= {getattr(torch.Tensor, n) for n in ("normal_", "uniform_", "log_normal_", "exponential_")}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.skipped:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor):
+                return tensor
+        return func(*args, **kwargs)
+
+
 def empty_model(cfg: RunConfig, device: torch.device) -> torch.nn.Module:
-    """The run's model with uninitialised parameters on ``device`` (built on the meta device): what
-    a checkpoint load fills. A random init would be wasted work, most of a large model's load time."""
-    model = build_model(cfg.model, device="meta", max_seq_len=cfg.seq_len)
-    model.to_empty(device=device)
+    """The run's model with uninitialised parameters on ``device``: what a checkpoint load fills.
+    A random init would be wasted work, most of a large model's load time.
+
+    On the CPU it is built there with its initialisers skipped (``_SkipInitialisers``): building
+    on the meta device instead runs torch's Python meta kernels, whose first call in a process
+    imports ``torch._dynamo`` (about 1.3 s here, more than the whole load), which evaluation
+    never needs otherwise. Elsewhere it is built on the meta device and ``to_empty``'d."""
+    if device.type == "cpu":
+        if cfg.model not in PRESETS:
+            return build_model(cfg.model)  # raises: the preset's error
+        with torch.device(device), _SkipInitialisers():
+            model = GPT(dataclasses.replace(PRESETS[cfg.model], max_seq_len=cfg.seq_len))
+    else:
+        model = build_model(cfg.model, device="meta", max_seq_len=cfg.seq_len)
+        model.to_empty(device=device)
     model.init_buffers()
     return model
 
