@@ -130,7 +130,7 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ),
         # The whole evaluation load: build on the meta device, verify, read into the parameters.
         "load_model": lambda: load_model(cfg, info.checkpoint_id, device, events),
-        # What load_model builds before it reads (meta device, to_empty, derived buffers).
+        # What load_model builds before it reads (initialisers skipped, derived buffers filled).
         "build_model_only": lambda: empty_model(cfg, device),
         # What a resume's verification costs (sizes + CRC32C of every file, in one process);
         # evaluation reads and checks only the model's bytes (``verified_by``).
@@ -163,7 +163,7 @@ def bench_eval_load(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "file_mb": round(sum(r[2] for r in whole_files) / 1e6, 1),
         "model_mb": round(model_bytes / 1e6, 1),
         "trials": args.trials,
-        "build": "meta device, parameters left for the load to fill",
+        "build": "on the CPU with its initialisers skipped, parameters left for the load to fill",
         "verified_by": verified_by,
         "verification": (
             "before the read: commit marker, every file's size, CRC32C of .metadata; then reader "
