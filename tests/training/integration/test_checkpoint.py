@@ -160,6 +160,38 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
         "trainer": {k: restored_trainer[k] for k in ("step", "sampler")},
     }
 
+    # O. An overlapped save, in train/loop.py's order: the snapshot copy runs during the next
+    # forward and backward (which only read the state), the optimizer step waits for it, and
+    # what commits is the state at the save, not what the step then wrote.
+    train(1)
+    trainer = trainer_state(3)
+    expected_o = _flat(app_state(model, optimizer, trainer))
+    ckpt.save(3, app_state(model, optimizer, trainer), overlap_snapshot=True)
+    written_before_wait = ckpt.pending_written()
+    model(torch.randn(8, WIDTH, generator=batches)).square().mean().backward()
+    ckpt.wait_snapshot()
+    stats_o = ckpt.last_save
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    committed_o = ckpt.wait()
+    fresh_model = sharded_model(1)
+    fresh_optimizer = torch.optim.AdamW(fresh_model.parameters(), lr=1e-3)
+    fresh_optimizer.step()  # creates the AdamW state tensors the checkpoint loads into
+    like = {k: (torch.zeros_like(v) if torch.is_tensor(v) else v) for k, v in trainer_state(-1).items()}
+    fresh = app_state(fresh_model, fresh_optimizer, like)
+    load_latest(run_dir, fresh)
+    restored_trainer = restore_app_state(fresh_model, fresh_optimizer, fresh)
+    results["O"] = {
+        "committed": [c.step for c in committed_o],
+        "written_before_wait": written_before_wait,
+        "snapshot_wait_s": stats_o.snapshot_wait_s,
+        "mismatches": _mismatches(expected_o, _flat(app_state(fresh_model, fresh_optimizer, restored_trainer))),
+        "live_differs": len(_mismatches(expected_o, _flat(app_state(model, optimizer, trainer)))),
+    }
+
     # B. The commit waits for every rank: rank 1's writer is frozen; rank 0 is done long before.
     train(1)
     ckpt.save(4, app_state(model, optimizer, trainer_state(4)))
@@ -257,7 +289,9 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
     # D. An in-process restart: abandon what is in flight, bind the new group, save again.
     train(1)
     writer_before = ckpt.writer_pids()
-    ckpt.save(10, app_state(model, optimizer, trainer_state(10)))
+    # Overlapped: the fault comes while the snapshot copy may still run (the copy is waited
+    # for, never handed to the writer).
+    ckpt.save(10, app_state(model, optimizer, trainer_state(10)), overlap_snapshot=True)
     abandoned = ckpt.abandon_pending()
     new_group = dist.new_group(ranks=[0, 1], backend="gloo")
     ckpt.rebind(new_group)
@@ -287,7 +321,10 @@ def _run_scenario(rank: int, port: int, tmp: Path) -> dict[str, Any]:
         train(1)
         trainer = trainer_state(step) if step < 18 else {**trainer_state(step), "lr_scale": torch.full((3,), 0.5)}
         expected_e[step] = _flat(app_state(model, optimizer, trainer))
-        ckpt.save(step, app_state(model, optimizer, trainer))
+        # Overlapped, as the training loop saves: 16 reuses the cached plan, so it is planned in
+        # the background while the copy runs; 18 (a new structure) is planned in save() itself.
+        ckpt.save(step, app_state(model, optimizer, trainer), overlap_snapshot=True)
+        ckpt.wait_snapshot()
         # Whether the next save of this structure may reuse the plan (NVRx: two saves planned alike).
         cache_reused[step] = ckpt.plan_reusable
         async_stats.append(ckpt.last_save.__dict__)
@@ -376,13 +413,24 @@ def test_fsdp_checkpoint_reloads_at_world_size_one(scenario):
 
 
 @pytest.mark.slow
+def test_overlapped_snapshot_commits_the_state_at_the_save(scenario):
+    for r in range(2):
+        o = scenario[r]["O"]
+        assert o["committed"] == [3]
+        assert o["written_before_wait"] is False, "the writer must not get the save before its copy is done"
+        assert o["snapshot_wait_s"] is not None and o["snapshot_wait_s"] >= 0
+        assert o["live_differs"] > 0, "the optimizer step after wait_snapshot must change the live state"
+        assert o["mismatches"] == [], f"rank {r}: the overlapped save differs from the state at the save"
+
+
+@pytest.mark.slow
 def test_commit_waits_for_every_rank(scenario):
     b = scenario[0]["B"]
     assert b["while_frozen"], "rank 0 polled while rank 1's writer was frozen"
     assert all(s["own_shard"] for s in b["while_frozen"][-3:]), "rank 0's own write finished meanwhile"
     for seen in b["while_frozen"]:
         assert seen["polled"] == [] and not seen["marker"] and not seen["metadata"]
-        assert seen["latest"] == "step_00000002"
+        assert seen["latest"] == "step_00000003"
     assert b["committed"] == [4] and b["marker_after"] and b["latest_after"] == "step_00000004"
     assert scenario[1]["B"]["committed"] == [4]
 
@@ -418,7 +466,7 @@ def test_retention_keeps_the_last_k(scenario):
     assert [c.step for c in catalog.committed()] == [16, 18]
     assert catalog.torn() == []  # older torn folders (6, 10) went with retention
     commits = [r["step"] for r in read_events(RunDir(scenario["tmp"] / "run").events, Event.CHECKPOINT_COMMIT)]
-    assert commits == [2, 4, 8, 12, 14, 16, 18]
+    assert commits == [2, 3, 4, 8, 12, 14, 16, 18]
     assert [c.step for c in CheckpointCatalog(scenario["tmp"] / "run-sync").committed()] == [18]
 
 
@@ -468,6 +516,8 @@ def test_cached_plan_is_reused_and_dropped_when_the_structure_changes(scenario):
         # the cache was dropped and 18 planned afresh, so nothing is validated for reuse yet.
         reusable = {int(k): v for k, v in e["cache_reused"].items()}
         assert reusable == {14: True, 16: True, 18: False}, reusable
+        # Only 16 had a plan every rank agreed was cached: planned in the background.
+        assert [s["plan_overlapped"] for s in e["async"]] == [False, True, False]
         assert {int(k): v for k, v in e["reload_mismatches"].items()} == {16: [], 18: []}, e["reload_mismatches"]
 
 

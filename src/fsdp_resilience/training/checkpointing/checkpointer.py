@@ -38,6 +38,7 @@ the save's own number, over the writer's completion queue (no manager process).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -102,6 +103,12 @@ class SaveStats:
     plan_s: float  # DCP planning (a collective) + NVRx write preparation
     schedule_s: float  # handing the shard to the writer process
     snapshot_bytes: int
+    #: ``overlap_snapshot``: how long ``wait_snapshot`` then waited for the copy to finish (the
+    #: rest of the copy ran during the next forward and backward). The loop's whole stall for the
+    #: save is ``blocking_s + snapshot_wait_s``. None until ``wait_snapshot`` ran; 0.0 without overlap.
+    snapshot_wait_s: float | None = None
+    #: Whether the save was planned in the background, beside the copy (a cached plan, overlapped).
+    plan_overlapped: bool = False
 
 
 def _no_progress() -> None:
@@ -167,6 +174,11 @@ class AsyncCheckpointer(CommitRounds):
         )
         self._collective_device = torch.device("cpu")
         self._pending: _PendingSave | None = None
+        #: ``overlap_snapshot``: (step, its plan, or the future of it) of a save whose snapshot copy
+        #: may still run; handed to the writer by ``wait_snapshot``.
+        self._unscheduled: tuple[int, Any] | None = None
+        self._planner: concurrent.futures.ThreadPoolExecutor | None = None  # plans cached saves meanwhile
+        self._planned: tuple[int, float] | None = None  # (step, seconds) of the last plan
         self._committer = Committer(self.catalog, events, keep)
         self._closed = False
 
@@ -200,6 +212,8 @@ class AsyncCheckpointer(CommitRounds):
     @property
     def pending_step(self) -> int | None:
         """The step being written, not yet committed (None when idle)."""
+        if self._unscheduled is not None:
+            return self._unscheduled[0]
         return self._pending.step if self._pending is not None else None
 
     @property
@@ -255,7 +269,7 @@ class AsyncCheckpointer(CommitRounds):
         group is abandoned (stays torn); a writer process that died, or stalled with work, is
         replaced."""
         self._require_open()
-        if self._pending is not None:
+        if self._pending is not None or self._unscheduled is not None:
             self.abandon_pending()
         if not dist.is_initialized():
             raise RuntimeError("rebind needs an initialized torch.distributed process group")
@@ -276,13 +290,20 @@ class AsyncCheckpointer(CommitRounds):
             )
             self._start_writer()
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], *, overlap_snapshot: bool = False) -> None:
         """Checkpoint ``state`` as ``step``. Returns once the state is snapshotted and handed to
         the writer (async) or written and committed (sync). Finishes the previous save first and
         raises ``CheckpointWriterError`` if that one failed (this step is then not started; the
         checkpointer is ready for another ``save``). A step that is already committed is skipped.
+
+        ``overlap_snapshot=True`` (async only): return as soon as the snapshot copy has started
+        and the save is planned; the copy runs on while the caller computes the next forward and
+        backward, and the save is handed to the writer once it is done. The caller must call
+        ``wait_snapshot()`` before it next writes any tensor of ``state`` (the training loop: just
+        before ``optimizer.step()``); every other call of the protocol waits for it too.
         """
         self._require_open()
+        self.wait_snapshot()
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict (see app_state), got {type(state).__name__}")
         began = time.monotonic()
@@ -300,7 +321,7 @@ class AsyncCheckpointer(CommitRounds):
             return
         settled = time.monotonic()
         if self.async_save:
-            self._save_async(step, state, path, began, settled)
+            self._save_async(step, state, path, began, settled, overlap_snapshot)
         else:
             self._save_sync(step, state, path, began, settled)
 
@@ -308,16 +329,20 @@ class AsyncCheckpointer(CommitRounds):
         """Commit the pending save if every rank finished writing it; never waits for writers.
         Returns what was committed. Raises ``CheckpointWriterError`` if the save failed anywhere."""
         self._require_open()
+        self.wait_snapshot()
         return self._finalize(blocking=False) if self._pending is not None else []
 
     def wait(self) -> list[CheckpointInfo]:
         """Wait for the pending save and commit it (or raise ``CheckpointWriterError``)."""
         self._require_open()
+        self.wait_snapshot()
         return self._finalize(blocking=True) if self._pending is not None else []
 
     def pending_written(self) -> bool:
         """Whether this rank's writer finished the pending save's write (True when none is
         pending). Local: no collective, commits nothing; ``poll``/``wait`` do that."""
+        if self._unscheduled is not None:
+            return False  # still copying: the writer has not been handed it yet
         pending = self._pending
         if pending is None or pending.call_idx is None or pending.local_state is not None:
             return True
@@ -326,6 +351,18 @@ class AsyncCheckpointer(CommitRounds):
     def abandon_pending(self) -> int | None:
         """Drop the pending save without any collective (for when the process group is broken or
         replaced). Its folder stays torn: never committed, never loaded. Returns its step."""
+        if self._unscheduled is not None:
+            (step, planning), self._unscheduled = self._unscheduled, None  # never handed to the writer
+            try:
+                self._buffers.wait_copied()  # buffers are refilled only once no copy runs into them
+                if isinstance(planning, concurrent.futures.Future):
+                    planning.result()
+            except Exception as e:  # noqa: BLE001 - the save is dropped anyway
+                log.warning("rank %d: the abandoned save's snapshot copy or plan failed: %s", self._rank, e)
+            # Its plan may have counted on its request handing the buffers to the writer.
+            self._handed_over.clear()
+            log.info("rank %d: abandoned checkpoint step %d (never handed to the writer)", self._rank, step)
+            return step
         pending, self._pending = self._pending, None
         if pending is None:
             return None
@@ -348,6 +385,11 @@ class AsyncCheckpointer(CommitRounds):
         if self._closed:
             return
         try:
+            if self._unscheduled is not None:
+                if wait:
+                    self.wait_snapshot()
+                else:
+                    self.abandon_pending()
             if self._pending is not None:
                 if wait:
                     self._finalize(blocking=True)
@@ -355,7 +397,14 @@ class AsyncCheckpointer(CommitRounds):
                     self.abandon_pending()
         finally:
             self._pending = None
+            self._unscheduled = None
             self._closed = True
+            try:
+                self._buffers.close()
+            except Exception as e:  # noqa: BLE001 - closing anyway
+                log.warning("rank %d: a snapshot copy failed while closing: %s", self._rank, e)
+            if self._planner is not None:
+                self._planner.shutdown(wait=True)
             self._committer.join_retention()
             self._reaper()  # stops the helper processes (once)
             atexit.unregister(self._reaper)
@@ -367,10 +416,50 @@ class AsyncCheckpointer(CommitRounds):
         self.close(wait=exc_type is None)
 
     # -- saving -------------------------------------------------------------------------------
-    def _save_async(self, step: int, state: dict[str, Any], path: Path, began: float, settled: float) -> None:
-        snapshot = self._buffers.snapshot(state)
+    def _save_async(
+        self, step: int, state: dict[str, Any], path: Path, began: float, settled: float, overlap: bool
+    ) -> None:
+        snapshot = self._buffers.snapshot(state, overlap=overlap)
         snapped = time.monotonic()
         results_queue = self._helpers.channel.new_queue()  # before planning: see _WriteResultsChannel
+        plan = functools.partial(self._plan, step, path, snapshot, results_queue, began)
+        # Planning reads the buffers' shapes and addresses, never their values, so it runs while
+        # the copies into them may still be in flight. A cached plan (validated by two saves that
+        # planned alike, and agreed by every rank in _settle) needs no collective: overlapped, it
+        # is made in the background with the copy; otherwise here, on every rank at once.
+        if overlap and self.plan_reusable:
+            if self._planner is None:
+                self._planner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="save-plan")
+            planning: Any = self._planner.submit(plan)
+        else:
+            planning = plan()
+        self._unscheduled = (step, planning)
+        plan_s = 0.0 if isinstance(planning, concurrent.futures.Future) else self._planned[1]
+        copy_wait_s = 0.0 if overlap else self._hand_over()
+        returned = time.monotonic()
+        # Overlapped, the event carries what the loop waited in save() itself; the rest of the
+        # copy is waited for inside the next step, whose time shows it (goodput's interference).
+        self._record(
+            SaveStats(
+                step,
+                "async",
+                returned - began,
+                settled - began,
+                snapped - settled + copy_wait_s,
+                plan_s,
+                returned - snapped - copy_wait_s - plan_s,
+                self._buffers.nbytes,
+                None if overlap else 0.0,
+                isinstance(planning, concurrent.futures.Future),
+            )
+        )
+
+    def _plan(
+        self, step: int, path: Path, snapshot: Any, results_queue: Any, began: float
+    ) -> tuple[_PendingSave, AsyncRequest | None]:
+        """Plan the save of ``snapshot`` and build the writer's request (None: nothing to write on
+        this rank); a collective unless the plan is cached."""
+        t0 = time.monotonic()
         writer = _SnapshotWriter(
             str(path),
             handed_over=self._handed_over,
@@ -386,11 +475,11 @@ class AsyncCheckpointer(CommitRounds):
         if writer.results_queue is not None:
             writer.results_queue = results_queue
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
-        self._buffers.wait_copied()  # CUDA: the D2H copies ran while we planned; the writer reads them next
         planned = time.monotonic()
         pending = _PendingSave(
             step, path, writer, metadata, dist_wrapper, call_idx=None, began=began, scheduled=planned
         )
+        request = None
         if save_fn is None:  # nothing to write here, but the commit wants this rank's (empty) record
             try:
                 write_empty_sums(path, self._rank)
@@ -399,6 +488,49 @@ class AsyncCheckpointer(CommitRounds):
         else:
             job = writer.wrap_job(functools.partial(write_then_checksum, save_fn, str(path), self._rank))
             request = AsyncRequest(job, tuple(save_args), [], preload_fn=self._staging(preload_fn, save_args))
+        self._planned = (step, planned - t0)
+        return pending, request
+
+    def wait_snapshot(self) -> float:
+        """Wait until the pending save's snapshot copy (and, if it ran in the background, its
+        planning) is done (``save(overlap_snapshot=True)``), then hand the save to the writer; from
+        then on the saved state may change. Returns the seconds waited (0.0 when nothing was in
+        flight). Local: no collective. A copy or plan that raised fails this rank's write (the
+        save then fails on every rank at the next round)."""
+        if self._unscheduled is None:
+            return 0.0
+        waited = self._hand_over()
+        last = self.last_save
+        if last is not None and last.snapshot_wait_s is None and last.step == self._pending.step:
+            planned = self._planned
+            plan_s = planned[1] if planned and planned[0] == last.step else last.plan_s
+            self.last_save = dataclasses.replace(last, snapshot_wait_s=waited, plan_s=plan_s)
+        return waited
+
+    def _hand_over(self) -> float:
+        """Wait for the snapshot copy and the plan, then schedule the request on the writer;
+        returns the seconds waited for them."""
+        (step, planning), self._unscheduled = self._unscheduled, None
+        began = time.perf_counter()
+        error = None
+        try:
+            self._buffers.wait_copied()
+        except Exception as e:  # noqa: BLE001 - becomes this rank's failed write
+            error = f"snapshot copy: {type(e).__name__}: {e}"
+        try:
+            pending, request = planning.result() if isinstance(planning, concurrent.futures.Future) else planning
+        except Exception as e:  # noqa: BLE001 - the same
+            error = error or f"planning: {type(e).__name__}: {e}"
+            path = self.layout.checkpoint_dir(step)
+            now = time.monotonic()
+            pending, request = _PendingSave(step, path, None, None, None, None, now, now), None
+        waited = time.perf_counter() - began
+        self._pending = pending
+        if error is not None:
+            log.error("rank %d: checkpoint step %d failed before its write: %s", self._rank, step, error)
+            pending.local_state, pending.error, request = _FAILED, error, None
+            self._handed_over.clear()  # the request that would have handed the buffers over is dropped
+        if request is not None:
             try:
                 pending.call_idx = self._calls.schedule_async_request(request)
             except _WriterGone as e:
@@ -406,20 +538,7 @@ class AsyncCheckpointer(CommitRounds):
                 pending.call_idx = self._calls.call_idx
                 pending.local_state, pending.error = _DEAD, str(e)
                 self._start_writer()
-        self._pending = pending
-        scheduled = time.monotonic()
-        self._record(
-            SaveStats(
-                step,
-                "async",
-                scheduled - began,
-                settled - began,
-                snapped - settled,
-                planned - snapped,
-                scheduled - planned,
-                self._buffers.nbytes,
-            )
-        )
+        return waited
 
     def _save_sync(self, step: int, state: dict[str, Any], path: Path, began: float, settled: float) -> None:
         # dcp.save returns on every rank only after the coordinator wrote .metadata, i.e. after

@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import functools
 import inspect
 import logging
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -94,6 +96,8 @@ class SnapshotBuffers:
         self.generation = 0
         self._stream = None  # CUDA: the side stream the device-to-host copies run on
         self._copied = None  # CUDA: an event recorded after the last snapshot's copies
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None  # CPU: the overlapped copies' thread
+        self._copying: concurrent.futures.Future | None = None  # CPU: the copy in flight
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -104,50 +108,84 @@ class SnapshotBuffers:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     @torch.no_grad()
-    def snapshot(self, state: Any) -> Any:
+    def snapshot(self, state: Any, *, overlap: bool = False) -> Any:
         """A copy of ``state`` with the same structure: tensors (DTensor shards included) copied
-        into the buffers, other values deep-copied.
+        into the buffers, other values deep-copied (those at once, whatever ``overlap`` says).
 
-        On CUDA the device-to-host copies run on a side stream, after the work already queued on
-        the current stream (the optimizer step that wrote the parameters), and the current stream
-        waits for them, so the next step cannot write a parameter before its copy is taken. They
-        may still be in flight when this returns: call ``wait_copied`` before the host reads the
-        buffers (the caller plans the save meanwhile)."""
-        if not self.pin_memory:
-            return self._copy(state, ())
-        current = torch.cuda.current_stream()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            copied = self._copy(state, ())
-            self._copied = torch.cuda.Event()
-            self._copied.record(self._stream)
-        current.wait_stream(self._stream)
+        ``overlap=False``: the state may change as soon as this returns. On CUDA the copies run on
+        a side stream after the work already queued on the current stream (the optimizer step
+        that wrote the parameters), and the current stream waits for them; call ``wait_copied``
+        before the host reads the buffers.
+
+        ``overlap=True``: the tensor copies may still be running when this returns (on CPU in a
+        copy thread, on CUDA on the side stream with nothing waiting for it), so they overlap the
+        next forward and backward, which read the parameters and optimizer state but never write
+        them. The caller must call ``wait_copied`` before anything writes the state again (the
+        next ``optimizer.step``)."""
+        self.wait_copied()  # a buffer is never refilled while an earlier copy into it runs
+        if self.pin_memory:
+            current = torch.cuda.current_stream()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(current)
+            with torch.cuda.stream(self._stream):
+                copied = self._copy(state, (), None)
+                self._copied = torch.cuda.Event()
+                self._copied.record(self._stream)
+            if not overlap:
+                current.wait_stream(self._stream)
+            return copied
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copied = self._copy(state, (), pairs)
+        if not overlap:
+            _copy_pairs(pairs)
+            return copied
+        if self._copier is None:
+            # Started at the first overlapped save, long after the writer process was forked
+            # (fork_is_safe wants no thread before that).
+            self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-copy")
+        self._copying = self._copier.submit(_copy_pairs, pairs)
         return copied
 
-    def wait_copied(self) -> None:
-        """Block the host until the last snapshot's copies have landed (a no-op on CPU)."""
+    def wait_copied(self) -> float:
+        """Block the host until the last snapshot's copies have landed; returns how long that
+        took. Raises what a copy thread raised."""
+        began = time.perf_counter()
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            copying.result()
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
+        return time.perf_counter() - began
 
-    def _copy(self, obj: Any, path: tuple[Any, ...]) -> Any:
+    def close(self) -> None:
+        """Wait for any copy in flight and stop the copy thread."""
+        try:
+            self.wait_copied()
+        finally:
+            if self._copier is not None:
+                self._copier.shutdown(wait=True)
+                self._copier = None
+
+    def _copy(self, obj: Any, path: tuple[Any, ...], pairs: list | None) -> Any:
+        """``obj`` with its tensors replaced by their buffers. ``pairs`` collects (buffer,
+        source) for a later copy; None copies each tensor here (on the CUDA side stream)."""
         if isinstance(obj, DTensor):
-            local = self._copy_tensor(obj.to_local(), path)
+            local = self._copy_tensor(obj.to_local(), path, pairs)
             # Same sharding spec, local shard in the host buffer: what DCP plans and writes. (The
             # public from_local would move the shard back to the mesh's device.)
             return DTensor(local, obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
-            return self._copy_tensor(obj.detach(), path)
+            return self._copy_tensor(obj.detach(), path, pairs)
         if isinstance(obj, Mapping):
-            return {k: self._copy(v, path + (k,)) for k, v in obj.items()}
+            return {k: self._copy(v, path + (k,), pairs) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            items = [self._copy(v, path + (i,)) for i, v in enumerate(obj)]
+            items = [self._copy(v, path + (i,), pairs) for i, v in enumerate(obj)]
             return items if isinstance(obj, list) else type(obj)(items)
         return copy.deepcopy(obj)  # ints, floats, strings: frozen now, not when the writer runs
 
-    def _copy_tensor(self, src: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+    def _copy_tensor(self, src: torch.Tensor, path: tuple[Any, ...], pairs: list | None) -> torch.Tensor:
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != src.shape or buffer.dtype != src.dtype:
             buffer = torch.empty(src.shape, dtype=src.dtype)
@@ -157,8 +195,19 @@ class SnapshotBuffers:
                 if self.pin_memory:
                     _pin(buffer)
             self._buffers[path] = buffer
-        buffer.copy_(src, non_blocking=self.pin_memory and src.is_cuda)
+        if pairs is None:
+            buffer.copy_(src, non_blocking=self.pin_memory and src.is_cuda)
+        else:
+            pairs.append((buffer, src))
         return buffer
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its buffer: one call into torch, which holds no GIL while it copies
+    (so a copy thread does not slow the training thread's Python)."""
+    if pairs:
+        buffers, sources = zip(*pairs)
+        torch._foreach_copy_(list(buffers), list(sources))
 
 
 def structure_key(state: Any) -> int:

@@ -101,9 +101,14 @@ class CheckpointBegin(EventRecord):
     """A save started (the training loop goes on while it is written)."""
 
     step: Annotated[int, "the step saved"]
-    blocking_s: Annotated[float, "seconds the training loop was stopped for the save"]
+    blocking_s: Annotated[
+        float,
+        "seconds the training loop was stopped in the save itself; the rest of the snapshot copy, "
+        "which runs during the next forward and backward, is waited for before the next optimizer "
+        "step and shows in that step's time",
+    ]
     mode: Annotated[str, "how the save was taken"]
-    snapshot_s: Annotated[float, "seconds to snapshot the state"]
+    snapshot_s: Annotated[float, "seconds the save spent on the snapshot before it returned (starting the copy)"]
 
 
 class CheckpointCommit(EventRecord):

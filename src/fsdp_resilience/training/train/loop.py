@@ -230,6 +230,9 @@ class Trainer(FaultHandling):
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 nonfinite = torch.where((nonfinite == 0) & nonfinite_flags(loss, grad_norm), step, nonfinite)
+                # The last save's snapshot copy ran during this forward and backward, which only
+                # read the parameters and optimizer state; the optimizer step writes them.
+                self.checkpointer.wait_snapshot()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 if log_step or save_step:  # the only host sync of a step; always before a save
@@ -269,7 +272,7 @@ class Trainer(FaultHandling):
                 try:
                     self._maybe_inject(step, faults.SAVE_PROTOCOL, since=protocol_round)
                     protocol_round = step
-                    self.checkpointer.save(step, app_state(model, optimizer, trainer_state))
+                    self.checkpointer.save(step, app_state(model, optimizer, trainer_state), overlap_snapshot=True)
                     self._maybe_inject(step, faults.AFTER_SAVE)
                 except Exception as exc:
                     self._on_fault(exc, step)

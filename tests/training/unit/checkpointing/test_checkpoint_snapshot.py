@@ -46,3 +46,25 @@ def test_stock_preload_needs_cuda_and_ours_does_not():
             stock()
     staged = _cpu_safe_preload(stock)()
     assert staged[0][2][1][0][1] is tensor
+
+
+def test_an_overlapped_snapshot_lands_by_wait_copied():
+    """overlap=True: the tensor copies run in a copy thread; plain values are copied at once;
+    wait_copied returns once every buffer holds the state as it was at the snapshot."""
+    weights = torch.randn(256, 1024)
+    state = {"model": {"w": weights, "b": torch.arange(7)}, "trainer": {"step": 3, "names": ["a"]}}
+    buffers = SnapshotBuffers()
+    expected = weights.clone()
+
+    copied = buffers.snapshot(state, overlap=True)
+    state["trainer"]["names"].append("b")  # plain values were copied before snapshot returned
+    assert buffers.wait_copied() >= 0.0
+    weights.add_(1.0)  # the state may change once the copy is waited for
+
+    assert torch.equal(copied["model"]["w"], expected) and torch.equal(copied["model"]["b"], torch.arange(7))
+    assert copied["trainer"] == {"step": 3, "names": ["a"]}
+    assert buffers.wait_copied() == pytest.approx(0.0, abs=0.01)  # nothing left in flight
+    again = buffers.snapshot(state, overlap=True)  # the same buffers, refilled
+    buffers.close()
+    assert again["model"]["w"].data_ptr() == copied["model"]["w"].data_ptr()
+    assert torch.equal(again["model"]["w"], weights)
