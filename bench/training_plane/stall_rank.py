@@ -43,6 +43,10 @@ STEP_MATMULS, STEP_DIM = 4, 512
 INTERFERENCE_TRIALS = 3  # saves per method: each lasts as long as its write, which the steps slow down
 INTERFERENCE_MAX_S = 5.0  # steps per save stop after this long (a nice'd writer may barely run meanwhile)
 WIDTH = 1024  # Linear(1024, 1024): 1.05 M params, 12.6 MB with AdamW's two moments
+#: After every save, each method's trial runs the model's next forward and backward (a batch of
+#: this many rows), as the training loop would: the project's snapshot copy overlaps it, and the
+#: optimizer step after it waits for the copy (``wait_snapshot``), which the stall includes.
+NEXT_STEP_BATCH = 32
 
 
 def write_sizes_only(
@@ -251,8 +255,13 @@ def _stall_size(
         if method in ("nvrx_async", "nvrx_async_no_checksum"):
             # The writer's job is picked per save (checkpointer.py binds it when the save starts).
             checkpoint_module.write_then_checksum = real_job if method == "nvrx_async" else write_sizes_only
-            ckpt.save(step, saved)
-            return ckpt.pending_written, ckpt.wait, extra
+            ckpt.save(step, saved, overlap_snapshot=True)  # as train/loop.py saves
+
+            def written() -> bool:
+                ckpt.wait_snapshot()  # the stand-in steps write nothing; hand the save over
+                return ckpt.pending_written()
+
+            return written, ckpt.wait, extra
         if method in TORCH_ASYNC:
             stager, _ = stagers[method]
             response = dcp.async_save(
@@ -278,17 +287,44 @@ def _stall_size(
             raise ValueError(method)
         return (lambda: True), (lambda: None), extra
 
+    next_batch = torch.randn(NEXT_STEP_BATCH, WIDTH, device=device)
+
+    def next_forward_backward() -> float:
+        """The model's next forward and backward, as the loop runs them after a save (they read
+        the parameters, never write them); seconds."""
+        t0 = time.perf_counter()
+        model(next_batch).square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        optimizer.zero_grad(set_to_none=True)  # the gradients are not part of the saved state
+        return elapsed
+
     def run(method: str, folder: Path) -> tuple[float, float, dict[str, Any]]:
-        """(blocking s, complete s, extra) of one save by ``method``."""
+        """(blocking s, complete s, extra) of one save by ``method``, followed by the model's next
+        forward and backward. Blocking: until the loop may write the state again: the save's own
+        return, plus for the project the wait for its snapshot copy before the next optimizer
+        step. Complete: from the save until durable / committed, the forward and backward included."""
         t0 = time.perf_counter()
         _, finish, extra = start(method, folder)
         blocking = time.perf_counter() - t0
+        extra["next_step_s"] = next_forward_backward()
+        if method.startswith("nvrx_async"):
+            waited_from = time.perf_counter()
+            ckpt.wait_snapshot()  # before the next optimizer step: the copy's rest, then the hand-over
+            blocking += time.perf_counter() - waited_from
         finish()
         complete = time.perf_counter() - t0
         if method.startswith("nvrx_async"):
             s = ckpt.last_save
             extra.update(
-                {"settle_s": s.settle_s, "snapshot_s": s.snapshot_s, "plan_s": s.plan_s, "schedule_s": s.schedule_s}
+                {
+                    "settle_s": s.settle_s,
+                    "snapshot_s": s.snapshot_s,
+                    "snapshot_wait_s": s.snapshot_wait_s,
+                    "plan_s": s.plan_s,
+                    "schedule_s": s.schedule_s,
+                }
             )
             if method == "nvrx_async":
                 marker = json.loads((ckpt.layout.checkpoint_dir(step) / "COMMITTED.json").read_text())
@@ -384,12 +420,15 @@ def _stall_size(
         if method.startswith("nvrx_async"):
             entry["breakdown_median_s"] = {
                 k: summarize(r[2][k] for r in records)["median"]
-                for k in ("settle_s", "snapshot_s", "plan_s", "schedule_s")
+                for k in ("settle_s", "snapshot_s", "snapshot_wait_s", "plan_s", "schedule_s")
             }
         if method == "nvrx_async":
             entry["checksum_s_per_save"] = summarize(r[2]["checksum_s"] for r in records)
         if method != "memcpy":
             entry["state_dict_s"] = summarize(r[2]["state_dict_s"] for r in records)
+        # The next forward and backward after this method's save: for the project, with the
+        # snapshot copy running beside it (compare the memcpy floor's: nothing beside it).
+        entry["next_step_s"] = summarize(r[2]["next_step_s"] for r in records)
         if method in TORCH_ASYNC:
             entry["staging_options"] = stagers[method][1]
         if method in steps:
