@@ -88,3 +88,26 @@ def test_a_checkpoint_read_into_the_empty_model_equals_the_saved_model_bitwise(t
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
     tokens = torch.randint(0, 256, (2, cfg.seq_len))
     assert torch.equal(model.eval()(tokens), trained.eval()(tokens))
+
+
+def test_the_command_freezes_what_it_imported_before_it_loads(tmp_path, monkeypatch):
+    """So that the collector's first full pass, which the load's allocations trigger, does not
+    scan everything torch imported (gc.freeze)."""
+    import gc
+
+    from fsdp_resilience.training import evaluate
+
+    frozen_at_load = []
+
+    def fake_evaluate(cfg, checkpoint_id=None, device=None):
+        frozen_at_load.append(gc.get_freeze_count())
+        raise evaluate.NoUsableCheckpoint("stop here")
+
+    config = tmp_path / "run.json"
+    config.write_text(_cfg(tmp_path).to_json())
+    monkeypatch.setattr(evaluate, "evaluate", fake_evaluate)
+    try:
+        assert evaluate.main(["--config", str(config)]) == evaluate.EXIT_NO_VERIFIED_CHECKPOINT
+    finally:
+        gc.unfreeze()
+    assert frozen_at_load and frozen_at_load[0] > 0
