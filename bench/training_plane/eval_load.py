@@ -44,10 +44,11 @@ def _read_ranges(ranges: list[tuple[Path, int, int]], buffer: Any) -> int:
 #: One load_model in a new process, timed inside it (imports left out), as ``evaluate`` runs it:
 #: once, into memory the process has never used.
 _LOAD_IN_NEW_PROCESS = """
-import json, sys, time
+import gc, json, sys, time
 import torch
 from fsdp_resilience.training.contract import EventLog, RunConfig
 from fsdp_resilience.training.evaluate import load_model
+gc.freeze()  # as evaluate's main does once it has imported what it needs
 cfg = RunConfig.from_json(sys.argv[1])
 events = EventLog(cfg.layout.events, run_id=cfg.run_id, role="bench")
 t0 = time.perf_counter()
