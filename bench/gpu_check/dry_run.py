@@ -71,7 +71,10 @@ def dry_run(gpus: int, reason: str, checks: tuple[Check, ...]) -> int:
             proc = subprocess.run(
                 launch_command(paths[name], dry_run=True), cwd=REPO, capture_output=True, text=True, timeout=60
             )
-            if proc.returncode != 0 or "fsdp_resilience.training.train" not in proc.stdout:
+            # The worker: the trainer itself, or (with in-job restarts) the client that has the
+            # node's zygote fork it.
+            worker = any(w in proc.stdout for w in ("fsdp_resilience.training.train", "worker_client.py"))
+            if proc.returncode != 0 or not worker:
                 print(
                     f"error: `fsdp_resilience.training.launch --dry-run` failed for scenario {name} (exit "
                     f"{proc.returncode}):\n"

@@ -32,7 +32,7 @@ def test_dry_run_wires_every_scenario_and_writes_nothing_in_the_repo():
         assert check.key in last, f"{check.key} missing from: {last}"
     for scenario in LAUNCH_SCENARIOS:  # fsdp_resilience.training.launch --dry-run printed a launcher command for each
         line = next((x for x in proc.stdout.splitlines() if x.startswith(f"[dry-run] {scenario}:")), "")
-        assert "ft_launcher" in line and "fsdp_resilience.training.train" in line, output
+        assert "ft_launcher" in line and "worker_client.py --config" in line, output
     for worker in WORKERS:
         assert any(
             x.startswith(f"[dry-run] {worker}:") and "torch.distributed.run" in x for x in proc.stdout.splitlines()

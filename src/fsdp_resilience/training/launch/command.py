@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from fsdp_resilience.training.contract import ConfigError, RunConfig, atomic_write_text
+from fsdp_resilience.training.launch.worker_zygote import worker_command
 
 
 def nvrx_fault_tolerance_config() -> type:
@@ -146,8 +147,12 @@ def build_command(cfg: RunConfig, node_rank: int, rdzv_host: str, ft_cfg_path: P
         f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'},join_timeout=600{_libuv_conf()}",
         "--monitor-interval=0.5",
     ]
-    worker = ["-m", "fsdp_resilience.training.train", "--config", str(Path(cfg.run_dir) / "run.json")]
+    trainer_args = ["--config", str(Path(cfg.run_dir) / "run.json")]
+    worker = ["-m", "fsdp_resilience.training.train", *trainer_args]
     if cfg.restart_mode in ("layered", "injob"):
+        # Each rank, at every in-job restart, is forked from the node's zygote (torch and NVRx
+        # imported once) by the client script; without a zygote it runs the trainer as above.
+        worker = worker_command(trainer_args)
         checks = []
         if cfg.spare_nodes and nvrx_version() >= (0, 6):
             # NVRx 0.7 checks a node at every join of its rendezvous, a spare's included: here

@@ -125,6 +125,14 @@ def supervise(lock_fd: int, command: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         # A handler, not SIG_IGN: an ignored signal would stay ignored in ft_launcher after exec.
         signal.signal(sig, lambda *_: None)
+    from fsdp_resilience.training.launch.worker_client import STARTING_SUFFIX, ZYGOTE_ENV
+    from fsdp_resilience.training.launch.worker_zygote import start_zygote  # it imports this module
+
+    zygote_socket = os.environ.get(ZYGOTE_ENV, "")
+    if zygote_socket and os.path.exists(zygote_socket + STARTING_SUFFIX):
+        # The node's worker zygote (fsdp_resilience.training.launch made its socket path): here,
+        # below this subreaper, so the ranks it forks and all they start are in the tree it ends.
+        start_zygote(zygote_socket)
     try:
         child = subprocess.Popen(command, preexec_fn=parent_death_signal(signal.SIGKILL))
     except OSError as e:

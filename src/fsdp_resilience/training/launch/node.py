@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +45,8 @@ from fsdp_resilience.training.launch.outcome import (
     launcher_log_lines,
     stop_record,
 )
+from fsdp_resilience.training.launch.worker_client import ZYGOTE_ENV, ZYGOTE_OFF
+from fsdp_resilience.training.launch.worker_zygote import new_socket_path
 from fsdp_resilience.training.restart.health_checks import LAUNCHER, launcher_refusal, record_health_check
 
 #: A node's launcher waits this long after a rank declared a stop (control/STOP.json) for
@@ -72,6 +75,7 @@ class NodeLauncher:
             self.layout.events, run_id=cfg.run_id, node_rank=node_rank, launch_id=self.launch_id, role="launcher"
         )
         self.proc: subprocess.Popen | None = None
+        self.zygote_socket: str | None = None  # where the guard's worker_zygote listens
         self.terminated_by: int | None = None
         self.began: dict | None = None  # this launch's launch_begin record
         self.lock_fd: int | None = None
@@ -178,6 +182,11 @@ class NodeLauncher:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH", "")) if p)
         # If the guard is killed, what it leaves comes back here to be ended (_reap).
         become_subreaper()
+        if cfg.restart_mode in ("layered", "injob") and env.get(ZYGOTE_ENV, "") != ZYGOTE_OFF:
+            # The ranks of every in-job restart are forked from one interpreter that imported
+            # torch and NVRx once (worker_zygote, which the guard starts); ft_launcher's worker
+            # command asks it for them.
+            self.zygote_socket = env[ZYGOTE_ENV] = new_socket_path()
         # The guard gets its own session (ft_launcher shares it, so a group SIGTERM stops it
         # gracefully) and the parent-death signal: if this process dies, the launch dies with it.
         lock = () if self.lock_fd is None else (self.lock_fd,)
@@ -207,6 +216,8 @@ class NodeLauncher:
                     self._stop(f"a rank declared {(stop_record(self.layout) or {}).get('failure_class')}")
         rc = self.proc.returncode
         self._reap()
+        if self.zygote_socket is not None:
+            shutil.rmtree(Path(self.zygote_socket).parent, ignore_errors=True)
         return self.finish(rc, stalled)
 
     def _stop(self, why: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_resilience.training.contract import ConfigError, RunConfig
-from fsdp_resilience.training.launch import command
+from fsdp_resilience.training.launch import command, worker_zygote
 from fsdp_resilience.training.launch.command import (
     build_command,
     check_ft_launcher_config,
@@ -40,7 +40,9 @@ def test_layered_and_injob_runs_use_ft_launcher(tmp_path, monkeypatch):
     assert f"--nproc-per-node={cfg.procs_per_node}" in cmd
     assert f"--rdzv-endpoint=node0.svc:{cfg.rdzv_port}" in cmd and "--rdzv-id=r" in cmd
     assert "--rdzv-conf=is_host=false,join_timeout=600" in cmd  # node 1 does not host the store
-    assert cmd[-4:] == ["-m", "fsdp_resilience.training.train", "--config", str(tmp_path / "r" / "run.json")]
+    # Each rank is forked from the node's zygote by the client script, run as a file (see worker_zygote).
+    assert cmd[-3:] == [str(worker_zygote.CLIENT_SCRIPT), "--config", str(tmp_path / "r" / "run.json")]
+    assert worker_zygote.CLIENT_SCRIPT.is_file()
     assert build_command(config(tmp_path, restart_mode="injob"), 0, "h", tmp_path / "ft.yaml", tmp_path)[:3] == cmd[:3]
 
 
