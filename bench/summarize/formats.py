@@ -9,8 +9,11 @@ from typing import Any
 #: How each checkpoint method saves, for the table's notes.
 METHOD_HOW = {
     "memcpy": "copies each rank's tensors into buffers allocated once (no file: the floor)",
-    "nvrx_async": "`AsyncCheckpointer.save`: snapshot into reused shared-memory buffers, DCP plan, hand-off to "
-    "NVRx's persistent writer process, which writes and fsyncs; committed by the next poll/wait",
+    "nvrx_async": "`AsyncCheckpointer.save(overlap_snapshot=True)`, as the training loop saves: the snapshot "
+    "copy into reused shared-memory buffers runs in a copy thread during the next forward and backward (a cached "
+    "plan is made beside it), `wait_snapshot()` before the next optimizer step waits for what is left of it "
+    "(counted in the stall) and hands the save to NVRx's persistent writer process, which writes and fsyncs; "
+    "committed by the next poll/wait",
     "nvrx_async_no_checksum": "the project's saves without the writer's CRC32C pass over the files it wrote (a "
     "size-only record instead; bench only: such a checkpoint would never verify)",
     "torch_async_save": "`torch.distributed.checkpoint.async_save` with its default stager (a fresh CPU copy per "

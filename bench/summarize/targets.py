@@ -67,9 +67,9 @@ def targets(summary: dict[str, Any]) -> list[Row]:
             rows.append(
                 (
                     f"checkpoint stall, {size['state_mb']:.0f} MB: project ÷ memcpy floor",
-                    "≤ 1.5×",
+                    "≤ 0.2×",
                     f"{r['nvrx_async_over_memcpy']}×",
-                    r["nvrx_async_over_memcpy"] <= 1.5,
+                    r["nvrx_async_over_memcpy"] <= 0.2,
                 )
             )
             if "nvrx_async_over_torch_async_save_best" in r:

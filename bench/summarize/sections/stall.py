@@ -87,14 +87,18 @@ def stall_section(tp: dict[str, Any]) -> list[str]:
                 *[fmt_s(v) for v in s["methods"]["nvrx_async"]["breakdown_median_s"].values()],
                 fmt_stat(s["methods"]["nvrx_async"]["complete_s"]),
                 fmt_s(s["methods"]["nvrx_async"]["warmup_blocking_s"][0]),
+                _next_step(s["methods"]),
             )
             for s in stall["sizes"]
         ]
         keys = list(stall["sizes"][0]["methods"]["nvrx_async"]["breakdown_median_s"])
         lines += [
-            "Where the project's blocking time goes (medians), how long until the save is committed, and the "
-            "warm-up save at each size (new snapshot buffers; at the first size also the writer process still "
-            "starting), which the figures above leave out:",
+            "Where the project's blocking time goes (medians; snapshot: starting the copy in save(), snapshot "
+            "wait: what was left of it before the next optimizer step), how long until the save is committed, "
+            "the warm-up save at each size (new snapshot buffers; at the first size also the writer process "
+            "still starting), which the figures above leave out, and the model's next forward and backward "
+            "with the copy running beside it, against the same after the memcpy floor's save (what the overlap "
+            "costs the step):",
             "",
         ]
         lines += md_table(
@@ -104,8 +108,17 @@ def stall_section(tp: dict[str, Any]) -> list[str]:
                 *[k.replace("_s", "") for k in keys],
                 "save → committed",
                 "warm-up save",
+                "next forward + backward: with the copy beside it (after the floor's copy)",
             ),
             parts,
         )
         lines += ["![checkpoint stall](/bench/results/stall.png)", ""]
     return lines
+
+
+def _next_step(methods: dict[str, Any]) -> str:
+    """The next forward and backward after the project's save, and after the floor's."""
+    project, floor = (median_of(methods[m].get("next_step_s")) for m in ("nvrx_async", "memcpy"))
+    if project is None:
+        return "—"
+    return f"{fmt_s(project)} ({fmt_s(floor)})" if floor is not None else fmt_s(project)

@@ -152,7 +152,11 @@ def test_quick_training_plane_bench_measures_every_method(tmp_path):
     assert methods["nvrx_async"]["warmup_blocking_s"][0] > methods["nvrx_async"]["blocking_s"]["max"]
     ratio = methods["nvrx_async"]["blocking_s"]["median"] / methods["memcpy"]["blocking_s"]["median"]
     assert size["ratios"]["nvrx_async_over_memcpy"] == pytest.approx(ratio, rel=0.01)
-    assert size["targets"]["nvrx_async <= 1.5x memcpy"] == (size["ratios"]["nvrx_async_over_memcpy"] <= 1.5)
+    assert size["targets"]["nvrx_async <= 0.2x memcpy"] == (size["ratios"]["nvrx_async_over_memcpy"] <= 0.2)
+    # Every method's save is followed by the model's next forward and backward; the project's
+    # snapshot copy ran during it, and what was left of the copy is part of its blocking.
+    assert all(m["next_step_s"]["median"] > 0 for m in methods.values())
+    assert methods["nvrx_async"]["breakdown_median_s"]["snapshot_wait_s"] >= 0
     evaluation = result["eval_load"]
     assert evaluation["saved_world_size"] == 2 and evaluation["model_mb"] < evaluation["file_mb"]
     seconds = evaluation["seconds"]
