@@ -34,10 +34,17 @@ def recovery_targets(tp: dict[str, Any]) -> list[Row]:
                     (
                         f"recovery on {lane}, {kind}: the project's in-job restart ÷ plain `torchrun --max-restarts` "
                         f"(same trainer without NVRx, same run; {fmt_s(row['injob_median_s'])} vs "
-                        f"{fmt_s(row['torchrun_median_s'])})",
-                        "≤ 1×",
+                        f"{fmt_s(row['torchrun_median_s'])}"
+                        + (
+                            f"; without the worker zygote {fmt_s(row['injob_no_zygote_median_s'])}: it saves "
+                            f"{fmt_s(row['zygote_saves_s'])}"
+                            if "zygote_saves_s" in row
+                            else ""
+                        )
+                        + ")",
+                        "≤ 0.5×",
                         f"{row['ratio']}×",
-                        row["at_least_as_fast"],
+                        row["ratio"] <= 0.5,
                     )
                 )
     spare = tp.get("spare")
@@ -180,8 +187,23 @@ def targets(summary: dict[str, Any]) -> list[Row]:
     rows += scale_targets((summary.get("control_plane") or {}).get("scale"))
     evaluation = (summary.get("training_plane") or {}).get("eval_load")
     if evaluation:
-        r = evaluation["ratios"]["load_over_raw_read_model_bytes"]
+        ratios = evaluation["ratios"]
+        # The target: a raw read of the same bytes into fresh memory (a new model's memory is
+        # fresh too); the read into a reused buffer, a stricter floor, is shown beside it.
+        r = ratios.get("load_over_raw_read_model_bytes_fresh_memory")
+        reused = ratios["load_over_raw_read_model_bytes"]
+        if r is None:  # results from before the fresh-memory baseline
+            r, reused = reused, None
+        new_process = ratios.get("load_new_process_over_raw_read_model_bytes_fresh_memory")
         rows.append(
-            (f"evaluation load ÷ raw read of the same bytes ({evaluation['model']})", "≤ 1.5×", f"{r}×", r <= 1.5)
+            (
+                f"evaluation load ÷ raw read of the same bytes into fresh memory ({evaluation['model']}"
+                + (f"; as evaluate runs it, once in a new process: {new_process}×" if new_process is not None else "")
+                + (f"; ÷ a read into a reused buffer: {reused}×" if reused is not None else "")
+                + ")",
+                "≤ 1.5×",
+                f"{r}×",
+                r <= 1.5,
+            )
         )
     return rows

@@ -22,6 +22,7 @@ from bench.common import (
     summarize,
 )
 from bench.restarts import group_trials, launcher_marks, restart_trials, step_cadence
+from fsdp_resilience.training.launch.worker_client import ZYGOTE_ENV, ZYGOTE_OFF
 
 #: Faults per recovery run, in the order they fire (mixed, so one slow phase of the machine does
 #: not land on one kind). layered: what NVRx recovers in-process, and what escalates to
@@ -29,7 +30,8 @@ from bench.restarts import group_trials, launcher_marks, restart_trials, step_ca
 #: torchrun: the baseline for the crashes ft_launcher restarts (SIGKILL, OOM: layer "injob" in the
 #: other runs), the same trainer under plain ``torchrun --max-restarts`` (c10d rendezvous, no NVRx
 #: restart layer). A frozen rank waits out the heartbeat timeout (~50 s a trial here): one trial,
-#: to fit `make bench` in 30 minutes.
+#: to fit `make bench` in 30 minutes. no_zygote: the crashes of the torchrun baseline in a layered
+#: run whose ranks start as fresh interpreters (``FSDP_WORKER_ZYGOTE=off``): what the zygote saves.
 RECOVERY_RUNS = {
     "layered": [
         "exception",
@@ -48,10 +50,14 @@ RECOVERY_RUNS = {
     ],
     "injob": ["exception", "exception"],
     "torchrun": ["sigkill", "oom", "sigkill", "oom"],
+    "no_zygote": ["sigkill", "oom", "sigkill", "oom"],
 }
 
 #: The baseline's launcher: torch's own elastic agent, restarting the worker group on a crash.
 TORCHRUN_MODE = "torchrun"
+#: A layered run without the worker zygote; its in-job restarts are named this layer.
+NO_ZYGOTE_MODE = "no_zygote"
+NO_ZYGOTE_LAYER = "injob_no_zygote"
 #: torchrun where torch is built without libuv (``USE_LIBUV=0``: the NVRx 0.7 lane's Debian torch,
 #: a quirk of that test environment). Its c10d rendezvous creates its TCPStores with the default
 #: ``use_libuv=True``, which such a torch refuses, and has no setting for it (ft_launcher 0.7
@@ -80,7 +86,11 @@ QUICK_RECOVERY_RUNS = {"layered": ["exception"]}
 
 
 def run_launch(
-    run_dir: Path, cfg_fields: dict[str, Any], timeout_s: float, torchrun_restarts: int | None = None
+    run_dir: Path,
+    cfg_fields: dict[str, Any],
+    timeout_s: float,
+    torchrun_restarts: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[int, Path, float]:
     """``python -m fsdp_resilience.training.launch`` on this machine, as a pod runs it; returns
     (exit code, log, wall s).
@@ -119,7 +129,7 @@ def run_launch(
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
         )
         try:
@@ -151,7 +161,9 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             seed=args.seed,
         )
         # torchrun counts restart rounds as ft_launcher does (TORCHELASTIC_RESTART_COUNT).
-        drills = assign_attempts(drills, "injob" if mode == TORCHRUN_MODE else mode)
+        drills = assign_attempts(
+            drills, "injob" if mode == TORCHRUN_MODE else ("layered" if mode == NO_ZYGOTE_MODE else mode)
+        )
         steps = max(d["step"] for d in drills) + 2 * interval
         run_id = f"recovery-{mode}"
         run_dir = work / "runs" / run_id
@@ -166,7 +178,7 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "procs_per_node": 2,
             "steps": steps,
             "checkpoint_interval": interval,
-            "restart_mode": "none" if mode == TORCHRUN_MODE else mode,
+            "restart_mode": "none" if mode == TORCHRUN_MODE else ("layered" if mode == NO_ZYGOTE_MODE else mode),
             "max_restarts": 50,
             "max_inprocess_restarts": 50,
             "rdzv_port": free_port(),
@@ -174,13 +186,18 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         }
         log(f"recovery: {mode} run, {steps} steps, faults {[d['kind'] for d in drills]}")
         rc, log_path, wall = run_launch(
-            run_dir, fields, timeout_s=args.run_timeout_s, torchrun_restarts=50 if mode == TORCHRUN_MODE else None
+            run_dir,
+            fields,
+            timeout_s=args.run_timeout_s,
+            torchrun_restarts=50 if mode == TORCHRUN_MODE else None,
+            env={ZYGOTE_ENV: ZYGOTE_OFF} if mode == NO_ZYGOTE_MODE else None,
         )
         events = read_events(run_dir / "events.jsonl")
         trials = restart_trials(events, launcher_marks(log_path.read_text(errors="replace")))
-        if mode == TORCHRUN_MODE:  # the trainer calls a launcher's restart "injob"; name the launcher
+        if mode in (TORCHRUN_MODE, NO_ZYGOTE_MODE):  # the trainer calls these restarts "injob"
+            name = TORCHRUN_MODE if mode == TORCHRUN_MODE else NO_ZYGOTE_LAYER
             for t in trials:
-                t["layer"] = TORCHRUN_MODE if t.get("layer") == "injob" else t.get("layer")
+                t["layer"] = name if t.get("layer") == "injob" else t.get("layer")
         steps_logged = [r for r in events if r.get("event") == "step"]
         blocking = [r["blocking_s"] for r in events if r.get("event") == "checkpoint_begin"]
         rows += group_trials(trials, mode)
@@ -242,7 +259,7 @@ def versus_torchrun(runs: list[dict[str, Any]]) -> dict[str, Any]:
     latencies: dict[tuple[str, str], list[float]] = {}
     for run in runs:
         for t in run["trials"]:
-            if t.get("latency_s") is not None and t.get("layer") in ("injob", TORCHRUN_MODE):
+            if t.get("latency_s") is not None and t.get("layer") in ("injob", TORCHRUN_MODE, NO_ZYGOTE_LAYER):
                 latencies.setdefault((t["kind"], t["layer"]), []).append(t["latency_s"])
     out = {}
     for kind in sorted({k for k, layer in latencies if layer == TORCHRUN_MODE}):
@@ -256,5 +273,11 @@ def versus_torchrun(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if project["n"] and baseline["n"]:
             row["ratio"] = round(project["median"] / baseline["median"], 3)
             row["at_least_as_fast"] = project["median"] <= baseline["median"]
+        # What the worker zygote saves: the same crashes with the ranks started as fresh interpreters.
+        without = summarize(latencies.get((kind, NO_ZYGOTE_LAYER), ()))
+        if without["n"]:
+            row["injob_no_zygote_median_s"], row["injob_no_zygote_n"] = without["median"], without["n"]
+            if project["n"]:
+                row["zygote_saves_s"] = round(without["median"] - project["median"], 3)
         out[kind] = row
     return out

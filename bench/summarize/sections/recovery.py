@@ -104,7 +104,9 @@ def _recovery_table(tp: dict[str, Any], recovery: dict[str, Any], lanes: int) ->
         f"{s['heartbeat_timeout_s']:.0f} s (the ceiling: once warm, each attempt derives its own from the "
         "measured steps "
         f"and saves, see `timeouts_derived`), hang timeout {s['hang_timeout_s']:.0f} s. Rows `torchrun`: the "
-        "baseline, the same trainer without NVRx under plain `torchrun --standalone --max-restarts`. "
+        "baseline, the same trainer without NVRx under plain `torchrun --standalone --max-restarts`. Rows "
+        "`injob_no_zygote`: the same crashes in a layered run with `FSDP_WORKER_ZYGOTE=off`, its ranks started "
+        "as fresh interpreters (what the worker zygote saves). "
         "Breakdown: medians, "
         "from the events log and ft_launcher's log. {}.".format(fmt_load(tp)),
         "",

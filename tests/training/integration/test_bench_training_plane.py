@@ -401,3 +401,28 @@ def test_a_training_plane_part_measured_again_is_merged_and_keeps_the_others_loa
     assert lane_label("venv", {"torch": "2.13.0+cpu", "nvidia-resiliency-ext": "0.4.1"}, "3.11.2") == (
         "NVRx 0.4.1 (.venv, Python 3.11, torch 2.13.0+cpu)"
     )
+
+
+def test_the_torchrun_comparison_says_what_the_worker_zygote_saves():
+    from bench.summarize.targets import targets
+    from bench.training_plane.recovery import NO_ZYGOTE_LAYER, versus_torchrun
+
+    trials = [
+        {"kind": "sigkill", "layer": "injob", "latency_s": 2.0},
+        {"kind": "sigkill", "layer": "torchrun", "latency_s": 4.0},
+        {"kind": "sigkill", "layer": NO_ZYGOTE_LAYER, "latency_s": 5.0},
+        {"kind": "oom", "layer": "injob", "latency_s": 3.0},
+        {"kind": "oom", "layer": "torchrun", "latency_s": 4.0},
+    ]
+    compared = versus_torchrun([{"trials": trials}])
+    # The rows without the zygote are not the project's in-job restarts: only said beside them.
+    assert compared["sigkill"]["ratio"] == 0.5 and compared["sigkill"]["injob_n"] == 1
+    assert compared["sigkill"]["injob_no_zygote_median_s"] == 5.0 and compared["sigkill"]["zygote_saves_s"] == 3.0
+    assert "zygote_saves_s" not in compared["oom"]
+    label = "NVRx 0.4.1 (.venv, Python 3.11, torch 2.13.0+cpu)"
+    lane = _lane("0.4.1", label, spare_s=20.0, sigkill_s=2.0)
+    lane["recovery"]["vs_torchrun"] = compared
+    rows = {r[0].split(":")[0]: r for r in targets({"training_plane": lane}) if "torchrun" in r[0]}
+    sigkill = rows["recovery on NVRx 0.4.1, sigkill"]
+    assert sigkill[1] == "≤ 0.5×" and sigkill[3] is True and "it saves 3.00 s" in sigkill[0]
+    assert rows["recovery on NVRx 0.4.1, oom"][3] is False  # 0.75×
