@@ -16,6 +16,12 @@ What a save does (``AsyncCheckpointer.save``), on every rank of the process grou
 4. return. The writer writes ``__<rank>_*.distcp`` into ``RunDir.checkpoint_dir(step)``, then the
    size and CRC32C of each file it wrote into ``.sums/`` and a digest of the model's bytes.
 
+With ``save(..., overlap_snapshot=True)`` (the training loop's saves), step 2's copy runs in a copy
+thread (CPU) or on the side stream (CUDA) while ``save`` returns, a cached plan (step 3) is made in
+the background beside it, and the hand-off waits for ``wait_snapshot()``, which the loop calls
+just before the next ``optimizer.step()``: the copy overlaps the next forward and backward, which
+read the state but never write it.
+
 Finalizing (``poll``/``wait``, and at the start of the next ``save``) is a collective (``rounds``):
 only when every rank finished writing does rank 0 commit (``commit``); retention then runs in the
 background on rank 0, never deleting the newest checkpoint this checkpointer knows verifies
