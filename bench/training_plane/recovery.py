@@ -165,7 +165,7 @@ def bench_recovery(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             drills, "injob" if mode == TORCHRUN_MODE else ("layered" if mode == NO_ZYGOTE_MODE else mode)
         )
         steps = max(d["step"] for d in drills) + 2 * interval
-        run_id = f"recovery-{mode}"
+        run_id = f"recovery-{mode.replace('_', '-')}"  # a run id names Kubernetes objects: no "_"
         run_dir = work / "runs" / run_id
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.parent.mkdir(parents=True, exist_ok=True)
