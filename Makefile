@@ -90,12 +90,13 @@ test-control: $(STAMP) $(AFSTAMP) kube-control-plane
 	$(AFBIN)/python -m pytest -q tests/control
 	KUBE_EMULATED_VERSION=1.35 $(AFBIN)/python -m pytest -q -m every_kube_version tests/control
 
-# Benchmarks, <= 30 min on 2 cores: JSON + plots in bench/results/, the table in README.md and
-# docs/benchmarks.md. bench-quick: a smoke run of the same scripts (about 4 minutes; its scale part
-# alone, 32 and 128 kwok nodes, about 3). The scale part adds about 17 min to make bench (1,024 nodes).
-# The NVRx 0.7 part (training_plane_nvrx07: the recovery rows and the spare takeover in the 0.7
-# lane's root, tests/nvrx07/lane.sh --bench) adds 5-8 min (1.5 to bench-quick), the training
-# plane's spare takeover on 0.4.1 about 2; where the lane cannot run, the part is skipped.
+# Benchmarks: JSON + plots in bench/results/, the table in README.md and docs/benchmarks.md. About
+# 49 min on 2 cores: the training plane on NVRx 0.4.1 (stall, evaluation load, recovery with its
+# torchrun and no-zygote baselines, spare takeover) 8 min, the NVRx 0.7 part (training_plane_nvrx07:
+# the recovery rows and the spare takeover in the 0.7 lane's root, tests/nvrx07/lane.sh --bench;
+# skipped where the lane cannot run) 5, the two chaos runs 17, the control plane 2, its 1,024-node
+# scale part 17. bench-quick: a smoke run of the same scripts (about 6 minutes). Parts measured
+# again: python -m bench.run --only PART[,PART] (merged into the committed figures).
 bench: $(STAMP) $(AFSTAMP)
 	$(AFBIN)/python -m bench.run
 
