@@ -2,7 +2,8 @@
 and resuming from the newest checkpoint that verifies.
 
 - ``checkpointer``: ``AsyncCheckpointer``, the object the training loop calls (save, poll, wait,
-  rebind, close), and ``SaveStats``;
+  rebind, close, and the overlapped snapshot's wait_snapshot);
+- ``save_stats``: ``SaveStats``, where the time of one save went;
 - ``rounds``: the collective rounds every rank runs (settle before a save, finalize after it) and
   ``CheckpointWriterError``, which every rank raises at the same point when a save fails anywhere;
 - ``commit``: rank 0's commit (DCP's ``.metadata``, then the marker), stale-save detection,

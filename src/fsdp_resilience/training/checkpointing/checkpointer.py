@@ -76,6 +76,7 @@ from fsdp_resilience.training.checkpointing.rounds import (
     _PendingSave,
     _protocol_group,
 )
+from fsdp_resilience.training.checkpointing.save_stats import SaveStats
 from fsdp_resilience.training.checkpointing.snapshot import (
     SnapshotBuffers,
     _cpu_safe_preload,
@@ -95,26 +96,6 @@ from fsdp_resilience.training.checkpointing.writer import (
 from fsdp_resilience.training.contract import COMMIT_MARKER, CheckpointCatalog, CheckpointInfo, Event, EventLog, RunDir
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveStats:
-    """Where the time of one ``save`` went (seconds); ``blocking_s`` is what the caller waited."""
-
-    step: int
-    mode: str  # "async" | "sync"
-    blocking_s: float
-    settle_s: float  # finishing the previous save + agreeing the writers are ready
-    snapshot_s: float  # memcpy into the reused buffers (async only)
-    plan_s: float  # DCP planning (a collective) + NVRx write preparation
-    schedule_s: float  # handing the shard to the writer process
-    snapshot_bytes: int
-    #: ``overlap_snapshot``: how long ``wait_snapshot`` then waited for the copy to finish (the
-    #: rest of the copy ran during the next forward and backward). The loop's whole stall for the
-    #: save is ``blocking_s + snapshot_wait_s``. None until ``wait_snapshot`` ran; 0.0 without overlap.
-    snapshot_wait_s: float | None = None
-    #: Whether the save was planned in the background, beside the copy (a cached plan, overlapped).
-    plan_overlapped: bool = False
 
 
 def _no_progress() -> None:
@@ -184,7 +165,6 @@ class AsyncCheckpointer(CommitRounds):
         #: may still run; handed to the writer by ``wait_snapshot``.
         self._unscheduled: tuple[int, Any] | None = None
         self._planner: concurrent.futures.ThreadPoolExecutor | None = None  # plans cached saves meanwhile
-        self._planned: tuple[int, float] | None = None  # (step, seconds) of the last plan
         self._committer = Committer(self.catalog, events, keep)
         self._closed = False
 
@@ -440,8 +420,8 @@ class AsyncCheckpointer(CommitRounds):
         else:
             planning = plan()
         self._unscheduled = (step, planning)
-        plan_s = 0.0 if isinstance(planning, concurrent.futures.Future) else self._planned[1]
-        copy_wait_s = 0.0 if overlap else self._hand_over()
+        plan_s = 0.0 if isinstance(planning, concurrent.futures.Future) else planning[2]
+        copy_wait_s = 0.0 if overlap else self._hand_over()[0]
         returned = time.monotonic()
         # Overlapped, the event carries what the loop waited in save() itself; the rest of the
         # copy is waited for inside the next step, whose time shows it (goodput's interference).
@@ -462,9 +442,9 @@ class AsyncCheckpointer(CommitRounds):
 
     def _plan(
         self, step: int, path: Path, snapshot: Any, results_queue: Any, began: float
-    ) -> tuple[_PendingSave, AsyncRequest | None]:
+    ) -> tuple[_PendingSave, AsyncRequest | None, float]:
         """Plan the save of ``snapshot`` and build the writer's request (None: nothing to write on
-        this rank); a collective unless the plan is cached."""
+        this rank); a collective unless the plan is cached. Returns them and the seconds planning took."""
         t0 = time.monotonic()
         writer = _SnapshotWriter(
             str(path),
@@ -494,8 +474,7 @@ class AsyncCheckpointer(CommitRounds):
         else:
             job = writer.wrap_job(functools.partial(write_then_checksum, save_fn, str(path), self._rank))
             request = AsyncRequest(job, tuple(save_args), [], preload_fn=self._staging(preload_fn, save_args))
-        self._planned = (step, planned - t0)
-        return pending, request
+        return pending, request, planned - t0
 
     def wait_snapshot(self) -> float:
         """Wait until the pending save's snapshot copy (and, if it ran in the background, its
@@ -505,17 +484,15 @@ class AsyncCheckpointer(CommitRounds):
         save then fails on every rank at the next round)."""
         if self._unscheduled is None:
             return 0.0
-        waited = self._hand_over()
+        waited, plan_s = self._hand_over()
         last = self.last_save
         if last is not None and last.snapshot_wait_s is None and last.step == self._pending.step:
-            planned = self._planned
-            plan_s = planned[1] if planned and planned[0] == last.step else last.plan_s
-            self.last_save = dataclasses.replace(last, snapshot_wait_s=waited, plan_s=plan_s)
+            self.last_save = dataclasses.replace(last, snapshot_wait_s=waited, plan_s=plan_s or last.plan_s)
         return waited
 
-    def _hand_over(self) -> float:
+    def _hand_over(self) -> tuple[float, float]:
         """Wait for the snapshot copy and the plan, then schedule the request on the writer;
-        returns the seconds waited for them."""
+        returns the seconds waited for them and the seconds planning took."""
         (step, planning), self._unscheduled = self._unscheduled, None
         began = time.perf_counter()
         error = None
@@ -524,12 +501,14 @@ class AsyncCheckpointer(CommitRounds):
         except Exception as e:  # noqa: BLE001 - becomes this rank's failed write
             error = f"snapshot copy: {type(e).__name__}: {e}"
         try:
-            pending, request = planning.result() if isinstance(planning, concurrent.futures.Future) else planning
+            pending, request, plan_s = (
+                planning.result() if isinstance(planning, concurrent.futures.Future) else planning
+            )
         except Exception as e:  # noqa: BLE001 - the same
             error = error or f"planning: {type(e).__name__}: {e}"
             path = self.layout.checkpoint_dir(step)
             now = time.monotonic()
-            pending, request = _PendingSave(step, path, None, None, None, None, now, now), None
+            pending, request, plan_s = _PendingSave(step, path, None, None, None, None, now, now), None, 0.0
         waited = time.perf_counter() - began
         self._pending = pending
         if error is not None:
@@ -544,7 +523,7 @@ class AsyncCheckpointer(CommitRounds):
                 pending.call_idx = self._calls.call_idx
                 pending.local_state, pending.error = _DEAD, str(e)
                 self._start_writer()
-        return waited
+        return waited, plan_s
 
     def _save_sync(self, step: int, state: dict[str, Any], path: Path, began: float, settled: float) -> None:
         # dcp.save returns on every rank only after the coordinator wrote .metadata, i.e. after
