@@ -204,10 +204,26 @@ def test_a_fault_while_a_save_is_pending_is_recovered_in_process(tmp_path, datas
     # The pending save never committed before the fault; it stays torn or is saved again.
     commits_before = [r for r in run.of("checkpoint_commit") if r["ts"] < fired[0]["ts"]]
     assert commits_before == []
-    assert any(r["layer"] == "inprocess" for r in run.of("restart_end"))
-    assert not [r for r in run.of("restart_begin") if r["layer"] == "injob"]
+    restarts = run.of("restart_begin") + run.of("restart_end") + run.of("fault_detected")
+    assert any(r["layer"] == "inprocess" for r in run.of("restart_end")), (restarts, run.output[-6000:])
+    assert not [r for r in run.of("restart_begin") if r["layer"] == "injob"], restarts
     assert {r["attempt"] for r in run.of("train_begin")} == {0}
     assert max(r["step"] for r in run.of("step")) == 8
+
+
+def test_a_killed_rank_0_is_on_record_as_its_survivors_fault(tmp_path, dataset):
+    """A SIGKILLed rank logs nothing. When it is rank 0, which holds the in-process layer's store,
+    rank 1 either fails a collective with it or loses that store first, and ft_launcher ends rank 1
+    moments later. Either way rank 1 logs the fault before it goes, so the fault the in-job restart
+    recovered is on record (the report's faults table is built from these records)."""
+    run = run_training(tmp_path, dataset, "rank0killed", steps=6, faults=[{"kind": "sigkill", "step": 3, "rank": 0}])
+    assert run.rc == ExitCode.SUCCESS, run.output[-3000:]
+    (killed,) = run.of("fault_injected")
+    seen = [r for r in run.of("fault_detected") if r["attempt"] == 0]
+    assert seen and all(r["rank"] == 1 and r["ts"] >= killed["ts"] for r in seen), seen
+    assert {r["failure_class"] for r in seen} == {"restarts_exhausted"}
+    (restart,) = run.of("restart_end")
+    assert restart["layer"] == "injob" and restart["ts"] > seen[0]["ts"]
 
 
 def wait_for_lock_free(path, timeout):

@@ -67,8 +67,15 @@ class _RecordRestart(inprocess.finalize.Finalize):
 LAST_CALL_WAIT_S = 0.05
 
 
-def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_type: str) -> inprocess.Wrapper:
-    """The in-process restart Wrapper for this run.
+def inprocess_wrapper(
+    cfg: RunConfig,
+    events: Callable[[], EventLog],
+    *,
+    device_type: str,
+    on_store_lost: Callable[[BaseException], None] | None = None,
+) -> inprocess.Wrapper:
+    """The in-process restart Wrapper for this run. ``on_store_lost`` is called (before the
+    process exits) when the Wrapper's store with rank 0 is gone (``exit_when_the_monitor_thread_dies``).
 
     Stores: the Wrapper's own TCPStore listens on ``MASTER_PORT + 2`` (the training process group
     uses ``MASTER_PORT + 1``); ft_launcher picks a fresh ``MASTER_PORT`` each rendezvous round, so
@@ -110,7 +117,7 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
     )
     if not restart_health_checks_wanted(cfg, device_type):
         disable_gpu_health_checks(wrapper)
-    exit_when_the_monitor_thread_dies()
+    exit_when_the_monitor_thread_dies(on_store_lost)
     return wrapper
 
 
@@ -118,7 +125,7 @@ def inprocess_wrapper(cfg: RunConfig, events: Callable[[], EventLog], *, device_
 _MONITOR_THREAD = "MonitorThread"
 
 
-def exit_when_the_monitor_thread_dies() -> None:
+def exit_when_the_monitor_thread_dies(on_store_lost: Callable[[BaseException], None] | None = None) -> None:
     """End this rank's process when the Wrapper's monitor thread dies before the Wrapper stopped it.
 
     The monitor thread waits on the Wrapper's store, which lives with rank 0. When rank 0's node
@@ -129,7 +136,8 @@ def exit_when_the_monitor_thread_dies() -> None:
     node). Without its store the in-process layer cannot restart this rank anyway: exit, and
     ft_launcher restarts the node's workers in-job, as for any rank the in-process layer gave up.
     A thread the Wrapper itself stopped (``stop_loop``: an iteration or the run ended, and rank 0
-    may already be gone) is left to the usual hook.
+    may already be gone) is left to the usual hook. ``on_store_lost`` (the trainer logging the
+    fault) runs first; nothing it raises keeps the process from exiting.
     """
     previous = threading.excepthook
     if getattr(previous, "exits_on_monitor_death", False):
@@ -149,6 +157,11 @@ def exit_when_the_monitor_thread_dies() -> None:
             file=sys.stderr,
             flush=True,
         )
+        if on_store_lost is not None and args.exc_value is not None:
+            try:
+                on_store_lost(args.exc_value)
+            except BaseException as e:  # the exit below matters more than the record
+                print(f"error: could not log the lost store: {e!r}", file=sys.stderr, flush=True)
         os._exit(1)
 
     hook.exits_on_monitor_death = True  # type: ignore[attr-defined]

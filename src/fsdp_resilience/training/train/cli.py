@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(cfg, env)
     try:
         if cfg.restart_mode in ("layered", "inprocess"):
-            wrapper = inprocess_wrapper(cfg, lambda: trainer.events, device_type=trainer.device.type)
+            wrapper = inprocess_wrapper(
+                cfg,
+                lambda: trainer.events,
+                device_type=trainer.device.type,
+                on_store_lost=trainer.on_restart_store_lost,
+            )
             wrapper(trainer.run)()
         else:
             trainer.run()

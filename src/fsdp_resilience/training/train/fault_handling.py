@@ -64,10 +64,16 @@ def nonfinite_flags(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor
     return torch.stack([~torch.isfinite(loss.detach()), ~torch.isfinite(norm.detach())])
 
 
+#: How long a rank about to exit for its lost in-process store waits for the main thread's record
+#: of the same fault (a write to the events log, normally milliseconds).
+FAULT_RECORD_WAIT_S = 5.0
+
+
 class FaultHandling:
     """The Trainer's fault paths (``loop.Trainer`` inherits them). They use the Trainer's ``cfg``,
     ``env``, ``layout``, ``events``, ``monitor``, ``checkpointer`` and ``device``, and the state of
-    its attempt: ``attempt``, ``iteration``, ``fired`` and ``loss_target``."""
+    its attempt: ``attempt``, ``iteration``, ``step``, ``fault_logged`` (under ``fault_lock``), ``fired``
+    and ``loss_target``."""
 
     def _maybe_inject(self, step: int, phase: str, *, since: int | None = None):
         """Fire the drill configured for this step and rank if it fires in ``phase`` of the step
@@ -155,21 +161,51 @@ class FaultHandling:
             failure = CHECKPOINT_FAULT
         else:
             failure = FailureClass.RESTARTS_EXHAUSTED.value
-        self.events.emit(
-            Event.FAULT_DETECTED,
-            layer=layer,
-            kind=type(exc).__name__,
-            step=step,
-            error=str(exc)[:500],
-            signature=signature,
-            repeated=repeated,
-            failure_class=failure,
-            restoring=restoring,
-        )
+        with self.fault_lock:  # the monitor thread's exit waits for this record (on_restart_store_lost)
+            self.fault_logged = True
+            self.events.emit(
+                Event.FAULT_DETECTED,
+                layer=layer,
+                kind=type(exc).__name__,
+                step=step,
+                error=str(exc)[:500],
+                signature=signature,
+                repeated=repeated,
+                failure_class=failure,
+                restoring=restoring,
+            )
         if storage:
             self._stop(FailureClass.STORAGE_ERROR, step, f"the run dir cannot take writes: {exc}")
         if repeated or mismatch:
             self._declare_user_error(signature, step)
+
+    def on_restart_store_lost(self, exc: BaseException) -> None:
+        """The in-process layer lost its store, which lives with rank 0: rank 0's process or node
+        is gone, and this rank exits next so that ft_launcher restarts it in-job
+        (``restart.wrapper.exit_when_the_monitor_thread_dies``). Log that fault unless this rank
+        already logged one in this iteration: when the store's connection breaks before any
+        collective of this rank fails, it is the only record of the fault this rank ever writes
+        (ft_launcher ends it before it reaches one). Both break at once when rank 0 dies: a
+        record the main thread is writing is waited for, as the exit would cut it off."""
+        if not self.fault_lock.acquire(timeout=FAULT_RECORD_WAIT_S):
+            return  # the main thread is stuck in its record: the exit matters more
+        try:
+            if self.fault_logged:
+                return
+            self.fault_logged = True
+            self.events.emit(
+                Event.FAULT_DETECTED,
+                layer="injob",
+                kind=type(exc).__name__,
+                step=self.step,
+                error=f"the in-process restart layer lost its store with rank 0 (rank 0 is gone): {exc}"[:500],
+                signature=fault_signature(exc),
+                repeated=False,
+                failure_class=FailureClass.RESTARTS_EXHAUSTED.value,
+                restoring=False,
+            )
+        finally:
+            self.fault_lock.release()
 
     def _on_nonfinite(self, step: int, first_bad: list[list[int]]) -> NoReturn:
         """Every rank, after the ranks agreed that state went NaN/inf (``first_bad``: per rank, the

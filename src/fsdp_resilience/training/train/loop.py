@@ -6,6 +6,7 @@ No ``from __future__ import annotations`` here: the in-process Wrapper finds whe
 ``CallWrapper`` from ``run``'s annotation, which must be the class itself."""
 
 import os
+import threading
 import time
 from typing import Optional
 
@@ -84,6 +85,9 @@ class Trainer(FaultHandling):
         self.store = app_store()  # outlives in-process restarts; process groups do not
         self.fired: set[tuple[int, int | None, str]] = set()  # drills fire once per process
         self.iteration = 0
+        self.step = 0  # the step this rank is on (what a fault seen outside the loop is logged at)
+        self.fault_logged = False  # this iteration logged its fault_detected already
+        self.fault_lock = threading.Lock()  # the main thread and the Wrapper's monitor thread log faults
         self.loss_target: int | None = None  # see _record_membership
         self.attempt = env.attempt  # the job's restart round, agreed by every rank in run()
         self.shards = TokenShards(cfg.dataset_dir, "train")
@@ -93,6 +97,7 @@ class Trainer(FaultHandling):
         cfg, env = self.cfg, self.env
         self.iteration = call_wrapper.iteration if call_wrapper is not None else 0
         self.events = self.events.bind(iteration=self.iteration)
+        self.fault_logged = False
         self.monitor.start()
         self.monitor.enter("setup")
         try:
@@ -217,6 +222,7 @@ class Trainer(FaultHandling):
         log_every = cfg.log_every(self.backend)
         protocol_round = start  # the last step that ran a round of the save protocol
         for step in range(start + 1, cfg.steps + 1):
+            self.step = step
             self.monitor.enter("step")
             t0 = time.perf_counter()
             log_step = step % log_every == 0 or step == cfg.steps

@@ -4,7 +4,9 @@
 NVRx's own ``MonitorThread`` runs here in a child process, against a store that fails the way
 a TCPStore fails when its host (rank 0's node) is gone: ``DistNetworkError``, which the thread
 does not catch. The child must end with exit 1 and say why; a thread the Wrapper stopped itself
-(``stop_loop`` set: the run or an iteration ended, and rank 0 may have left first) must not."""
+(``stop_loop`` set: the run or an iteration ended, and rank 0 may have left first) must not.
+Before it exits, the rank logs the fault (``on_store_lost``), and a failure to log never keeps it
+from exiting."""
 
 from __future__ import annotations
 
@@ -31,7 +33,12 @@ CHILD = textwrap.dedent(
                 time.sleep(0.01)
             raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
-    exit_when_the_monitor_thread_dies()
+    def on_store_lost(exc):
+        if sys.argv[1] == "unloggable":
+            raise OSError("the run dir is gone")
+        print(f"logged {type(exc).__name__}", flush=True)
+
+    exit_when_the_monitor_thread_dies(on_store_lost)
     exit_when_the_monitor_thread_dies()  # a second Wrapper in the process installs nothing more
     after_stop = sys.argv[1] == "stopped"
     thread = MonitorThread(
@@ -55,8 +62,16 @@ def test_a_monitor_thread_that_lost_its_store_ends_the_rank():
     child = run_child("lost")
     assert child.returncode == 1, child.stderr
     assert "still running" not in child.stdout
+    assert "logged DistNetworkError" in child.stdout  # the fault, before the exit
     assert "monitor thread (MonitorThread-3) died: DistNetworkError" in child.stderr
     assert "ft_launcher restarts" in child.stderr
+
+
+def test_a_rank_that_cannot_log_the_lost_store_still_exits():
+    child = run_child("unloggable")
+    assert child.returncode == 1, child.stderr
+    assert "still running" not in child.stdout
+    assert "could not log the lost store: OSError('the run dir is gone')" in child.stderr
 
 
 def test_a_monitor_thread_the_wrapper_stopped_ends_nothing():
@@ -64,4 +79,4 @@ def test_a_monitor_thread_the_wrapper_stopped_ends_nothing():
     assert child.returncode == 0, child.stderr
     assert "still running" in child.stdout
     assert "DistNetworkError" in child.stderr  # the usual hook still prints it
-    assert "ft_launcher restarts" not in child.stderr
+    assert "ft_launcher restarts" not in child.stderr and "logged" not in child.stdout
