@@ -487,7 +487,7 @@ class AsyncCheckpointer(CommitRounds):
         waited, plan_s = self._hand_over()
         last = self.last_save
         if last is not None and last.snapshot_wait_s is None and last.step == self._pending.step:
-            self.last_save = dataclasses.replace(last, snapshot_wait_s=waited, plan_s=plan_s or last.plan_s)
+            self.last_save = dataclasses.replace(last, snapshot_wait_s=waited, plan_s=plan_s)
         return waited
 
     def _hand_over(self) -> tuple[float, float]:

@@ -64,8 +64,9 @@ def nonfinite_flags(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor
     return torch.stack([~torch.isfinite(loss.detach()), ~torch.isfinite(norm.detach())])
 
 
-#: How long a rank about to exit for its lost in-process store waits for the main thread's record
-#: of the same fault (a write to the events log, normally milliseconds).
+#: How long a thread about to log a fault waits for the other thread's record of it (a write to the
+#: events log, normally milliseconds): a rank exiting for its lost in-process store waits for the
+#: main thread's.
 FAULT_RECORD_WAIT_S = 5.0
 
 
@@ -161,19 +162,7 @@ class FaultHandling:
             failure = CHECKPOINT_FAULT
         else:
             failure = FailureClass.RESTARTS_EXHAUSTED.value
-        with self.fault_lock:  # the monitor thread's exit waits for this record (on_restart_store_lost)
-            self.fault_logged = True
-            self.events.emit(
-                Event.FAULT_DETECTED,
-                layer=layer,
-                kind=type(exc).__name__,
-                step=step,
-                error=str(exc)[:500],
-                signature=signature,
-                repeated=repeated,
-                failure_class=failure,
-                restoring=restoring,
-            )
+        self._log_fault(exc, step, layer, failure, signature, repeated=repeated, restoring=restoring)
         if storage:
             self._stop(FailureClass.STORAGE_ERROR, step, f"the run dir cannot take writes: {exc}")
         if repeated or mismatch:
@@ -187,22 +176,48 @@ class FaultHandling:
         collective of this rank fails, it is the only record of the fault this rank ever writes
         (ft_launcher ends it before it reaches one). Both break at once when rank 0 dies: a
         record the main thread is writing is waited for, as the exit would cut it off."""
+        self._log_fault(
+            exc,
+            self.step,
+            "injob",
+            FailureClass.RESTARTS_EXHAUSTED.value,
+            fault_signature(exc),
+            error=f"the in-process restart layer lost its store with rank 0 (rank 0 is gone): {exc}",
+            unless_logged=True,
+        )
+
+    def _log_fault(
+        self,
+        exc: BaseException,
+        step: int,
+        layer: str,
+        failure: str,
+        signature: str,
+        *,
+        error: str | None = None,
+        repeated: bool = False,
+        restoring: bool = False,
+        unless_logged: bool = False,
+    ) -> None:
+        """This rank's ``fault_detected``, under ``fault_lock``: the main thread and the Wrapper's
+        monitor thread both log faults, and the monitor thread's exit must not cut a record off.
+        ``unless_logged``: not if this iteration logged one already."""
         if not self.fault_lock.acquire(timeout=FAULT_RECORD_WAIT_S):
-            return  # the main thread is stuck in its record: the exit matters more
+            return  # the other thread is stuck in its record: going on matters more
         try:
-            if self.fault_logged:
+            if unless_logged and self.fault_logged:
                 return
             self.fault_logged = True
             self.events.emit(
                 Event.FAULT_DETECTED,
-                layer="injob",
+                layer=layer,
                 kind=type(exc).__name__,
-                step=self.step,
-                error=f"the in-process restart layer lost its store with rank 0 (rank 0 is gone): {exc}"[:500],
-                signature=fault_signature(exc),
-                repeated=False,
-                failure_class=FailureClass.RESTARTS_EXHAUSTED.value,
-                restoring=False,
+                step=step,
+                error=(error or str(exc))[:500],
+                signature=signature,
+                repeated=repeated,
+                failure_class=failure,
+                restoring=restoring,
             )
         finally:
             self.fault_lock.release()
