@@ -40,6 +40,7 @@ class Event(str, enum.Enum):
     TIMEOUTS_DERIVED = "timeouts_derived"
     SPARE_PROMOTED = "spare_promoted"
     SPARE_ADDED = "spare_added"
+    WAITING_FOR_NODES = "waiting_for_nodes"
     HEALTH_CHECK_FAILED = "health_check_failed"
 
 
@@ -298,6 +299,19 @@ class SpareAdded(EventRecord):
     reason: Annotated[str, "why"]
 
 
+class WaitingForNodes(EventRecord):
+    """A training node's launcher found its workers down while the rendezvous waits for nodes that
+    are gone (their launchers stopped beating) and no parked spare is left to take their place.
+    ``until`` is how long it waits (a replacement announced in control/membership-deadline.json),
+    or null: nothing is coming, and the launch ends now (``final``: restarts_exhausted)."""
+
+    missing: Annotated[int, "how many nodes the rendezvous waits for"]
+    nodes: Annotated[list[str], "their node ids"]
+    missing_node_ranks: Annotated[list[int], "their node indices"]
+    until: Annotated[float | None, "unix seconds it waits until; null: it does not wait"]
+    why: Annotated[str, "why it waits, or why nothing is coming"]
+
+
 #: Every event kind and the TypedDict of its records.
 EVENT_TYPES: dict[str, type] = {
     Event.LAUNCH_BEGIN.value: LaunchBegin,
@@ -319,6 +333,7 @@ EVENT_TYPES: dict[str, type] = {
     Event.TIMEOUTS_DERIVED.value: TimeoutsDerived,
     Event.SPARE_PROMOTED.value: SparePromoted,
     Event.SPARE_ADDED.value: SpareAdded,
+    Event.WAITING_FOR_NODES.value: WaitingForNodes,
     Event.HEALTH_CHECK_FAILED.value: HealthCheckFailed,
 }
 

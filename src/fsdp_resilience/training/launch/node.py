@@ -26,7 +26,7 @@ from fsdp_resilience.training.contract import (
     exit_code_for,
     read_events,
 )
-from fsdp_resilience.training.faults import LAUNCH_PID_ENV, NODE_RANK_ENV
+from fsdp_resilience.training.faults import LAUNCH_PID_ENV, NODE_RANK_ENV, descendants
 from fsdp_resilience.training.launch.command import build_command, nvrx_version, write_ft_launcher_config
 from fsdp_resilience.training.launch.event_tail import EventTail
 from fsdp_resilience.training.launch.guard import (
@@ -37,6 +37,7 @@ from fsdp_resilience.training.launch.guard import (
     guard_command,
     parent_death_signal,
 )
+from fsdp_resilience.training.launch.membership_watch import MembershipWatch
 from fsdp_resilience.training.launch.outcome import (
     classify,
     describe_stop,
@@ -198,6 +199,19 @@ class NodeLauncher:
             preexec_fn=parent_death_signal(END_NOW_SIGNAL),
         )
         stalled = False
+        lost: str | None = None  # why the launch ended for nodes no spare or replacement covers
+        watch = (
+            MembershipWatch(
+                self.layout,
+                self.events,
+                self.launch_id,
+                self.node_rank,
+                standby=self.standby,
+                workers_alive=self.workers_alive,
+            )
+            if cfg.spare_nodes and cfg.restart_mode in ("layered", "injob")
+            else None
+        )
         stop_seen: float | None = None
         catalog = CheckpointCatalog(self.layout)
         last_progress = time.time()
@@ -210,6 +224,10 @@ class NodeLauncher:
             if time.time() - last_progress > cfg.stall_timeout_s:
                 stalled = True
                 self._stop("no progress")
+            if watch is not None and lost is None:
+                lost = watch.poll()
+                if lost is not None:
+                    self._stop(lost)
             if self.layout.stop_marker.exists():
                 stop_seen = stop_seen or time.time()
                 if time.time() - stop_seen > STOP_GRACE_S:
@@ -218,7 +236,20 @@ class NodeLauncher:
         self._reap()
         if self.zygote_socket is not None:
             shutil.rmtree(Path(self.zygote_socket).parent, ignore_errors=True)
-        return self.finish(rc, stalled)
+        return self.finish(rc, stalled, lost)
+
+    def workers_alive(self) -> bool:
+        """Whether any worker of this node runs now: ft_launcher's worker command (the zygote's
+        client, or the trainer it became when no zygote answered)."""
+        for pid in descendants(self.proc.pid) if self.proc is not None else ():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if b"worker_client" in cmd or b"fsdp_resilience.training.train" in cmd:
+                return True
+        return False
 
     def _stop(self, why: str) -> None:
         """SIGTERM to ft_launcher's group (it stops its workers), then the guard ends the tree,
@@ -258,10 +289,12 @@ class NodeLauncher:
             for r in read_events(self.layout.events, Event.TRAIN_BEGIN)
         )
 
-    def finish(self, rc: int, stalled: bool) -> int:
+    def finish(self, rc: int, stalled: bool, lost: str | None = None) -> int:
         if rc not in (0, None) and self.terminated_by is None:
             self.record_refusal()
-        if self.terminated_by is not None:
+        if lost is not None and self.terminated_by is None:
+            failure, message = FailureClass.RESTARTS_EXHAUSTED, lost
+        elif self.terminated_by is not None:
             failure, message = FailureClass.UNKNOWN, f"terminated by signal {self.terminated_by} (pod deleted?)"
         elif self.standby and rc != 0 and not self.workers_started(this_node=True) and stop_record(self.layout) is None:
             # A spare that leaves without training never decides the run: the others do.

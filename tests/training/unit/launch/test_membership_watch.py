@@ -1,0 +1,111 @@
+"""How long a training node waits for a lost node's replacement (launch.membership_watch), with
+the run dir's real files: the membership record, the launchers' beats and the control plane's
+announcement (contract.replacements). Time is passed in (from now on), so nothing here sleeps."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fsdp_resilience.training.contract import EventLog, RunDir, read_events
+from fsdp_resilience.training.contract.replacements import (
+    LAUNCHER_STALE_S,
+    announce_no_replacement,
+    announce_replacement,
+    beat_launcher,
+    read_membership_deadline,
+)
+from fsdp_resilience.training.launch.membership_watch import WORKERS_DOWN_S, MembershipWatch
+
+LAUNCH = "3"
+
+
+class Workers:
+    alive = True
+
+    def __call__(self) -> bool:
+        return self.alive
+
+
+def setup(tmp_path, members=((0, "slot-0"), (2, "slot-2"))):
+    layout = RunDir(tmp_path / "run")
+    layout.create()
+    layout.membership.write_text(json.dumps({"launch_id": LAUNCH, "attempt": 1, "members": list(members)}))
+    workers = Workers()
+    watch = MembershipWatch(
+        layout, EventLog(layout.events, node_rank=0), LAUNCH, 0, standby=False, workers_alive=workers
+    )
+    return layout, watch, workers
+
+
+def waiting(layout):
+    return read_events(layout.events, "waiting_for_nodes")
+
+
+def lose_the_workers(watch, workers, t0):
+    assert watch.poll(t0) is None  # training
+    workers.alive = False
+    assert watch.poll(t0 + 1) is None  # an in-job restart's rendezvous, so far
+
+
+def test_a_loss_no_spare_covers_ends_the_launch_with_the_lost_node_named(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    beat_launcher(layout.control, 2, launch_id=LAUNCH, standby=True)  # the promoted spare, alive so far
+    lose_the_workers(watch, workers, t0)
+    # node 2 stops beating: lost
+    reason = watch.poll(t0 + 2 + LAUNCHER_STALE_S + WORKERS_DOWN_S)
+    assert reason is not None and "slot-2 (node 2) lost and no spare left" in reason, reason
+    (record,) = waiting(layout)
+    assert record["missing"] == 1 and record["nodes"] == ["slot-2"] and record["missing_node_ranks"] == [2]
+    assert record["until"] is None and "no replacement announced" in record["why"]
+
+
+def test_every_node_present_is_a_slow_round_not_a_loss(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    lose_the_workers(watch, workers, t0)
+    beat_launcher(layout.control, 2, launch_id=LAUNCH, standby=False)
+    assert watch.poll(t0 + 1 + WORKERS_DOWN_S) is None
+    assert waiting(layout) == []
+
+
+def test_a_parked_spare_covers_the_loss(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    lose_the_workers(watch, workers, t0)
+    beat_launcher(layout.control, 3, launch_id=LAUNCH, standby=True)  # parked, not in the membership
+    assert watch.poll(t0 + 1 + WORKERS_DOWN_S) is None
+    assert waiting(layout) == []
+
+
+def test_an_announced_replacement_is_waited_for_until_its_deadline(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    lose_the_workers(watch, workers, t0)
+    announce_replacement(layout.control, LAUNCH, until=t0 + 60, why="the pool keeper started slot-4", nodes=["slot-4"])
+    assert watch.poll(t0 + 10) is None
+    assert watch.poll(t0 + 20) is None  # said once
+    (record,) = waiting(layout)
+    assert record["until"] == t0 + 60 and "slot-4" in record["why"]
+    reason = watch.poll(t0 + 61)
+    assert reason is not None and "its deadline passed" in reason
+    assert [r["until"] for r in waiting(layout)] == [t0 + 60, None]
+
+
+def test_none_coming_ends_it_at_once_and_another_launchs_word_is_not_taken(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    lose_the_workers(watch, workers, t0)
+    announce_replacement(layout.control, "2", until=t0 + 600, why="an earlier launch's spare")
+    assert read_membership_deadline(layout.control, LAUNCH) is None
+    announce_no_replacement(layout.control, LAUNCH, why="max_node_replacements (2) used up")
+    reason = watch.poll(t0 + 10)
+    assert reason is not None and "max_node_replacements (2) used up" in reason
+
+
+def test_a_node_that_never_trained_decides_nothing(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    workers.alive = False
+    assert watch.poll(time.time()) is None and watch.poll(time.time() + 100) is None
+    assert waiting(layout) == []
