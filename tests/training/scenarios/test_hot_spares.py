@@ -132,3 +132,36 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
     # One launch; the world stayed two ranks; the same loss at every step.
     assert {r["world_size"] for r in run.of("train_begin")} == {2}
     assert run.losses() == clean.losses()
+
+
+def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds(tmp_path, dataset):
+    """Two training nodes and one spare; node 1 is lost at step 4 (the spare takes its place), then
+    the spare's node at step 8. Nothing is left to take its place and nothing was announced
+    (control/membership-deadline.json): node 0 logs waiting_for_nodes naming the lost node and ends
+    the launch as restarts_exhausted within seconds, for the ladder to relaunch, instead of waiting
+    out the rendezvous' join_timeout (600 s)."""
+    cfg = write_config(
+        tmp_path,
+        dataset,
+        "usedup",
+        steps=12,
+        nodes=2,
+        procs_per_node=1,
+        spare_nodes=1,
+        faults=[
+            {"kind": "node_loss", "step": 4, "node": None, "attempt": None, "once": True},
+            {"kind": "node_loss", "step": 8, "node": None, "attempt": None, "once": True},
+        ],
+    )
+    codes, logs = run_nodes(tmp_path, cfg, 3, timeout=300)
+    assert codes == [75, -9, -9], logs
+    run = Run(cfg, 0, logs)
+    first, second = sorted(run.of("fault_injected"), key=lambda r: r["ts"])
+    [promoted] = run.of("spare_promoted")
+    assert promoted["node_rank"] == 2 and first["ts"] < promoted["ts"] < second["ts"]
+    [waiting] = run.of("waiting_for_nodes")
+    assert waiting["node_rank"] == 0 and waiting["missing_node_ranks"] == [2] and waiting["until"] is None
+    assert "no replacement announced" in waiting["why"]
+    [final] = [r for r in run.of("final") if r["node_rank"] == 0]
+    assert final["failure_class"] == "restarts_exhausted" and "(node 2) lost and no spare left" in final["message"]
+    assert final["ts"] - second["ts"] < 30, (final["ts"] - second["ts"], logs)
