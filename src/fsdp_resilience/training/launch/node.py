@@ -47,7 +47,7 @@ from fsdp_resilience.training.launch.outcome import (
     stop_record,
 )
 from fsdp_resilience.training.launch.worker_client import ZYGOTE_ENV, ZYGOTE_OFF
-from fsdp_resilience.training.launch.worker_zygote import new_socket_path
+from fsdp_resilience.training.launch.worker_zygote import CLIENT_SCRIPT, new_socket_path
 from fsdp_resilience.training.restart.health_checks import LAUNCHER, launcher_refusal, record_health_check
 
 #: A node's launcher waits this long after a rank declared a stop (control/STOP.json) for
@@ -241,13 +241,16 @@ class NodeLauncher:
     def workers_alive(self) -> bool:
         """Whether any worker of this node runs now: ft_launcher's worker command (the zygote's
         client, or the trainer it became when no zygote answered)."""
-        for pid in descendants(self.proc.pid) if self.proc is not None else ():
+        for pid in descendants(self.proc.pid) if self.proc is not None else ():  # noqa: SIM110
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read()
             except OSError:
                 continue
-            if b"worker_client" in cmd or b"fsdp_resilience.training.train" in cmd:
+            head = cmd.split(b"\0")[1:4]  # interpreter flags, then the script or module
+            if head[:1] == [b"-c"]:
+                continue  # ft_launcher (or the guard), whose own command line ends with the worker's
+            if str(CLIENT_SCRIPT).encode() in head or b"fsdp_resilience.training.train" in head:
                 return True
         return False
 
