@@ -7,12 +7,19 @@ from the run's events log, so a retried task does nothing twice.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fsdp_resilience.control.backends import LOST, BackendError, InsufficientCapacityError, JobHandle, get_backend
 from fsdp_resilience.control.backends.base import node_key
 from fsdp_resilience.control.task_data import Launch, Run
 from fsdp_resilience.training.contract import REPLACEABLE_FAILURES, Event, EventLog, RunConfig, read_events
+from fsdp_resilience.training.contract.replacements import announce_no_replacement, announce_replacement
+
+#: How long the survivors of a loss no parked spare covers wait for the spare being added
+#: (control/membership-deadline.json): a new local slot starts in seconds; on EKS the pod is
+#: placed on capacity that exists (``add_spare`` refuses otherwise) and pulls its image.
+SPARE_JOIN_S = 300.0
 
 
 def _control_events(cfg: RunConfig, event: Event, since: float) -> list[dict[str, Any]]:
@@ -84,14 +91,16 @@ def keep_spare_pool(
         what = f"launch {handle.launch_id}: node {index} ({node_id}) {node['state']}: {node.get('message') or '?'}"
 
         # Called within this iteration only, so the loop variables it reads are this node's.
-        def result(refilled: bool, why: str, **extra: Any) -> None:
+        def result(refilled: bool, why: str, announce: bool = True, **extra: Any) -> None:
             log(f"{what}; {'spare pool refilled' if refilled else 'spare pool not refilled'}: {why}")  # noqa: B023
+            if announce and not refilled:  # survivors waiting for a node stop waiting
+                announce_no_replacement(cfg.layout.control, handle.launch_id, why=f"spare pool not refilled: {why}")
             results.append(
                 {"node_rank": index, "node_id": node_id, "key": key, "refilled": refilled, "why": why, **extra}  # noqa: B023
             )
 
         if key in done:
-            result(False, "already handled (a spare_added record of this launch names it)")
+            result(False, "already handled (a spare_added record of this launch names it)", announce=False)
             continue
         escalations, refills = node_replacements_done(run, since)
         if escalations + refills >= budget:
@@ -123,6 +132,12 @@ def keep_spare_pool(
             log(f"{what}; out of service: {replacement.reason}")
         else:  # ended by its own decision (a user or storage error): not the machine's fault
             log(f"{what}; {node_id} stays in service: {node.get('failure_class')} is not a node fault")
+        announce_replacement(
+            cfg.layout.control,
+            handle.launch_id,
+            until=time.time() + SPARE_JOIN_S,
+            why=f"the pool keeper is adding a spare for node {index} ({node_id})",
+        )
         try:
             spare = backend.add_spare(handle, reason=reason)
         except InsufficientCapacityError as e:

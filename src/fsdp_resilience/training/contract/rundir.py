@@ -32,6 +32,10 @@ class RunDir:
                                (user error, non-finite state, storage): every layer stops;
                                moved aside as STOP.cleared.<ms>.json once it no longer holds
       control/launch-node<N>.lock  held (flock) by the one fsdp_resilience.training.launch of node N
+      control/membership.json  which nodes train in the newest attempt (with spares: rank 0)
+      control/membership-deadline.json  the control plane's word on a lost node's replacement:
+                               coming until T, or none (contract.replacements)
+      control/launchers/node<N>.json  node N's launcher beat (rewritten every second)
       logs/                    launcher logs, one per node
       launches/<launch_id>.json the config of each (re)launch, written by the backend
       checkpoints/
