@@ -22,6 +22,7 @@ from fsdp_resilience.control.task_data import Launch, Run
 from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
 from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events
+from fsdp_resilience.training.contract.replacements import read_membership_deadline
 
 from control.fakes.stand_in_launcher import script_backend
 from control.support import REPO, TRAINING_PYTHON, make_dataset
@@ -410,6 +411,9 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     assert (added[0]["node_id"], added[0]["node_rank"], added[0]["launch_id"]) == (spare["node_id"], 3, "0")
     assert added[0]["role"] == "control-plane" and spare["node_id"] != lost_slot
     assert backend.status(handle).state == "running"
+    # Survivors waiting for a node wait for this one (control/membership-deadline.json).
+    coming = read_membership_deadline(RunConfig.from_dict(run.config).layout.control, "0")
+    assert coming.coming and coming.wait_until() is not None and f"node 1 ({lost_slot})" in coming.why
 
     # A retried task (or a stale event) never handles the same node twice.
     again = spare_refill.keep_spare_pool(run, launch, event["nodes"], since=launch.launched_at, log=lambda _: None)
@@ -453,6 +457,9 @@ def test_keep_spare_pool_refills_nothing_past_its_budget_and_says_why(spared):
     assert backend.capacity().quarantined == []  # a replacement is not done by halves
     assert not read_events(cfg.layout.events, "spare_added")
     assert len(backend._store.read_job(handle.job_name)["nodes"]) == 3
+    # Survivors waiting for a node stop waiting: nothing is coming.
+    none = read_membership_deadline(cfg.layout.control, handle.launch_id)
+    assert not none.coming and none.wait_until() is None and "max_node_replacements=1 spent" in none.why
 
 
 def test_keep_spare_pool_without_a_free_node_quarantines_and_trains_on(tmp_path):
