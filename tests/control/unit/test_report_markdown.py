@@ -76,6 +76,41 @@ def test_report_shows_which_node_left_which_spare_joined_and_the_refill(tmp_path
     assert "| spares promoted / added | none |" in clean and "## Hot spares" not in clean
 
 
+def test_report_shows_the_wait_for_nodes_and_when_nothing_was_coming(tmp_path):
+    run = SimulatedRun(tmp_path / "waiting", "waiting-run")
+    run.launch(launch_id="1")
+    run.train(1, 12)
+    run.inject("node_loss", 13, rank=1)
+    launcher = run.log.bind(pid=1, node_rank=0, role="launcher", launch_id="1")
+    coming = run.emit(
+        launcher,
+        Event.WAITING_FOR_NODES,
+        after=18.0,
+        missing=1,
+        nodes=["node-b"],
+        missing_node_ranks=[1],
+        until=run.now + 18.0 + 60.0,
+        why="a replacement is coming: the pool keeper is adding a spare for node 1 (node-b)",
+    )
+    run.emit(
+        launcher,
+        Event.WAITING_FOR_NODES,
+        after=61.0,
+        missing=1,
+        nodes=["node-b"],
+        missing_node_ranks=[1],
+        until=None,
+        why="no replacement is coming: the pool keeper is adding a spare (its deadline passed)",
+    )
+    run.final("restarts_exhausted", 75)
+    text = assert_report_files(build_report(run.layout.root))
+    assert "## Hot spares" in text
+    [waiting] = [line for line in text.splitlines() if "| waiting for nodes |" in line]
+    assert "| node-b |" in waiting and f"waits until t={coming['until'] - T0:.1f} s" in waiting
+    [ended] = [line for line in text.splitlines() if "| no spare left |" in line]
+    assert "its deadline passed" in ended
+
+
 def test_report_of_a_failed_run_states_its_failure_class(tmp_path):
     run = SimulatedRun(tmp_path / "failed", "failed-run")
     run.launch()

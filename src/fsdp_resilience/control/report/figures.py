@@ -24,6 +24,7 @@ from fsdp_resilience.control.report.records import (
     ESCALATION,
     SPARE_ADDED,
     SPARE_PROMOTED,
+    WAITING_FOR_NODES,
     StepExecution,
     node_list,
     number,
@@ -200,6 +201,11 @@ def plot_timeline(
             ax.axvline(x, color=color, linewidth=1.2, label=label(f"restart end ({layer})"))
         elif kind == ESCALATION:
             ax.axvline(x, color="darkviolet", linewidth=2.4, label=label("escalation"))
+        elif kind == WAITING_FOR_NODES:
+            until = number(record, "until")
+            if until is not None:
+                ax.axvspan(x, at(until), color="orange", alpha=0.12, label=label("waiting for nodes"))
+            ax.axvline(x, color="orange", linewidth=1.8, label=label("waiting for nodes (no spare left)"))
         elif kind in (SPARE_PROMOTED, SPARE_ADDED):
             promoted = kind == SPARE_PROMOTED
             ax.axvline(

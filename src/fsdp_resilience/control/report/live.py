@@ -20,6 +20,7 @@ from fsdp_resilience.control.report.records import (
     ESCALATION,
     SPARE_ADDED,
     SPARE_PROMOTED,
+    WAITING_FOR_NODES,
     blame_evidence,
     fault_outcomes,
     read_json_object,
@@ -162,6 +163,17 @@ class LiveReport:
                 {"t": t(r["ts"]), "event": r.get("event"), "node_id": r.get("node_id")}
                 for r in timed
                 if r.get("event") in (SPARE_PROMOTED, SPARE_ADDED)
+            ]
+            + [
+                {
+                    "t": t(r["ts"]),
+                    "event": r.get("event"),
+                    "node_id": ", ".join(map(str, r.get("nodes") or [])),
+                    "until": t(r["until"]) if isinstance(r.get("until"), (int, float)) else None,
+                    "why": r.get("why"),
+                }
+                for r in timed
+                if r.get("event") == WAITING_FOR_NODES
             ],
             "launches": [
                 {"t": t(r["ts"]), "launch_id": r.get("launch_id")}

@@ -14,6 +14,7 @@ from fsdp_resilience.control.report.records import (
     RESTART_LAYERS,
     SPARE_ADDED,
     SPARE_PROMOTED,
+    WAITING_FOR_NODES,
     StepExecution,
     blame_evidence,
     fault_outcomes,
@@ -236,7 +237,9 @@ def render_markdown(
             "",
             "A spare promoted: it took a lost node's place at an in-job restart (no relaunch). A spare "
             "added: the control plane took the lost node out of service and started a new spare while "
-            "training went on (each one spends one of max_node_replacements).",
+            "training went on (each one spends one of max_node_replacements). Waiting for nodes: the "
+            "survivors of a loss no spare covered, waiting for the replacement the control plane "
+            "announced; no spare left: nothing was coming, and the launch ended at once.",
             "",
         ]
         lines += _table(("t (s)", "launch", "event", "node out", "spare in", "detail"), spares)
@@ -428,6 +431,19 @@ def _spare_rows(events: list[dict[str, Any]], start: float) -> list[tuple[Any, .
                     f"in-job attempt {r.get('attempt')}"
                     + (f"; replaces node(s) {node_list(ranks)}" if ranks else "")
                     + (f"; training: {node_list(r.get('members'))}" if r.get("members") else ""),
+                )
+            )
+        elif kind == WAITING_FOR_NODES:
+            until = r.get("until")
+            rows.append(
+                (
+                    f"{r['ts'] - start:.1f}",
+                    r.get("launch_id"),
+                    "waiting for nodes" if until else "no spare left",
+                    node_list(r.get("nodes")) or "—",
+                    "—",
+                    (f"node {r.get('node_rank')} waits until t={until - start:.1f} s: " if until else "")
+                    + str(r.get("why") or "")[:160],
                 )
             )
         elif kind == SPARE_ADDED:

@@ -23,6 +23,7 @@ RESTART_LAYERS = ("inprocess", "injob", "relaunch")
 ESCALATION = Event.ESCALATION.value
 #: Hot spares: a spare took a lost node's place (rank 0), and the control plane refilled the pool.
 SPARE_PROMOTED, SPARE_ADDED = Event.SPARE_PROMOTED.value, Event.SPARE_ADDED.value
+WAITING_FOR_NODES = Event.WAITING_FOR_NODES.value
 
 
 def number(record: dict[str, Any], key: str) -> float | None:

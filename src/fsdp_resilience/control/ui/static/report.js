@@ -67,7 +67,11 @@ function drawTimeline(data) {
     }, plot);
   }
   for (const s of f.spares) {
-    svgEl("line", { x1: x(s.t), x2: x(s.t), y1: m.t, y2: bottom, stroke: "#319795", "stroke-width": 2, "data-tip": `${s.event.replace("_", " ")}: ${s.node_id}` }, plot);
+    const waiting = s.event === "waiting_for_nodes";
+    const tip = waiting
+      ? `waiting for nodes: ${s.node_id}; ${s.until !== null && s.until !== undefined ? `until ${fmtSeconds(s.until)}` : "nothing coming, the launch ends"}\n${s.why || ""}`
+      : `${s.event.replace("_", " ")}: ${s.node_id}`;
+    svgEl("line", { x1: x(s.t), x2: x(s.t), y1: m.t, y2: bottom, stroke: waiting ? "#dd6b20" : "#319795", "stroke-width": 2, class: waiting ? "waiting" : "spare", "data-tip": tip }, plot);
   }
   for (const s of f.steps) {  // [step, start, end, loss, replayed]
     svgEl("line", {
