@@ -4,9 +4,12 @@ a run that never lost a node (ranks, data order and checkpoints stay those of ``
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from fsdp_resilience.training.contract import ConfigError, RunConfig
+from fsdp_resilience.training.contract import ConfigError, RunConfig, read_events
+from fsdp_resilience.training.contract.replacements import announce_replacement
 from fsdp_resilience.training.launch.cli import main as launch_main
 from fsdp_resilience.training.launch.command import build_command
 
@@ -165,3 +168,49 @@ def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds(tmp_path, datase
     [final] = [r for r in run.of("final") if r["node_rank"] == 0]
     assert final["failure_class"] == "restarts_exhausted" and "(node 2) lost and no spare left" in final["message"]
     assert final["ts"] - second["ts"] < 30, (final["ts"] - second["ts"], logs)
+
+
+def test_a_replacement_announced_for_a_loss_no_spare_covers_joins_and_training_goes_on(tmp_path, dataset):
+    """The same two losses, with a replacement announced (control/membership-deadline.json, as the
+    pool keeper announces the spare it adds): node 0 waits for it, and this test, playing the
+    keeper, starts it (node 3) once the second loss happened. It joins, training goes on in the
+    same launch and succeeds; nothing ends early. (Started before node 0 looks, node 3 would be a
+    parked spare like any other, and node 0 would not wait at all.)"""
+    cfg = write_config(
+        tmp_path,
+        dataset,
+        "announced",
+        steps=12,
+        nodes=2,
+        procs_per_node=1,
+        spare_nodes=1,
+        faults=[
+            {"kind": "node_loss", "step": 4, "node": None, "attempt": None, "once": True},
+            {"kind": "node_loss", "step": 8, "node": None, "attempt": None, "once": True},
+        ],
+    )
+    cfg_path = tmp_path / f"{cfg.run_id}.json"
+    nodes = [launch(cfg, cfg_path, node_rank=i) for i in range(3)]
+    try:
+        announce_replacement(
+            cfg.layout.control, "", until=time.time() + 240, why="the test adds a spare for the second loss"
+        )
+        deadline = time.time() + 240
+        while not read_events(cfg.layout.events, "waiting_for_nodes") and time.time() < deadline:
+            time.sleep(0.2)
+        nodes.append(launch(cfg, cfg_path, node_rank=3))  # the keeper's spare, after node 0 began to wait
+        codes = [p.wait(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    logs = "\n".join(cfg_path.with_suffix(f".node{i}.log").read_text()[-2500:] for i in range(4))
+    assert codes == [0, -9, -9, 0], logs
+    run = Run(cfg, 0, logs)
+    second = max(r["ts"] for r in run.of("fault_injected"))
+    [waiting] = run.of("waiting_for_nodes")
+    assert waiting["node_rank"] == 0 and waiting["until"] is not None and waiting["ts"] > second
+    assert "the test adds a spare" in waiting["why"]
+    assert [r["node_rank"] for r in run.of("spare_promoted")] == [2, 3]
+    finals = {r["node_rank"]: r["failure_class"] for r in run.of("final")}
+    assert finals == {0: "success", 3: "success"}, finals
+    assert {r["world_size"] for r in run.of("train_begin")} == {2}
