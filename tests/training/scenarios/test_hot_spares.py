@@ -4,6 +4,8 @@ a run that never lost a node (ranks, data order and checkpoints stay those of ``
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from fsdp_resilience.training.contract.replacements import announce_replacement
 from fsdp_resilience.training.launch.cli import main as launch_main
 from fsdp_resilience.training.launch.command import build_command
 
-from training.support import Run, launch, write_config
+from training.support import Run, launch, launch_processes, write_config
 
 
 def run_nodes(tmp_path, cfg, count: int, timeout: float = 400) -> tuple[list[int], str]:
@@ -214,3 +216,47 @@ def test_a_replacement_announced_for_a_loss_no_spare_covers_joins_and_training_g
     finals = {r["node_rank"]: r["failure_class"] for r in run.of("final")}
     assert finals == {0: "success", 3: "success"}, finals
     assert {r["world_size"] for r in run.of("train_begin")} == {2}
+
+
+def test_a_spare_that_hangs_when_a_node_is_lost_is_not_waited_for(tmp_path, dataset):
+    """The spare's node hangs (every process of it stopped) before node 1 is lost. Its launcher
+    stops beating, so it counts as no spare: node 0 ends the launch as for a loss no spare
+    covers, instead of waiting for a spare that never comes."""
+    cfg = write_config(
+        tmp_path,
+        dataset,
+        "hungspare",
+        steps=40,
+        nodes=2,
+        procs_per_node=1,
+        spare_nodes=1,
+        faults=[{"kind": "node_loss", "step": 12, "node": 1, "attempt": None, "once": True}],
+    )
+    cfg_path = tmp_path / f"{cfg.run_id}.json"
+    nodes = [launch(cfg, cfg_path, node_rank=i) for i in range(3)]
+    stopped: list[int] = []
+    try:
+        deadline = time.time() + 240
+        while not [r for r in read_events(cfg.layout.events, "step") if r["step"] >= 2] and time.time() < deadline:
+            time.sleep(0.2)
+        spare = nodes[2].pid
+        for pid in [spare] + [p for p, _ in launch_processes(spare)]:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        codes = [p.wait(timeout=240) for p in nodes[:2]]
+    finally:
+        for p in nodes:
+            p.kill()
+        for pid in stopped:  # the spare's processes end once they run again (parent-death signals)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    logs = "\n".join(cfg_path.with_suffix(f".node{i}.log").read_text()[-2500:] for i in range(3))
+    assert codes == [75, -9], logs
+    run = Run(cfg, 0, logs)
+    [lost] = run.of("fault_injected")
+    [waiting] = run.of("waiting_for_nodes")
+    assert waiting["missing_node_ranks"] == [1] and waiting["until"] is None
+    [final] = [r for r in run.of("final") if r["node_rank"] == 0]
+    assert final["failure_class"] == "restarts_exhausted" and final["ts"] - lost["ts"] < 60, (final, lost)
