@@ -14,6 +14,7 @@ poll interval.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -137,6 +138,10 @@ class LaunchChanges:
         self.offset = _size(self.events)
         self.partial = b""  # a line whose end has not been written yet
         self.seen = {p: _identity(p) for p in self.paths}
+        #: The newest ``waiting_for_nodes`` of this launch seen so far: survivors of a loss no
+        #: spare covered, waiting for a replacement until its ``until``, or (``until`` null)
+        #: ending the launch because nothing is coming.
+        self.waiting: dict[str, Any] | None = None
 
     def poll(self) -> str | None:
         """One look (a few ``stat`` calls, and a read of what was appended): why the launch should
@@ -163,18 +168,42 @@ class LaunchChanges:
             return None
         self.offset += len(data)
         *lines, self.partial = (self.partial + data).split(b"\n")
+        why = None
         for line in lines:
-            if b'"final"' not in line or self.needle not in line:
+            if (b'"final"' not in line and b'"waiting_for_nodes"' not in line) or self.needle not in line:
                 continue
             try:
                 record = json.loads(line)
             except ValueError:
                 return "a torn line that may be a final event"  # the check reads it properly
-            if not isinstance(record, dict):
+            if not isinstance(record, dict) or record.get("launch_id") != self.launch_id:
                 continue
-            if record.get("event") == Event.FINAL.value and record.get("launch_id") == self.launch_id:
+            if record.get("event") == Event.FINAL.value:
                 return f"node {record.get('node_rank')} of launch {self.launch_id} wrote its final event"
-        return None
+            if record.get("event") == Event.WAITING_FOR_NODES.value:
+                self.waiting = record
+                why = f"node {record.get('node_rank')} of launch {self.launch_id} waits for nodes"
+        return why
+
+
+def waiting_verdict(progress: Outcome, waiting: dict[str, Any] | None) -> tuple[Outcome | None, str | None]:
+    """What a launch still running is, given the newest ``waiting_for_nodes`` of it
+    (``LaunchChanges.waiting``): (a failed outcome, None) when nothing is coming (its launcher is
+    ending it: no need to wait for its final, nor for ``stall_timeout_s``); (None, what it waits
+    for) while a replacement is announced; (None, None) without a wait."""
+    if progress.outcome is not None or waiting is None:
+        return None, None
+    nodes = ", ".join(str(n) for n in waiting.get("nodes") or []) or "?"
+    why = str(waiting.get("why") or "")
+    until = waiting.get("until")
+    if isinstance(until, (int, float)):
+        left = max(0.0, until - time.time())
+        return None, f"launch {progress.launch_id} waits for node(s) {nodes} for up to {left:.0f} s more: {why}"
+    message = f"node(s) {nodes} lost and no spare left to take their place; {why}"
+    failed = dataclasses.replace(
+        progress, outcome=FAILED, failure_class=FailureClass.RESTARTS_EXHAUSTED.value, message=message
+    )
+    return failed, None
 
 
 def _size(path: Path) -> int:

@@ -17,8 +17,8 @@ import pytest
 
 from fsdp_resilience.control import ladder, spare_refill
 from fsdp_resilience.control.backends import JobHandle, get_backend
-from fsdp_resilience.control.progress import LaunchChanges, check_progress
-from fsdp_resilience.control.task_data import Launch, Run
+from fsdp_resilience.control.progress import LaunchChanges, check_progress, waiting_verdict
+from fsdp_resilience.control.task_data import Launch, Outcome, Run
 from fsdp_resilience.control.triggers.spare_pool import SparePoolTrigger
 from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 from fsdp_resilience.training.contract import CheckpointCatalog, EventLog, RunConfig, final_status, read_events
@@ -303,6 +303,53 @@ def test_launch_changes_name_only_this_launchs_final_event_and_changed_job_files
     job_file.write_text('{"exit_code": -9}')
     assert "job.json changed" in changes.poll()
     assert changes.poll() is None
+
+
+def test_the_watch_waits_for_an_announced_replacement_and_fails_at_once_when_none_is_coming(tmp_path):
+    """A survivor's waiting_for_nodes (contract: training/launch/membership_watch.py): with a
+    replacement announced the watch says what it waits for and keeps watching; with nothing coming
+    it fails the launch at once (restarts_exhausted, naming the lost node), before the launch's
+    final and long before stall_timeout_s."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = EventLog(run_dir / "events.jsonl", run_id="r", role="launcher", launch_id="2", node_rank=0)
+    changes = LaunchChanges(run_dir, "2")
+    running = Outcome(None, None, "running: step 6", 6, "step_00000006", "2", {"launch_id": "2"}, "running", 1.0)
+    assert waiting_verdict(running, changes.waiting) == (None, None)
+    EventLog(run_dir / "events.jsonl", launch_id="1").emit(
+        "waiting_for_nodes", nodes=["slot-7"], until=None, why="another launch's"
+    )
+    assert changes.poll() is None and changes.waiting is None
+    log.emit(
+        "waiting_for_nodes",
+        missing=1,
+        nodes=["slot-2"],
+        missing_node_ranks=[2],
+        until=time.time() + 60,
+        why="a replacement is coming: the pool keeper is adding a spare for node 2 (slot-2)",
+    )
+    assert "node 0 of launch 2 waits for nodes" in changes.poll()
+    ended, said = waiting_verdict(running, changes.waiting)
+    assert ended is None and "waits for node(s) slot-2 for up to" in said and "pool keeper" in said
+    log.emit(
+        "waiting_for_nodes",
+        missing=1,
+        nodes=["slot-2"],
+        missing_node_ranks=[2],
+        until=None,
+        why="no replacement is coming: spare pool not refilled: max_node_replacements=1 spent",
+    )
+    changes.poll()
+    ended, said = waiting_verdict(running, changes.waiting)
+    assert said is None and ended.outcome == "failed" and ended.failure_class == "restarts_exhausted"
+    assert (
+        ended.message.startswith("node(s) slot-2 lost and no spare left") and "max_node_replacements" in ended.message
+    )
+    assert (ended.step, ended.launch_id) == (6, "2")
+    done = Outcome(
+        "success", "success", "step 12 committed", 12, "step_00000012", "2", {"launch_id": "2"}, "succeeded", 1.0
+    )
+    assert waiting_verdict(done, changes.waiting) == (None, None)  # a verdict already made stands
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,13 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from fsdp_resilience.control.backends import JobHandle, get_backend
-from fsdp_resilience.control.progress import CHANGE_TICK_S, LaunchChanges, judge_progress, latest_checkpoint
+from fsdp_resilience.control.progress import (
+    CHANGE_TICK_S,
+    LaunchChanges,
+    judge_progress,
+    latest_checkpoint,
+    waiting_verdict,
+)
 from fsdp_resilience.control.progress import SUCCESS as PROGRESS_SUCCESS
 from fsdp_resilience.control.triggers.base import FAILURE, SUCCESS, trigger_event, until_next_check
 
@@ -95,10 +101,12 @@ class TrainingProgressTrigger(BaseTrigger):
                 stall_timeout_s=self.stall_timeout_s,
                 launched_at=self.launched_at,
             )
+            ended, waiting = waiting_verdict(progress, changes.waiting if changes is not None else None)
+            progress = ended or progress
             if progress.outcome is not None:
                 yield trigger_event(SUCCESS if progress.outcome == PROGRESS_SUCCESS else FAILURE, **progress.to_dict())
                 return
-            self.log.info("%s", progress.message)
+            self.log.info("%s", waiting or progress.message)
             await self._until_next_check(changes)
 
     async def _until_next_check(self, changes: LaunchChanges | None) -> None:
