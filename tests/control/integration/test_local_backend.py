@@ -538,6 +538,34 @@ def test_two_lost_nodes_with_one_spare_fail_the_job_and_blame_both_slots(backend
     assert tagged_processes(handle.job_name) == []
 
 
+def test_a_loss_after_the_spare_was_used_ends_the_launch_in_seconds_and_blames_the_node(backend, tmp_path, dataset):
+    """Two training nodes and one spare; node 1 is lost and the spare takes its place; then the
+    spare's node is lost too, with nothing left and nothing announced. The survivor ends the launch
+    within seconds (waiting_for_nodes, restarts_exhausted), not at the rendezvous' join_timeout,
+    and the lost slot is blamed, so the ladder can replace it and relaunch."""
+    cfg = run_config(tmp_path, dataset, "usedup", nodes=2, spare_nodes=1, procs_per_node=1, steps=400)
+    handle = backend.submit(cfg, launch_id="1")
+    for rank in range(2):
+        wait_for_event(cfg.run_dir, lambda r, rank=rank: r["event"] == "train_begin" and r["rank"] == rank)
+    for pid in tagged_processes(handle.job_name, 1):
+        os.kill(pid, signal.SIGKILL)
+    promoted = wait_for_event(cfg.run_dir, lambda r: r["event"] == "spare_promoted")
+    assert promoted["node_rank"] == 2
+    wait_for_event(cfg.run_dir, lambda r: r["event"] == "step" and r["ts"] > promoted["ts"])
+    lost_at = time.time()
+    for pid in tagged_processes(handle.job_name, 2):
+        os.kill(pid, signal.SIGKILL)
+    status = wait_for(backend, handle, states=("failed", "succeeded"))
+    assert status.state == "failed" and status.failure_class == "restarts_exhausted", (
+        f"{status.message}\n{backend.logs(handle, tail=40)}"
+    )
+    waiting = wait_for_event(cfg.run_dir, lambda r: r["event"] == "waiting_for_nodes")
+    assert waiting["missing_node_ranks"] == [2] and waiting["until"] is None
+    final = wait_for_event(cfg.run_dir, lambda r: r["event"] == "final" and r.get("node_rank") == 0)
+    assert final["failure_class"] == "restarts_exhausted" and final["ts"] - lost_at < 30, (final, lost_at)
+    assert "slot-2" in backend.diagnose(handle).bad_node_ids
+
+
 #: Stands in for fsdp_resilience.training.launch in the spare bookkeeping test (no training): nodes 0 and 1 begin
 #: training at once, spares only idle; node N reports success and exits once ``<run_dir>/done-N``
 #: exists; with ``<run_dir>/unhealthy-N`` it leaves at once, as a launcher whose ft_launcher a
