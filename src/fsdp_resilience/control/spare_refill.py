@@ -16,10 +16,13 @@ from fsdp_resilience.control.task_data import Launch, Run
 from fsdp_resilience.training.contract import REPLACEABLE_FAILURES, Event, EventLog, RunConfig, read_events
 from fsdp_resilience.training.contract.replacements import announce_no_replacement, announce_replacement
 
-#: How long the survivors of a loss no parked spare covers wait for the spare being added
-#: (control/membership-deadline.json): a new local slot starts in seconds; on EKS the pod is
-#: placed on capacity that exists (``add_spare`` refuses otherwise) and pulls its image.
+#: How long the survivors of a loss no parked spare covers wait for the spare just added, placed on
+#: a node (control/membership-deadline.json): a new local slot starts in seconds; on EKS the pod
+#: pulls its image and starts.
 SPARE_JOIN_S = 300.0
+#: The same for a spare that waits for a node being provisioned (EKS: Karpenter's NodeClaim, or the
+#: node group's replacement instance): a new node takes minutes.
+NEW_NODE_SPARE_JOIN_S = 900.0
 
 
 def _control_events(cfg: RunConfig, event: Event, since: float) -> list[dict[str, Any]]:
@@ -132,12 +135,6 @@ def keep_spare_pool(
             log(f"{what}; out of service: {replacement.reason}")
         else:  # ended by its own decision (a user or storage error): not the machine's fault
             log(f"{what}; {node_id} stays in service: {node.get('failure_class')} is not a node fault")
-        announce_replacement(
-            cfg.layout.control,
-            handle.launch_id,
-            until=time.time() + SPARE_JOIN_S,
-            why=f"the pool keeper is adding a spare for node {index} ({node_id})",
-        )
         try:
             spare = backend.add_spare(handle, reason=reason)
         except InsufficientCapacityError as e:
@@ -146,6 +143,16 @@ def keep_spare_pool(
         except BackendError as e:  # the launch ended meanwhile, or the backend cannot add spares
             result(False, f"the backend added no spare: {e}", quarantined=quarantined)
             continue
+        # Announced once the backend has a place for it (add_spare raised otherwise): a node that
+        # runs it now, or one being provisioned (EKS: Karpenter's NodeClaim, the group's instance).
+        announce_replacement(
+            cfg.layout.control,
+            handle.launch_id,
+            until=time.time() + (SPARE_JOIN_S if spare.node_id else NEW_NODE_SPARE_JOIN_S),
+            why=f"the pool keeper added a spare for node {index} ({node_id}): "
+            + (f"node {spare.index} on {spare.node_id}" if spare.node_id else f"node {spare.index}, {spare.state}"),
+            nodes=[spare.node_id] if spare.node_id else [],
+        )
         EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
             Event.SPARE_ADDED,
             launch_id=handle.launch_id,

@@ -39,6 +39,7 @@ from fsdp_resilience.training.contract import (
     final_status,
     read_events,
 )
+from fsdp_resilience.training.contract.replacements import read_membership_deadline
 
 from control.fakes.eks_cluster import (
     LOSE_NODE,
@@ -506,6 +507,9 @@ def test_a_lost_node_behind_a_spare_is_replaced_while_training_goes_on_and_its_p
     [added] = [r for r in events if r["event"] == Event.SPARE_ADDED.value]
     assert added["lost_node_id"] == lost and added["lost_node_rank"] == 1 and added["quarantined"] == [lost]
     assert added["node_rank"] == 1  # on EKS the Job recreates the lost index: it is the new spare
+    # Survivors waiting for a node would wait for it: the backend had a place for it.
+    coming = read_membership_deadline(eks_env / "runs" / "spares-eks" / "control", "0")
+    assert coming is not None and coming.coming and "the pool keeper added a spare for node 1" in coming.why
     assert [s["lost_node_id"] for s in kept["spares_added"]] == [lost] and kept["state"] == "succeeded", kept
     # The lost node was cordoned and tainted, its instance replaced, and the node object deleted.
     assert lost in kubelet.deleted_nodes and len(asg_instances("gpu-ng-spares")) == 5

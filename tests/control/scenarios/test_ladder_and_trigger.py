@@ -461,6 +461,7 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     # Survivors waiting for a node wait for this one (control/membership-deadline.json).
     coming = read_membership_deadline(RunConfig.from_dict(run.config).layout.control, "0")
     assert coming.coming and coming.wait_until() is not None and f"node 1 ({lost_slot})" in coming.why
+    assert coming.nodes == (spare["node_id"],)
 
     # A retried task (or a stale event) never handles the same node twice.
     again = spare_refill.keep_spare_pool(run, launch, event["nodes"], since=launch.launched_at, log=lambda _: None)
