@@ -104,10 +104,9 @@ def beat_launcher(control: Path, node_rank: int, **state: Any) -> None:
     atomic_write_text(folder / f"node{node_rank}.json", json.dumps(record) + "\n")
 
 
-def live_launchers(control: Path, launch_id: str, now: float | None = None) -> dict[int, dict[str, Any]]:
-    """The launchers of ``launch_id`` that beat within ``LAUNCHER_STALE_S``, by node index."""
-    now = time.time() if now is None else now
-    alive = {}
+def launcher_beats(control: Path, launch_id: str) -> dict[int, float]:
+    """When each launcher of ``launch_id`` last beat (unix seconds), by node index."""
+    beats = {}
     for path in sorted(launchers_dir(control).glob("node*.json")):
         try:
             record = json.loads(path.read_text())
@@ -117,7 +116,7 @@ def live_launchers(control: Path, launch_id: str, now: float | None = None) -> d
             isinstance(record, dict)
             and record.get("launch_id", "") == launch_id
             and isinstance(record.get("ts"), (int, float))
-            and now - record["ts"] <= LAUNCHER_STALE_S
+            and isinstance(record.get("node_rank"), int)
         ):
-            alive[int(record.get("node_rank", -1))] = record
-    return alive
+            beats[record["node_rank"]] = float(record["ts"])
+    return beats

@@ -109,3 +109,28 @@ def test_a_node_that_never_trained_decides_nothing(tmp_path):
     workers.alive = False
     assert watch.poll(time.time()) is None and watch.poll(time.time() + 100) is None
     assert waiting(layout) == []
+
+
+def test_a_fault_after_a_gone_nodes_last_beat_decides_while_the_workers_still_wait(tmp_path):
+    """The survivors' in-process layer holds their ranks for its heartbeat timeout after a peer is
+    gone; a fault logged after the gone node's last beat is enough to decide on."""
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    beat_launcher(layout.control, 2, launch_id=LAUNCH, standby=False)
+    assert watch.poll(t0) is None  # training
+    rank0 = EventLog(layout.events, launch_id=LAUNCH, rank=0)
+    rank0.emit("fault_detected", ts=t0 + 1, kind="RuntimeError", step=8)
+    assert watch.poll(t0 + 2) is None  # node 2 may still beat: a rank's fault, so far
+    reason = watch.poll(t0 + 1 + LAUNCHER_STALE_S + 0.5)  # its workers alive all along
+    assert reason is not None and "slot-2 (node 2) lost" in reason, reason
+
+
+def test_a_fault_training_got_past_decides_nothing(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    beat_launcher(layout.control, 2, launch_id=LAUNCH, standby=False)
+    assert watch.poll(t0) is None
+    rank0 = EventLog(layout.events, launch_id=LAUNCH, rank=0)
+    rank0.emit("fault_detected", ts=t0 + 1, kind="InjectedFault", step=4)
+    rank0.emit("step", ts=t0 + 2, step=5)  # recovered in-process
+    assert watch.poll(t0 + 30) is None and waiting(layout) == []
