@@ -140,7 +140,7 @@ class LaunchChanges:
         self.seen = {p: _identity(p) for p in self.paths}
         #: The newest ``waiting_for_nodes`` of this launch seen so far: survivors of a loss no
         #: spare covered, waiting for a replacement until its ``until``, or (``until`` null)
-        #: ending the launch because nothing is coming.
+        #: ending the launch because nothing is coming; None again once training begins again.
         self.waiting: dict[str, Any] | None = None
 
     def poll(self) -> str | None:
@@ -170,7 +170,7 @@ class LaunchChanges:
         *lines, self.partial = (self.partial + data).split(b"\n")
         why = None
         for line in lines:
-            if (b'"final"' not in line and b'"waiting_for_nodes"' not in line) or self.needle not in line:
+            if self.needle not in line or not any(k in line for k in (b'"final"', b'"waiting_for_nodes"', b'"train_begin"')):
                 continue
             try:
                 record = json.loads(line)
@@ -183,6 +183,8 @@ class LaunchChanges:
             if record.get("event") == Event.WAITING_FOR_NODES.value:
                 self.waiting = record
                 why = f"node {record.get('node_rank')} of launch {self.launch_id} waits for nodes"
+            elif record.get("event") == Event.TRAIN_BEGIN.value and self.waiting is not None:
+                self.waiting = None  # the replacement came: training goes on
         return why
 
 

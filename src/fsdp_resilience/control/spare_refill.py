@@ -23,6 +23,10 @@ SPARE_JOIN_S = 300.0
 #: The same for a spare that waits for a node being provisioned (EKS: Karpenter's NodeClaim, or the
 #: node group's replacement instance): a new node takes minutes.
 NEW_NODE_SPARE_JOIN_S = 900.0
+#: The keeper's standing notice while it watches with replacements left (renewed at each poll of
+#: its trigger): what a loss takes to reach the keeper's word on it (the trigger's poll, the task
+#: resuming on a worker, the backend's calls), with room for a loaded scheduler.
+KEEPER_NOTICE_S = 60.0
 
 
 def _control_events(cfg: RunConfig, event: Event, since: float) -> list[dict[str, Any]]:
@@ -61,6 +65,12 @@ def node_replacements_done(run: Run, since: float) -> tuple[int, int]:
     """(escalations, spare refills) of this DAG run, whose first launch was at ``since``."""
     cfg = RunConfig.from_dict(run.config)
     return (len(_control_events(cfg, Event.ESCALATION, since)), len(_control_events(cfg, Event.SPARE_ADDED, since)))
+
+
+def replacements_left(run: Run, since: float) -> int:
+    """How many of ``max_node_replacements`` this DAG run (first launch at ``since``) has left."""
+    escalations, refills = node_replacements_done(run, since)
+    return max(0, int(run.max_node_replacements) - escalations - refills)
 
 
 def keep_spare_pool(
@@ -152,6 +162,7 @@ def keep_spare_pool(
             why=f"the pool keeper added a spare for node {index} ({node_id}): "
             + (f"node {spare.index} on {spare.node_id}" if spare.node_id else f"node {spare.index}, {spare.state}"),
             nodes=[spare.node_id] if spare.node_id else [],
+            node_ranks=[spare.index],
         )
         EventLog(cfg.layout.events, run_id=cfg.run_id, role="control-plane").emit(
             Event.SPARE_ADDED,

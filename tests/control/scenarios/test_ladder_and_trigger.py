@@ -331,6 +331,9 @@ def test_the_watch_waits_for_an_announced_replacement_and_fails_at_once_when_non
     assert "node 0 of launch 2 waits for nodes" in changes.poll()
     ended, said = waiting_verdict(running, changes.waiting)
     assert ended is None and "waits for node(s) slot-2 for up to" in said and "pool keeper" in said
+    EventLog(run_dir / "events.jsonl", launch_id="2", rank=0).emit("train_begin", start_step=6, world_size=2)
+    changes.poll()
+    assert waiting_verdict(running, changes.waiting) == (None, None)  # it came: training goes on
     log.emit(
         "waiting_for_nodes",
         missing=1,
@@ -441,13 +444,21 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     context = {"ti": XComs(validate_config=run, launch_training=launch)}
     with pytest.raises(TaskDeferred) as deferred:
         keeper.execute(context)
+    # With a replacement left, the keeper's watch keeps a standing notice in the run dir, so
+    # survivors of a loss no spare covers wait for the keeper's word on it.
+    control = RunConfig.from_dict(run.config).layout.control
+    assert deferred.value.trigger.standby_s == spare_refill.KEEPER_NOTICE_S
     lost_slot = _lose(backend, launch, 1)
     event = asyncio.run(_watch(deferred.value.trigger, seconds=60))
     assert event is not None and event["nodes"][0]["index"] == 1, event
+    standing = read_membership_deadline(control, "0")
+    assert standing.standing and standing.wait_until() is not None, standing
+    assert "1 of max_node_replacements=1 left" in standing.why and "keep_spare_pool" in standing.why
 
     with pytest.raises(TaskDeferred) as deferred:  # it acts, then waits again
         keeper.execute_complete(context, event=event)
     assert deferred.value.trigger.handled == [f"1@{lost_slot}"]
+    assert deferred.value.trigger.standby_s == 0  # the refill spent the last replacement
     assert backend.capacity().quarantined == [lost_slot]
     added = read_events(Path(launch.run_dir) / "events.jsonl", "spare_added")
     assert len(added) == 1, added
@@ -459,9 +470,11 @@ def test_keep_spare_pool_quarantines_the_lost_slot_and_adds_a_spare_once(spared)
     assert added[0]["role"] == "control-plane" and spare["node_id"] != lost_slot
     assert backend.status(handle).state == "running"
     # Survivors waiting for a node wait for this one (control/membership-deadline.json).
-    coming = read_membership_deadline(RunConfig.from_dict(run.config).layout.control, "0")
+    coming = read_membership_deadline(control, "0")
     assert coming.coming and coming.wait_until() is not None and f"node 1 ({lost_slot})" in coming.why
-    assert coming.nodes == (spare["node_id"],)
+    assert coming.nodes == (spare["node_id"],) and coming.node_ranks == (3,) and not coming.standing
+    # Once that spare's launcher beats, the announcement is spent: a later loss waits for nothing.
+    assert coming.wait_until(beats={3: coming.ts + 1}) is None
 
     # A retried task (or a stale event) never handles the same node twice.
     again = spare_refill.keep_spare_pool(run, launch, event["nodes"], since=launch.launched_at, log=lambda _: None)

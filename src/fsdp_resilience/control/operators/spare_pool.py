@@ -59,10 +59,12 @@ class SparePoolKeeper(BaseOperator):
             launch.handle["job_name"],
             handled or "none",
         )
-        self._wait(handled)
+        self._wait(context, run, handled)
 
-    def _wait(self, handled: list[str]) -> None:
+    def _wait(self, context: Any, run: Run, handled: list[str]) -> None:
         launch = Launch.of(self.launch)
+        first = Launch.of(context["ti"].xcom_pull(task_ids=self.first_launch_from) or launch)
+        left = spare_refill.replacements_left(run, since=float(first.launched_at))
         # What was handled travels in the trigger and back in its event (not in the deferral's
         # kwargs, which dag.test() drops); the events log has the refills in any case.
         self.defer(
@@ -73,6 +75,9 @@ class SparePoolKeeper(BaseOperator):
                 handled=handled,
                 poll_interval_s=self.poll_interval_s,
                 checkpoints_s3=launch.checkpoints_s3,
+                standby_s=spare_refill.KEEPER_NOTICE_S if left > 0 else 0.0,
+                standby_why=f"the pool keeper ({self.task_id}) watches launch {launch.launch_id} and adds a spare "
+                f"for a lost node ({left} of max_node_replacements={run.max_node_replacements} left)",
             ),
             method_name="execute_complete",
         )
@@ -107,4 +112,4 @@ class SparePoolKeeper(BaseOperator):
         )
         # Handled either way: a node not refilled (budget spent, no capacity) is not retried on
         # every poll; the launch trains on with one spare fewer.
-        self._wait(sorted(set(handled) | {r["key"] for r in results}))
+        self._wait(context, run, sorted(set(handled) | {r["key"] for r in results}))

@@ -4,6 +4,8 @@ the job (a spare must stand in for it), or when the launch has ended."""
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -11,6 +13,8 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from fsdp_resilience.control.backends import LOST, JobHandle, JobStatus, get_backend
 from fsdp_resilience.control.progress import CHANGE_TICK_S, LaunchChanges
 from fsdp_resilience.control.triggers.base import LAUNCH_ENDED, NODES_OUT, trigger_event, until_next_check
+from fsdp_resilience.training.contract import RunDir
+from fsdp_resilience.training.contract.replacements import announce_keeper_watching
 
 #: Node states that leave a running job short of a node the spare pool must make up for: a lost
 #: node (a spare takes its place at the next in-job restart), or a node that ended by itself
@@ -37,7 +41,12 @@ class SparePoolTrigger(BaseTrigger):
     Polls the job's status every ``poll_interval_s`` and, in between, looks for the changes the
     progress watch looks for (``LaunchChanges``: a launcher's ``final`` event, a rewritten job
     file, which is how the local backend shows a lost node). Stateless between polls like the
-    progress trigger: a restarted triggerer resumes it from its kwargs."""
+    progress trigger: a restarted triggerer resumes it from its kwargs.
+
+    ``standby_s`` > 0 (the keeper can still add a spare): at each poll it renews the keeper's
+    standing notice in the run dir (``announce_keeper_watching``, ``standby_s`` ahead), so
+    survivors of a loss no spare covers wait for the keeper's word on it instead of ending the
+    launch first; it lapses within ``standby_s`` of the keeper stopping."""
 
     def __init__(
         self,
@@ -49,6 +58,8 @@ class SparePoolTrigger(BaseTrigger):
         poll_interval_s: float = 5.0,
         checkpoints_s3: str | None = None,
         change_tick_s: float = CHANGE_TICK_S,
+        standby_s: float = 0.0,
+        standby_why: str = "",
     ):
         super().__init__()
         self.backend = backend
@@ -58,6 +69,8 @@ class SparePoolTrigger(BaseTrigger):
         self.poll_interval_s = poll_interval_s
         self.checkpoints_s3 = checkpoints_s3
         self.change_tick_s = change_tick_s
+        self.standby_s = standby_s
+        self.standby_why = standby_why
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -70,6 +83,8 @@ class SparePoolTrigger(BaseTrigger):
                 "poll_interval_s": self.poll_interval_s,
                 "checkpoints_s3": self.checkpoints_s3,
                 "change_tick_s": self.change_tick_s,
+                "standby_s": self.standby_s,
+                "standby_why": self.standby_why,
             },
         )
 
@@ -82,6 +97,14 @@ class SparePoolTrigger(BaseTrigger):
                 LaunchChanges, self.run_dir, handle.launch_id, backend.change_paths(handle)
             )
         while True:
+            if self.standby_s > 0 and not self.checkpoints_s3:  # the run dir is there to write to
+                await asyncio.to_thread(
+                    announce_keeper_watching,
+                    RunDir(Path(self.run_dir)).control,
+                    handle.launch_id,
+                    until=time.time() + self.standby_s,
+                    why=self.standby_why,
+                )
             status = await backend.status_async(handle)
             out = nodes_to_handle(status, self.handled)
             if status.done or out:

@@ -7,8 +7,16 @@ replacement is on its way (the pool keeper started a new spare; on EKS, capacity
 pod the Job recreates) and until when it may take. Nothing announced, or the time passed: nothing
 is coming. The rendezvous' own ``join_timeout`` stays only as the outer bound.
 
+The newest word wins (one file, rewritten): a replacement announced for spares that have since
+started (their launchers beat after the announcement) is spent, so a later loss does not wait for
+it. While the pool keeper watches a launch with node replacements left, it renews a standing
+notice (``announce_keeper_watching``, a minute ahead): it bridges the seconds between a loss and
+the keeper's word on it, so survivors do not end a launch the keeper is about to rescue, and it
+lapses by itself when the keeper stops.
+
 Launchers beat (``beat_launcher``: one small file per node, rewritten every poll) so that the
-others can tell a node that is gone, or hangs, from one that is merely slow to rejoin.
+others can tell a node that is gone, or hangs, from one that is merely slow to rejoin. One write a
+second per node: on FSx for Lustre a metadata operation each, far below what one MDT serves.
 """
 
 from __future__ import annotations
@@ -38,43 +46,74 @@ def launchers_dir(control: Path) -> Path:
 @dataclass(frozen=True)
 class MembershipDeadline:
     """What the control plane announced for a launch: a replacement is coming until ``until``
-    (unix seconds), or none is (``coming`` false); ``why`` in words, for the events log."""
+    (unix seconds), or none is (``coming`` false); ``why`` in words, for the events log.
+    ``node_ranks``: the spares announced (their launchers' node indexes, when known); ``ts``: when
+    it was written; ``standing``: the keeper's standing notice, not a word on a given loss."""
 
     launch_id: str
     coming: bool
     until: float | None
     why: str
     nodes: tuple[str, ...] = ()
+    node_ranks: tuple[int, ...] = ()
+    ts: float = 0.0
+    standing: bool = False
 
-    def wait_until(self, now: float | None = None) -> float | None:
-        """Until when the survivors wait, or None when nothing is coming (any more)."""
+    def wait_until(self, now: float | None = None, beats: dict[int, float] | None = None) -> float | None:
+        """Until when the survivors wait, or None when nothing is coming (any more): nothing was
+        announced, the deadline passed, or the spares announced have come (``beats``: when each
+        launcher last beat, ``launcher_beats``), so a later loss has nothing to wait for."""
         now = time.time() if now is None else now
         if not self.coming or self.until is None or self.until <= now:
+            return None
+        if self.node_ranks and beats is not None and all(beats.get(r, 0.0) >= self.ts for r in self.node_ranks):
             return None
         return self.until
 
 
-def announce_replacement(control: Path, launch_id: str, *, until: float, why: str, nodes: list[str] = ()) -> None:
-    """A replacement for a lost node of ``launch_id`` is on its way: wait for it until ``until``."""
-    _write(control, MembershipDeadline(launch_id, True, float(until), why, tuple(nodes)))
+def announce_replacement(
+    control: Path,
+    launch_id: str,
+    *,
+    until: float,
+    why: str,
+    nodes: list[str] = (),
+    node_ranks: list[int] = (),
+) -> bool:
+    """A replacement for a lost node of ``launch_id`` is on its way (the spares ``node_ranks``):
+    wait for it until ``until``. False when the run dir is not there (not mounted here): nothing
+    is announced, and survivors do not wait."""
+    return _write(control, MembershipDeadline(launch_id, True, float(until), why, tuple(nodes), tuple(node_ranks)))
 
 
-def announce_no_replacement(control: Path, launch_id: str, *, why: str) -> None:
+def announce_keeper_watching(control: Path, launch_id: str, *, until: float, why: str) -> bool:
+    """The pool keeper watches ``launch_id`` and can still add a spare: a loss no spare covers is
+    waited for until ``until`` (renewed while the keeper runs), by when the keeper has its word on
+    it (``announce_replacement`` or ``announce_no_replacement``)."""
+    return _write(control, MembershipDeadline(launch_id, True, float(until), why, standing=True))
+
+
+def announce_no_replacement(control: Path, launch_id: str, *, why: str) -> bool:
     """Nothing is coming for ``launch_id`` (replacements used up, no capacity, the keeper gone)."""
-    _write(control, MembershipDeadline(launch_id, False, None, why))
+    return _write(control, MembershipDeadline(launch_id, False, None, why))
 
 
-def _write(control: Path, deadline: MembershipDeadline) -> None:
-    control.mkdir(parents=True, exist_ok=True)
+def _write(control: Path, deadline: MembershipDeadline) -> bool:
+    if not control.parent.is_dir():  # the run dir is not readable here: never create a stand-in
+        return False
+    control.mkdir(exist_ok=True)
     record = {
         "launch_id": deadline.launch_id,
         "coming": deadline.coming,
         "until": deadline.until,
         "why": deadline.why,
         "nodes": list(deadline.nodes),
+        "node_ranks": list(deadline.node_ranks),
+        "standing": deadline.standing,
         "ts": time.time(),
     }
     atomic_write_text(deadline_path(control), json.dumps(record) + "\n")
+    return True
 
 
 def read_membership_deadline(control: Path, launch_id: str) -> MembershipDeadline | None:
@@ -93,6 +132,9 @@ def read_membership_deadline(control: Path, launch_id: str) -> MembershipDeadlin
         until=float(until) if isinstance(until, (int, float)) else None,
         why=str(data.get("why") or ""),
         nodes=tuple(str(n) for n in data.get("nodes") or ()),
+        node_ranks=tuple(int(r) for r in data.get("node_ranks") or () if isinstance(r, int)),
+        ts=float(data["ts"]) if isinstance(data.get("ts"), (int, float)) else 0.0,
+        standing=data.get("standing") is True,
     )
 
 

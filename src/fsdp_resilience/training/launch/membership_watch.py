@@ -87,14 +87,18 @@ class MembershipWatch:
         if len(spares) >= len(missing):
             return None  # parked spares take the lost nodes' places in the rendezvous
         deadline = read_membership_deadline(self.layout.control, self.launch_id)
-        until = deadline.wait_until(now) if deadline is not None else None
+        until = deadline.wait_until(now, beats) if deadline is not None else None
         if until is not None:
             why = f"a replacement is coming: {deadline.why}"
+        elif deadline is not None and deadline.coming:
+            spent = deadline.until is not None and deadline.until > now  # the spares announced came
+            why = f"no replacement is coming: {deadline.why} ({'it came' if spent else 'its deadline passed'})"
         elif deadline is not None:
-            why = f"no replacement is coming: {deadline.why}" + (" (its deadline passed)" if deadline.coming else "")
+            why = f"no replacement is coming: {deadline.why}"
         else:
             why = "no spare left and no replacement announced (control/membership-deadline.json)"
-        said = (tuple(missing), until)
+        # Said again when what is awaited changes; not for each renewal of the keeper's notice.
+        said = (tuple(missing), why, None if deadline is not None and deadline.standing else until)
         if said != self.announced:
             self.announced = said
             self.events.emit(

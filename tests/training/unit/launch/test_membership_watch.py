@@ -10,6 +10,7 @@ import time
 from fsdp_resilience.training.contract import EventLog, RunDir, read_events
 from fsdp_resilience.training.contract.replacements import (
     LAUNCHER_STALE_S,
+    announce_keeper_watching,
     announce_no_replacement,
     announce_replacement,
     beat_launcher,
@@ -89,6 +90,33 @@ def test_an_announced_replacement_is_waited_for_until_its_deadline(tmp_path):
     (record,) = waiting(layout)
     assert record["until"] == t0 + 60 and "slot-4" in record["why"]
     reason = watch.poll(t0 + 61)
+    assert reason is not None and "its deadline passed" in reason
+    assert [r["until"] for r in waiting(layout)] == [t0 + 60, None]
+
+
+def test_a_replacement_that_came_is_not_waited_for_again(tmp_path):
+    """The keeper announced a spare (node 3) for an earlier loss; it came (its launcher beat after
+    the announcement), took a place and is gone too: that announcement is spent."""
+    layout, watch, workers = setup(tmp_path, members=((0, "slot-0"), (3, "slot-3")))
+    t0 = time.time()
+    announce_replacement(layout.control, LAUNCH, until=t0 + 300, why="the pool keeper added node 3", node_ranks=[3])
+    beat_launcher(layout.control, 3, launch_id=LAUNCH, standby=True)
+    lose_the_workers(watch, workers, t0)
+    reason = watch.poll(t0 + 2 + LAUNCHER_STALE_S + WORKERS_DOWN_S)
+    assert reason is not None and "slot-3 (node 3) lost" in reason and "(it came)" in reason, reason
+
+
+def test_the_keepers_standing_notice_is_waited_for_said_once_and_lapses_when_not_renewed(tmp_path):
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    lose_the_workers(watch, workers, t0)
+    announce_keeper_watching(layout.control, LAUNCH, until=t0 + 60, why="the pool keeper watches")
+    assert watch.poll(t0 + 10) is None
+    announce_keeper_watching(layout.control, LAUNCH, until=t0 + 70, why="the pool keeper watches")  # renewed
+    assert watch.poll(t0 + 65) is None
+    (record,) = waiting(layout)  # a renewal is not news
+    assert record["until"] == t0 + 60 and "the pool keeper watches" in record["why"]
+    reason = watch.poll(t0 + 71)  # the keeper stopped renewing it
     assert reason is not None and "its deadline passed" in reason
     assert [r["until"] for r in waiting(layout)] == [t0 + 60, None]
 
