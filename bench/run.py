@@ -3,9 +3,9 @@
     python -m bench.run [--quick] [--out bench/results] [--skip chaos,...] [--only PART[,PART]]
 
   1. training plane  (.venv: torch, NVRx 0.4.1)   python -m bench.training_plane
-  1b. the training plane's recovery rows and spare takeover on NVRx 0.7 (the production version), in
-     the NVRx 0.7 test lane's Debian testing root:
-        bash tests/nvrx07/lane.sh --bench bench.training_plane --lane nvrx07 --only recovery,spare ...
+  1b. the training plane's recovery rows, spare takeover and spares used up on NVRx 0.7 (the
+     production version), in the NVRx 0.7 test lane's Debian testing root:
+        bash tests/nvrx07/lane.sh --bench bench.training_plane --lane nvrx07 --only recovery,spare,... ...
   2. goodput under chaos (.venv-airflow)         python -m bench.chaos --duration-s 480   (full run only)
   3. the same with a hot spare (.venv-airflow)   python -m bench.chaos --duration-s 480 --spare-nodes 1
   4. control plane   (.venv-airflow: Airflow)    python -m bench.control_plane
@@ -22,13 +22,14 @@ lane cannot run it says so and the part is reported skipped, not failed. Its res
 
 ``--only`` runs just the named parts and merges their results into those already in --out, so
 a few figures can be measured again while the others stay: the parts are training_plane,
-training_plane_nvrx07, chaos,
-chaos_spares, control_plane, the .venv training plane's spare_takeover alone (merged into
-training_plane.json), and the control plane's own parts parse, watch, slots, relaunch,
+training_plane_nvrx07, chaos, chaos_spares, control_plane, the .venv training plane's
+spare_takeover alone (merged into training_plane.json), spares_used_up (a node loss when the spares
+are used up, and the relaunch, on both lanes: merged into training_plane.json and
+training_plane_nvrx07.json), and the control plane's own parts parse, watch, slots, relaunch,
 spare and scale (the EKS backend at 16 to 1,024 kwok nodes; run with ``bench.control_plane
---only ... --merge``). run.json records when each part
-was measured. A part that fails is reported and the others still run; the exit code says whether
-all succeeded. Standard library only: any python3 can run this driver.
+--only ... --merge``). run.json records when each part was measured. A part that fails is
+reported and the others still run; the exit code says whether all succeeded. Standard library
+only: any python3 can run this driver.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ PARTS = (
         "training_plane_nvrx07",
         NVRX07_LANE,
         "bench.training_plane",
-        ["--lane", "nvrx07", "--name", "training_plane_nvrx07", "--only", "recovery,spare"],
+        ["--lane", "nvrx07", "--name", "training_plane_nvrx07", "--only", "recovery,spare,spares_used_up"],
     ),
     ("chaos", AIRFLOW_PYTHON, "bench.chaos", ["--duration-s", str(CHAOS_DURATION_S)]),
     ("chaos_spares", AIRFLOW_PYTHON, "bench.chaos", ["--duration-s", str(CHAOS_DURATION_S), "--spare-nodes", "1"]),
@@ -67,8 +68,11 @@ FULL_RUN_ONLY = {"chaos", "chaos_spares"}
 CONTROL_PLANE_PARTS = ("parse", "watch", "slots", "relaunch", "spare", "scale")
 #: The .venv training plane's parts --only may name alone (merged into training_plane.json):
 #: name -> its bench.training_plane part. spare_takeover: the training-plane spare takeover on
-#: NVRx 0.4.1, the same measurement as the NVRx 0.7 part's.
-TRAINING_PLANE_PARTS = {"spare_takeover": "spare"}
+#: NVRx 0.4.1, the same measurement as the NVRx 0.7 part's. spares_used_up: a node loss no spare
+#: is left for (the launch ends) and the relaunch after it.
+TRAINING_PLANE_PARTS = {"spare_takeover": "spare", "spares_used_up": "spares_used_up"}
+#: Those of them --only runs on the NVRx 0.7 lane as well (merged into training_plane_nvrx07.json).
+BOTH_LANES = ("spares_used_up",)
 
 
 def _now(t: float) -> str:
@@ -89,6 +93,12 @@ def seed_from_summary(out: Path) -> None:
         if not (out / name).exists() and summary.get(part):
             write_json(out / name, summary[part])
             log(f"{name}: taken from {latest.name} (the committed figures) to merge into")
+
+
+def _without_only(extra: list[str]) -> list[str]:
+    """A part's arguments less its ``--only PARTS``."""
+    i = extra.index("--only") if "--only" in extra else len(extra)
+    return extra[:i] + extra[i + 2 :]
 
 
 def part_command(python: Path, module: str, out: str, extra: list[str], quick: bool) -> list[str] | None:
@@ -132,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --only or --skip, not both")
     control_parts = [p for p in CONTROL_PLANE_PARTS if p in only]
     training_parts = [TRAINING_PLANE_PARTS[p] for p in TRAINING_PLANE_PARTS if p in only]
+    lane_parts = [TRAINING_PLANE_PARTS[p] for p in BOTH_LANES if p in only and "training_plane_nvrx07" not in only]
     if training_parts and "training_plane" in only:
-        parser.error("--only training_plane runs all its parts; name it or spare_takeover, not both")
+        parser.error("--only training_plane runs all its parts; name it or some of its parts, not both")
     if control_parts and "control_plane" in only:
         parser.error(
             f"--only control_plane runs all its parts; name either it or some of {', '.join(CONTROL_PLANE_PARTS)}"
@@ -172,13 +183,17 @@ def main(argv: list[str] | None = None) -> int:
             and name not in only
             and not (name == "control_plane" and control_parts)
             and not (name == "training_plane" and training_parts)
+            and not (name == "training_plane_nvrx07" and lane_parts)
         ):
             continue
+        key = name
+        if name == "training_plane_nvrx07" and lane_parts:
+            extra = _without_only(extra) + ["--only", ",".join(lane_parts), "--merge"]
+            key = name + "." + "+".join(lane_parts)
         command_line = part_command(python, module, out, extra, args.quick)
         if command_line is None:
             log(f"{name}: skipped: the NVRx 0.7 lane sees the repository only, and --out {out} is outside it")
             continue
-        key = name
         if name == "control_plane" and control_parts:
             command_line += ["--only", ",".join(control_parts), "--merge"]
             key = "control_plane." + "+".join(control_parts)

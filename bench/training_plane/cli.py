@@ -14,8 +14,11 @@ from bench.common import RESULTS, LoadMonitor, log, machine, read_json, write_js
 from bench.training_plane.eval_load import bench_eval_load
 from bench.training_plane.recovery import bench_recovery
 from bench.training_plane.spare import bench_spare_takeover
+from bench.training_plane.spares_used_up import bench_spares_used_up
 from bench.training_plane.stall import bench_stall
 
+#: The parts, in the order they run (the default: all of them).
+PARTS = ("stall", "eval_load", "recovery", "spare", "spares_used_up")
 #: Where the training plane runs: the project's .venv (the NVRx that installs natively here), or
 #: the NVRx 0.7 test lane's Debian testing root (tests/nvrx07/lane.sh --bench).
 LANES = {
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="comma-separated parts: stall,eval_load,recovery,spare (default all; quick: stall,eval_load)",
+        help="comma-separated parts: stall,eval_load,recovery,spare,spares_used_up (default all; quick: "
+        "stall,eval_load)",
     )
     parser.add_argument(
         "--lane",
@@ -78,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         help="results file stem: OUT/NAME.json (quick: NAME.quick.json); runs go to OUT/work/NAME "
         "(OUT/work itself for the default)",
     )
-    parser.add_argument("--spare-trials", type=int, default=None, help="hot-spare takeover runs (default 2; quick 1)")
+    parser.add_argument(
+        "--spare-trials",
+        type=int,
+        default=None,
+        help="runs of each hot-spare part, the takeover and the spares used up (default 2; quick 1)",
+    )
     parser.add_argument(
         "--sizes-mb",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -108,17 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out = args.out.resolve()  # absolute: subprocesses (and an SQLite URL) must not depend on the cwd
     args.only = [
-        p.strip()
-        for p in (args.only or ("stall,eval_load" if args.quick else "stall,eval_load,recovery,spare")).split(",")
-        if p.strip()
+        p.strip() for p in (args.only or ("stall,eval_load" if args.quick else ",".join(PARTS))).split(",") if p.strip()
     ]
     args.sizes_mb = args.sizes_mb or ([16] if args.quick else [50, 200, 1000])
     args.trials = args.trials or (2 if args.quick else 5)
     args.eval_model = args.eval_model or ("tiny" if args.quick else "small")
     args.spare_trials = args.spare_trials or (1 if args.quick else 2)
-    unknown = set(args.only) - {"stall", "eval_load", "recovery", "spare"}
+    unknown = set(args.only) - set(PARTS)
     if unknown:
-        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}: stall, eval_load, recovery, spare")
+        parser.error(f"unknown part(s) {', '.join(sorted(unknown))}: {', '.join(PARTS)}")
     versions = {p: importlib.metadata.version(p) for p in ("torch", "nvidia-resiliency-ext")}
 
     out: dict[str, Any] = {
@@ -145,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         if "spare" in args.only:
             log(f"spare: {args.spare_trials} trial(s), 2 nodes + 1 spare, node 1 lost")
             out["spare"] = bench_spare_takeover(args, work, args.spare_trials)
+        if "spares_used_up" in args.only:
+            log(f"spares_used_up: {args.spare_trials} trial(s), 2 nodes + 1 spare, two node losses, then a relaunch")
+            out["spares_used_up"] = bench_spares_used_up(args, work, args.spare_trials)
     out["load"] = load.result()
     if "stall" not in args.only:
         out.pop("stall", None)

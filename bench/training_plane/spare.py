@@ -52,7 +52,7 @@ def spare_config_fields(run_id: str, run_dir: Path, dataset: Path, procs_per_nod
     }
 
 
-def _launch_node(cfg_path: Path, node_rank: int, log_path: Path) -> subprocess.Popen:
+def _launch_node(cfg_path: Path, node_rank: int, log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(log_path, "w") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "fsdp_resilience.training.launch", "--config", str(cfg_path)]
@@ -60,17 +60,20 @@ def _launch_node(cfg_path: Path, node_rank: int, log_path: Path) -> subprocess.P
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
         )
 
 
-def run_nodes(cfg_path: Path, count: int, timeout_s: float) -> tuple[list[int | None], list[Path], float]:
-    """Start nodes 0..count-1 of the run (one launcher each), wait for them all (bounded: past
-    ``timeout_s`` each launcher's session is killed); their exit codes and logs, and the wall time."""
-    logs = [cfg_path.with_suffix(f".node{i}.log") for i in range(count)]
+def run_nodes(
+    cfg_path: Path, count: int, timeout_s: float, env: dict[str, str] | None = None, tag: str = ""
+) -> tuple[list[int | None], list[Path], float]:
+    """Start nodes 0..count-1 of the run (one launcher each, ``env`` added to its environment, e.g.
+    ``TRAINING_LAUNCH_ID``), wait for them all (bounded: past ``timeout_s`` each launcher's session
+    is killed); their exit codes and logs (``CONFIG.{tag}node{i}.log``), and the wall time."""
+    logs = [cfg_path.with_suffix(f".{tag}node{i}.log") for i in range(count)]
     t0 = time.time()
-    procs = [_launch_node(cfg_path, i, logs[i]) for i in range(count)]
+    procs = [_launch_node(cfg_path, i, logs[i], env) for i in range(count)]
     codes: list[int | None] = []
     try:
         for p in procs:
