@@ -32,7 +32,9 @@ def render_markdown(summary: dict[str, Any]) -> str:
         + f": {machine.get('cores', '?')} cores ({machine.get('cpu', 'CPU')}), {machine.get('memory_gb', '?')} GB, "
         + ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))
         + (
-            f"; the recovery rows and the spare takeover also on {lane_label(tp07)} (tests/nvrx07/lane.sh --bench)"
+            "; the recovery rows"
+            + (", the spare takeover and spares used up" if tp07.get("spares_used_up") else " and the spare takeover")
+            + f" also on {lane_label(tp07)} (tests/nvrx07/lane.sh --bench)"
             if tp07
             else ""
         )
@@ -85,6 +87,8 @@ def render_markdown(summary: dict[str, Any]) -> str:
             ".venv-airflow/bin/python -m bench.chaos --duration-s 480 --spare-nodes 1   # the run with a hot spare",
             "python3 -m bench.run --only spare,chaos,chaos_spares   # some parts again, merged into the rest",
         ]
+    if tp.get("spares_used_up") or tp07.get("spares_used_up"):
+        lines += ["python3 -m bench.run --only spares_used_up   # a node loss with the spares used up, both lanes"]
     if cp.get("scale"):
         lines += [
             "python3 -m bench.run --only scale   # the EKS backend at 16 to 1,024 kwok nodes (about 10 min)",

@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.summarize.formats import fmt_s
 from bench.summarize.lanes import lane_label
+from bench.summarize.sections.spares_used_up import with_relaunch_rung
 from bench.summarize.targets import targets
 
 README_BEGIN, README_END = "<!-- bench:begin (make bench writes this block) -->", "<!-- bench:end -->"
@@ -46,6 +47,15 @@ def _recovery(tp: dict[str, Any], cp: dict[str, Any] | None = None) -> str | Non
     parts = [f"{name} {_spread(medians[layer])}" for layer, name in _LAYERS if medians.get(layer)]
     if spares:
         parts.append(f"{_LAYERS[-1][1]} {', '.join(spares)}")
+    used = tp.get("spares_used_up") or {}
+    if (used.get("total_s") or {}).get("n"):
+        combined = with_relaunch_rung(used, cp.get("relaunch"))
+        parts.append(
+            f"node loss with the spares used up {fmt_s(used['total_s']['median'])} (launch end "
+            f"{fmt_s(used['loss_to_end_s']['median'])} + relaunch {fmt_s(used['end_to_first_step_s']['median'])}"
+            + (f"; through the relaunch rung {fmt_s(combined)}" if combined is not None else "")
+            + ")"
+        )
     return "; ".join(parts) if parts else None
 
 

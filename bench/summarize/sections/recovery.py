@@ -6,6 +6,7 @@ from typing import Any
 
 from bench.summarize.formats import fmt_load, fmt_met, fmt_s, fmt_stat, md_table
 from bench.summarize.lanes import SPARE_TARGET_S_NVRX07, is_nvrx07, lane_label, spare_parts_text
+from bench.summarize.sections.spares_used_up import relaunch_rung, spares_used_up_section, with_relaunch_rung
 
 #: NVRx 0.7's promotion of a hot spare, measured by the rendezvous experiment of issue 15 (a gloo
 #: all-reduce loop, nodes=2:3, SIGKILL of a node -> the new round closed; 5 kills), not by make bench.
@@ -13,9 +14,14 @@ NVRX07_PROMOTION_S = (4.6, 4.8)
 
 
 def _spare_section(
-    spare: dict[str, Any], relaunch: dict[str, Any] | None, cp: dict[str, Any], spare07: dict[str, Any] | None = None
+    spare: dict[str, Any],
+    relaunch: dict[str, Any] | None,
+    cp: dict[str, Any],
+    spare07: dict[str, Any] | None = None,
+    used_up: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Node loss with a hot spare, next to the relaunch rung for the same loss."""
+    """Node loss with a hot spare, next to the relaunch rung for the same loss and the loss no
+    spare is left for (``used_up``: the .venv lane's, whose launch ends before the rung relaunches)."""
     same = next((r for r in (relaunch or {}).get("rows") or [] if r["kind"] == "node_loss"), None)
     measured = (cp.get("measured") or {}).get("spare") or {}
     load = fmt_load({"load": measured.get("load")}) if measured.get("load") else fmt_load(cp)
@@ -51,6 +57,19 @@ def _spare_section(
                 "relaunch",
                 same["total_s"]["n"],
                 fmt_stat(same["total_s"]),
+                "—",
+                "—",
+            )
+        )
+    combined = with_relaunch_rung(used_up or {}, relaunch)
+    if combined is not None:
+        rows.append(
+            (
+                "node_loss, spares used up: the launch ends, then the relaunch rung (both above)",
+                "relaunch",
+                used_up["loss_to_end_s"]["n"],
+                f"{fmt_s(combined)} (fault → launch end {fmt_s(used_up['loss_to_end_s']['median'])} + the rung "
+                f"{fmt_s(relaunch_rung(relaunch)['total_s']['median'])}; medians)",
                 "—",
                 "—",
             )
@@ -227,7 +246,7 @@ def recovery_section(tp: dict[str, Any], cp: dict[str, Any], tp07: dict[str, Any
     """### 2. Recovery per rung: the training plane's restarts (the NVRx 0.7 lane's first, when
     measured), the hot spare's takeover on each lane, the relaunch rung and the control plane's spare."""
     lines: list[str] = []
-    lanes = [t for t in (tp07 or {}, tp) if t.get("recovery") or t.get("spare")]
+    lanes = [t for t in (tp07 or {}, tp) if t.get("recovery") or t.get("spare") or t.get("spares_used_up")]
     recovery = tp.get("recovery")
     relaunch = cp.get("relaunch")
     spare = cp.get("spare")
@@ -278,8 +297,9 @@ def recovery_section(tp: dict[str, Any], cp: dict[str, Any], tp07: dict[str, Any
             ),
             rows,
         )
+    lines += spares_used_up_section(lanes, relaunch)
     if spare:
-        lines += _spare_section(spare, relaunch, cp, (tp07 or {}).get("spare"))
+        lines += _spare_section(spare, relaunch, cp, (tp07 or {}).get("spare"), tp.get("spares_used_up"))
     if recovery or relaunch:
         lines += ["![recovery per rung](/bench/results/recovery.png)", ""]
     return lines
