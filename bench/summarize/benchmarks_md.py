@@ -79,7 +79,7 @@ def render_markdown(summary: dict[str, Any]) -> str:
         "                    # committed) and this table, docs/benchmarks.md",
         "make bench-quick    # smoke run of the same scripts, under a minute: bench/results/quick/",
         ".venv/bin/python -m bench.training_plane --sizes-mb 50,200,1000 --trials 5   # one part, any sizes",
-        "python3 -m bench.run --only training_plane_nvrx07   # recovery + spare takeover on NVRx 0.7 (the lane's root)",
+        "python3 -m bench.run --only training_plane_nvrx07   # recovery, spare takeover, spares used up on NVRx 0.7",
         ".venv-airflow/bin/python -m bench.chaos --duration-s 600 --mtbf-s 60 --seed 1234",
     ]
     if summary.get("chaos_spares") or cp.get("spare"):
