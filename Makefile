@@ -91,11 +91,12 @@ test-control: $(STAMP) $(AFSTAMP) kube-control-plane
 	KUBE_EMULATED_VERSION=1.35 $(AFBIN)/python -m pytest -q -m every_kube_version tests/control
 
 # Benchmarks: JSON + plots in bench/results/, the table in README.md and docs/benchmarks.md. About
-# 49 min on 2 cores: the training plane on NVRx 0.4.1 (stall, evaluation load, recovery with its
-# torchrun and no-zygote baselines, spare takeover) 8 min, the NVRx 0.7 part (training_plane_nvrx07:
-# the recovery rows and the spare takeover in the 0.7 lane's root, tests/nvrx07/lane.sh --bench;
-# skipped where the lane cannot run) 5, the two chaos runs 17, the control plane 2, its 1,024-node
-# scale part 17. bench-quick: a smoke run of the same scripts (about 6 minutes). Parts measured
+# 53 min on 2 cores: the training plane on NVRx 0.4.1 (stall, evaluation load, recovery with its
+# torchrun and no-zygote baselines, spare takeover, node loss with the spares used up) 10 min, the
+# NVRx 0.7 part (training_plane_nvrx07: the recovery rows, the spare takeover and the spares used
+# up in the 0.7 lane's root, tests/nvrx07/lane.sh --bench; skipped where the lane cannot run) 7,
+# the two chaos runs 17, the control plane 2, its 1,024-node scale part 17. bench-quick: a smoke
+# run of the same scripts (about 7 minutes). Parts measured
 # again: python -m bench.run --only PART[,PART] (merged into the committed figures).
 bench: $(STAMP) $(AFSTAMP)
 	$(AFBIN)/python -m bench.run

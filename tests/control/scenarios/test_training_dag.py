@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,41 @@ async def _keep_pool(keeper, context) -> dict:
             trigger = deferred.trigger
 
 
+def _watch_and_keep(
+    run, launch, first_launch, watch_id="watch_checkpoints", keeper_id="keep_spare_pool", stop_after=True
+):
+    """A launch's watch and keep_spare_pool side by side, as the triggerer and a worker run them,
+    until both end (the launch stopped after, if anything of it is left, unless not
+    ``stop_after``): the watch's outcome (its XCom) and the keeper's result."""
+    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
+    from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
+    from fsdp_resilience.control.task_data import Outcome
+    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
+
+    try:
+        watch = CheckpointProgressSensor(task_id=watch_id, launch=launch)
+        keeper = SparePoolKeeper(task_id=keeper_id, launch=launch, poll_interval_s=2.0)
+        context = {"ti": XComs(validate_config=run, launch_training=first_launch)}
+
+        async def side_by_side():
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    first_event(TrainingProgressTrigger(**watch._trigger_kwargs(), poll_interval_s=2.0)),
+                    _keep_pool(keeper, context),
+                ),
+                timeout=480,
+            )
+
+        outcome, kept = asyncio.run(side_by_side())
+        return Outcome.from_dict(watch.execute_complete(context, outcome)), kept
+    except BaseException:
+        stop_after = True
+        raise
+    finally:
+        if stop_after:
+            get_backend(**run.backend).cancel(JobHandle.from_dict(launch.handle))
+
+
 def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots):
     """Two training nodes and one spare, real training; node 1 is lost whole at step 5. The spare
     takes its place in the next in-job restart (no rung, one launch), and while training goes on
@@ -176,10 +212,6 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
     and keep_spare_pool side by side, as the triggerer runs them. (dag.test() runs one task at a
     time, so the keeper would only start once the watch had seen the launch end.)"""
     from fsdp_resilience.control import ladder
-    from fsdp_resilience.control.operators.spare_pool import SparePoolKeeper
-    from fsdp_resilience.control.sensors.checkpoint_progress import CheckpointProgressSensor
-    from fsdp_resilience.control.task_data import Outcome
-    from fsdp_resilience.control.triggers.training_progress import TrainingProgressTrigger
 
     conf = base_conf(
         "spare",
@@ -196,25 +228,7 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
     params.update(conf)  # what a trigger does with its conf: the form's schema and defaults
     run = ladder.build_run_config(params.validate(), "manual__spare")  # validate_config
     launch = ladder.launch(run, launch_no=0)  # launch_training
-    backend = get_backend(**run.backend)
-    try:
-        watch = CheckpointProgressSensor(task_id="watch_checkpoints", launch=launch)
-        keeper = SparePoolKeeper(task_id="keep_spare_pool", launch=launch, poll_interval_s=2.0)
-        context = {"ti": XComs(validate_config=run, launch_training=launch)}
-
-        async def side_by_side():
-            return await asyncio.wait_for(
-                asyncio.gather(
-                    first_event(TrainingProgressTrigger(**watch._trigger_kwargs(), poll_interval_s=2.0)),
-                    _keep_pool(keeper, context),
-                ),
-                timeout=480,
-            )
-
-        outcome, kept = asyncio.run(side_by_side())
-        outcome = Outcome.from_dict(watch.execute_complete(context, outcome))  # the watch's XCom
-    finally:
-        backend.cancel(JobHandle.from_dict(launch.handle))
+    outcome, kept = _watch_and_keep(run, launch, launch)
     run_dir = roots / "spare"
     events = read_events(run_dir / "events.jsonl")
     assert outcome.outcome == "success" and outcome.launch_id == "0", outcome
@@ -234,6 +248,80 @@ def test_a_lost_node_with_a_spare_recovers_in_job_and_the_pool_is_refilled(roots
     slots = json.loads((roots / ".local-backend" / "slots.json").read_text())
     assert slots["slots"][lost_slot]["state"] == "quarantined", slots
     assert CheckpointCatalog(run_dir).latest().step == 12
+
+
+def test_spares_used_up_end_the_launch_in_seconds_and_the_ladder_relaunches_from_the_newest_checkpoint(
+    roots, monkeypatch
+):
+    """Two training nodes, one spare, max_node_replacements=1, and three node losses (steps 4, 9
+    and 14), with the watch and keep_spare_pool running side by side as in the DAG. The first loss:
+    the spare takes its place and the keeper adds a new one (the one replacement the run has); the
+    second: that new spare joins in its place, training goes on in the same launch; the third: no
+    spare left and nothing coming (the keeper has no replacement left), so node 0 ends the launch
+    within seconds, the watch fails it at once, and the ladder's rung relaunches from the newest
+    committed checkpoint, which finishes the run."""
+    from fsdp_resilience.control import ladder
+
+    monkeypatch.setenv("FSDP_LOCAL_SLOTS", "7")  # the relaunch needs 3 healthy slots after 3 losses
+    conf = base_conf(
+        "usedup",
+        nodes=2,
+        spare_nodes=1,
+        procs_per_node=1,
+        restart_mode="injob",
+        max_restarts=3,
+        steps=20,
+        run_config={
+            **FAST,
+            "faults": [
+                {"kind": "node_loss", "step": step, "node": None, "attempt": None, "once": True} for step in (4, 9, 14)
+            ],
+        },
+    )
+    from airflow.dag_processing.dagbag import DagBag
+
+    params = copy.deepcopy(DagBag(dag_folder=str(REPO / "dags")).get_dag("fsdp_training").params)
+    params.update(conf)
+    run = ladder.build_run_config(params.validate(), "manual__usedup")  # validate_config
+    first = ladder.launch(run, launch_no=0)  # launch_training
+    outcome, kept = _watch_and_keep(run, first, first, stop_after=False)  # the rung stops what is left
+    run_dir = roots / "usedup"
+    deadline = time.time() + 60  # node 0's own end, which the backend's verdict may come before
+    while time.time() < deadline and not [
+        r for r in read_events(run_dir / "events.jsonl", "final") if r.get("node_rank") == 0
+    ]:
+        time.sleep(0.5)
+    events = read_events(run_dir / "events.jsonl")
+    losses = sorted(r["ts"] for r in events if r["event"] == "fault_injected")
+    assert len(losses) == 3, [r for r in events if r["event"] in ("fault_injected", "final")]
+    # One refill (the budget), and the new spare took the second lost node's place: one launch so far.
+    assert [r["node_rank"] for r in events if r["event"] == "spare_added"] == [3], kept
+    assert [r["node_rank"] for r in events if r["event"] == "spare_promoted"] == [2, 3]
+    assert outcome.outcome == "failed" and outcome.failure_class == "restarts_exhausted", outcome
+    # The local backend fails the launch as soon as the third loss leaves too few nodes; node 0's
+    # launcher, which ends it by itself wherever the backend cannot tell (EKS), says so too: nothing
+    # is coming, the keeper has no replacement left. (Had the second loss come before the new spare
+    # was parked, node 0 would have waited for it first.)
+    waiting = [r for r in events if r["event"] == "waiting_for_nodes"][-1]
+    assert waiting["node_rank"] == 0 and waiting["missing_node_ranks"] == [3] and waiting["until"] is None
+    assert "max_node_replacements=1 spent" in waiting["why"], waiting
+    [final] = [r for r in events if r["event"] == "final" and r.get("node_rank") == 0]
+    assert final["failure_class"] == "restarts_exhausted" and "(node 3) lost and no spare left" in final["message"]
+    assert final["ts"] - losses[2] < 30, final["ts"] - losses[2]
+    newest = CheckpointCatalog(run_dir).latest()
+
+    climb, why = ladder.decide_escalation(run, outcome, rung=1)  # escalation_1.decide
+    assert climb, why
+    ladder.diagnose_and_replace(run, outcome, rung=1)
+    assert get_backend(**run.backend).capacity().healthy >= 3  # escalation_1.wait_for_capacity
+    relaunched = ladder.launch(run, launch_no=ladder.next_launch_no(outcome))  # escalation_1.relaunch
+    outcome, kept = _watch_and_keep(run, relaunched, first, "escalation_1.watch", "escalation_1.keep_spare_pool")
+    assert outcome.outcome == "success" and outcome.launch_id == relaunched.launch_id, outcome
+    events = read_events(run_dir / "events.jsonl")
+    began = [r for r in events if r["event"] == "train_begin" and r["launch_id"] == relaunched.launch_id]
+    resumed = {r["resumed_from"] for r in began}
+    assert resumed == {newest.checkpoint_id}, (resumed, newest)
+    assert CheckpointCatalog(run_dir).latest().step == 20
 
 
 def test_with_spares_the_keepers_end_with_their_launch_and_the_run_ends_as_it_should(roots):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fsdp_resilience.training.contract import ConfigError, RunConfig, read_events
+from fsdp_resilience.training.contract import CheckpointCatalog, ConfigError, RunConfig, read_events
 from fsdp_resilience.training.contract.replacements import announce_replacement
 from fsdp_resilience.training.launch.cli import main as launch_main
 from fsdp_resilience.training.launch.command import build_command
@@ -18,11 +18,11 @@ from fsdp_resilience.training.launch.command import build_command
 from training.support import Run, launch, launch_processes, write_config
 
 
-def run_nodes(tmp_path, cfg, count: int, timeout: float = 400) -> tuple[list[int], str]:
+def run_nodes(tmp_path, cfg, count: int, timeout: float = 400, env=None) -> tuple[list[int], str]:
     """Launch nodes 0..count-1 of ``cfg`` as pods would (one fsdp_resilience.training.launch each); their exit
     codes and the tail of their logs."""
     cfg_path = tmp_path / f"{cfg.run_id}.json"
-    nodes = [launch(cfg, cfg_path, node_rank=i) for i in range(count)]
+    nodes = [launch(cfg, cfg_path, node_rank=i, env=env) for i in range(count)]
     try:
         codes = [p.wait(timeout=timeout) for p in nodes]
     finally:
@@ -139,12 +139,13 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
     assert run.losses() == clean.losses()
 
 
-def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds(tmp_path, dataset):
+def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds_and_a_relaunch_resumes(tmp_path, dataset):
     """Two training nodes and one spare; node 1 is lost at step 4 (the spare takes its place), then
     the spare's node at step 8. Nothing is left to take its place and nothing was announced
     (control/membership-deadline.json): node 0 logs waiting_for_nodes naming the lost node and ends
     the launch as restarts_exhausted within seconds, for the ladder to relaunch, instead of waiting
-    out the rendezvous' join_timeout (600 s)."""
+    out the rendezvous' join_timeout (600 s). The relaunch (what the ladder starts: a new launch of
+    the same run) resumes from the newest committed checkpoint and finishes."""
     cfg = write_config(
         tmp_path,
         dataset,
@@ -171,6 +172,15 @@ def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds(tmp_path, datase
     assert final["failure_class"] == "restarts_exhausted" and "(node 2) lost and no spare left" in final["message"]
     assert final["ts"] - second["ts"] < 30, (final["ts"] - second["ts"], logs)
 
+    newest = CheckpointCatalog(cfg.layout.root).latest()
+    assert newest is not None and newest.step < 12
+    # The training nodes only: a parked spare outlives a launch that succeeds (its backend stops it).
+    codes, logs = run_nodes(tmp_path, cfg, 2, timeout=300, env={"TRAINING_LAUNCH_ID": "1"})
+    assert codes == [0, 0], logs
+    relaunched = [r for r in Run(cfg, 0, logs).of("train_begin") if r.get("launch_id") == "1"]
+    assert {(r["start_step"], r["resumed_from"]) for r in relaunched} == {(newest.step, newest.checkpoint_id)}, relaunched
+    assert CheckpointCatalog(cfg.layout.root).latest().step == 12
+
 
 def test_a_replacement_announced_for_a_loss_no_spare_covers_joins_and_training_goes_on(tmp_path, dataset):
     """The same two losses, with a replacement announced (control/membership-deadline.json, as the
@@ -194,7 +204,8 @@ def test_a_replacement_announced_for_a_loss_no_spare_covers_joins_and_training_g
     cfg_path = tmp_path / f"{cfg.run_id}.json"
     nodes = [launch(cfg, cfg_path, node_rank=i) for i in range(3)]
     try:
-        announce_replacement(
+        cfg.layout.root.mkdir(parents=True, exist_ok=True)  # the launchers may not have made it yet
+        assert announce_replacement(
             cfg.layout.control, "", until=time.time() + 240, why="the test adds a spare for the second loss"
         )
         deadline = time.time() + 240

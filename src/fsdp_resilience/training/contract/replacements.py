@@ -94,7 +94,16 @@ def announce_keeper_watching(control: Path, launch_id: str, *, until: float, why
 
 
 def announce_no_replacement(control: Path, launch_id: str, *, why: str) -> bool:
-    """Nothing is coming for ``launch_id`` (replacements used up, no capacity, the keeper gone)."""
+    """Nothing more is coming for ``launch_id`` (replacements used up, no capacity, the keeper
+    gone). A spare announced earlier that has not come yet stays announced: survivors still wait
+    for it, until its deadline. False when nothing was written (that, or no run dir here)."""
+    earlier = read_membership_deadline(control, launch_id)
+    if (
+        earlier is not None
+        and not earlier.standing
+        and earlier.wait_until(beats=launcher_beats(control, launch_id)) is not None
+    ):
+        return False
     return _write(control, MembershipDeadline(launch_id, False, None, why))
 
 

@@ -162,3 +162,18 @@ def test_a_fault_training_got_past_decides_nothing(tmp_path):
     rank0.emit("fault_detected", ts=t0 + 1, kind="InjectedFault", step=4)
     rank0.emit("step", ts=t0 + 2, step=5)  # recovered in-process
     assert watch.poll(t0 + 30) is None and waiting(layout) == []
+
+
+def test_none_coming_leaves_a_spare_still_on_its_way_announced(tmp_path):
+    """The keeper added node 3 for one loss, then could not refill for the next (budget spent): its
+    "none" must not cancel node 3, which has not come yet; once node 3 beats, "none" is written."""
+    layout, watch, workers = setup(tmp_path)
+    t0 = time.time()
+    announce_replacement(layout.control, LAUNCH, until=t0 + 300, why="the pool keeper added node 3", node_ranks=[3])
+    assert not announce_no_replacement(layout.control, LAUNCH, why="max_node_replacements=1 spent")
+    assert read_membership_deadline(layout.control, LAUNCH).coming
+    lose_the_workers(watch, workers, t0)
+    assert watch.poll(t0 + 2 + LAUNCHER_STALE_S + WORKERS_DOWN_S) is None  # waits for node 3
+    beat_launcher(layout.control, 3, launch_id=LAUNCH, standby=True)
+    assert announce_no_replacement(layout.control, LAUNCH, why="max_node_replacements=1 spent")
+    assert not read_membership_deadline(layout.control, LAUNCH).coming
