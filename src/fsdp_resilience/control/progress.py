@@ -119,6 +119,11 @@ def judge_progress(
 CHANGE_TICK_S = 0.2
 
 
+#: The events ``LaunchChanges`` reads (as they appear in a line): a launcher's end, survivors
+#: waiting for nodes, and training beginning again after a wait.
+_CHANGE_EVENTS = (b'"final"', b'"waiting_for_nodes"', b'"train_begin"')
+
+
 class LaunchChanges:
     """What tells, between two progress checks, that a launch may have ended: one of its
     launchers appended its ``final`` event to the run's events log, or a file the backend keeps
@@ -170,7 +175,7 @@ class LaunchChanges:
         *lines, self.partial = (self.partial + data).split(b"\n")
         why = None
         for line in lines:
-            if self.needle not in line or not any(k in line for k in (b'"final"', b'"waiting_for_nodes"', b'"train_begin"')):
+            if self.needle not in line or not any(k in line for k in _CHANGE_EVENTS):
                 continue
             try:
                 record = json.loads(line)

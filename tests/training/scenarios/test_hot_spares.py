@@ -178,7 +178,8 @@ def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds_and_a_relaunch_r
     codes, logs = run_nodes(tmp_path, cfg, 2, timeout=300, env={"TRAINING_LAUNCH_ID": "1"})
     assert codes == [0, 0], logs
     relaunched = [r for r in Run(cfg, 0, logs).of("train_begin") if r.get("launch_id") == "1"]
-    assert {(r["start_step"], r["resumed_from"]) for r in relaunched} == {(newest.step, newest.checkpoint_id)}, relaunched
+    resumed = {(r["start_step"], r["resumed_from"]) for r in relaunched}
+    assert resumed == {(newest.step, newest.checkpoint_id)}, relaunched
     assert CheckpointCatalog(cfg.layout.root).latest().step == 12
 
 
