@@ -15,8 +15,10 @@ the keeper's word on it, so survivors do not end a launch the keeper is about to
 lapses by itself when the keeper stops.
 
 Launchers beat (``beat_launcher``: one small file per node, rewritten every poll) so that the
-others can tell a node that is gone, or hangs, from one that is merely slow to rejoin. One write a
-second per node: on FSx for Lustre a metadata operation each, far below what one MDT serves.
+others can tell a node that is gone, or hangs, from one that is merely slow to rejoin. A beat is a
+create and a rename, with no fsync (it is worthless after a crash): on FSx for Lustre a few
+metadata operations a second per node, far below what one metadata server serves. The beats are
+read only while a node's workers are down or a fault is pending.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def beat_launcher(control: Path, node_rank: int, **state: Any) -> None:
     folder = launchers_dir(control)
     folder.mkdir(parents=True, exist_ok=True)
     record = {"node_rank": node_rank, "pid": os.getpid(), "ts": time.time(), **state}
-    atomic_write_text(folder / f"node{node_rank}.json", json.dumps(record) + "\n")
+    atomic_write_text(folder / f"node{node_rank}.json", json.dumps(record) + "\n", durable=False)
 
 
 def launcher_beats(control: Path, launch_id: str) -> dict[int, float]:
