@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import RUN_SETTINGS, ensure_dataset, free_port, log, summarize
+from bench.common import ensure_dataset, log, summarize
 from bench.restarts import injected_faults
-from bench.training_plane.spare import run_nodes
+from bench.training_plane.spare import run_nodes, spare_config_fields
 
 #: The two losses: the first is covered by the spare (an in-job restart onto it), the second finds
 #: none left. Each fires once, on the training node that holds the highest rank off node 0.
@@ -46,20 +46,11 @@ PARTS = ("detect", "shut_down", "exit", "launcher_start", "start_restore", "firs
 
 
 def used_up_config_fields(run_id: str, run_dir: Path, dataset: Path, procs_per_node: int) -> dict[str, Any]:
-    """The run config of one trial (the relaunch uses the same)."""
+    """The run config of one trial (the relaunch uses the same): the takeover trial's, with the
+    two losses."""
     return {
-        **RUN_SETTINGS,
-        "run_id": run_id,
-        "run_dir": str(run_dir),
-        "dataset_dir": str(dataset),
-        "nodes": NODES,
-        "spare_nodes": SPARES,
-        "procs_per_node": procs_per_node,
+        **spare_config_fields(run_id, run_dir, dataset, procs_per_node),
         "steps": FAULT_STEPS[-1] + STEPS_AFTER,
-        "checkpoint_interval": 5,
-        "restart_mode": "layered",
-        "max_restarts": 4,
-        "rdzv_port": free_port(),
         "faults": [
             {"kind": "node_loss", "step": step, "node": None, "attempt": None, "once": True} for step in FAULT_STEPS
         ],

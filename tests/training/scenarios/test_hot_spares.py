@@ -139,17 +139,13 @@ def test_node_loss_with_a_spare_recovers_in_job_with_the_same_losses(tmp_path, d
     assert run.losses() == clean.losses()
 
 
-def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds_and_a_relaunch_resumes(tmp_path, dataset):
-    """Two training nodes and one spare; node 1 is lost at step 4 (the spare takes its place), then
-    the spare's node at step 8. Nothing is left to take its place and nothing was announced
-    (control/membership-deadline.json): node 0 logs waiting_for_nodes naming the lost node and ends
-    the launch as restarts_exhausted within seconds, for the ladder to relaunch, instead of waiting
-    out the rendezvous' join_timeout (600 s). The relaunch (what the ladder starts: a new launch of
-    the same run) resumes from the newest committed checkpoint and finishes."""
-    cfg = write_config(
+def two_losses_one_spare(tmp_path, dataset, run_id: str) -> RunConfig:
+    """Two training nodes and one spare; node 1 lost at step 4 (the spare takes its place), then
+    the spare's node at step 8."""
+    return write_config(
         tmp_path,
         dataset,
-        "usedup",
+        run_id,
         steps=12,
         nodes=2,
         procs_per_node=1,
@@ -159,6 +155,16 @@ def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds_and_a_relaunch_r
             {"kind": "node_loss", "step": 8, "node": None, "attempt": None, "once": True},
         ],
     )
+
+
+def test_a_loss_no_spare_is_left_for_ends_the_launch_in_seconds_and_a_relaunch_resumes(tmp_path, dataset):
+    """Two training nodes and one spare; node 1 is lost at step 4 (the spare takes its place), then
+    the spare's node at step 8. Nothing is left to take its place and nothing was announced
+    (control/membership-deadline.json): node 0 logs waiting_for_nodes naming the lost node and ends
+    the launch as restarts_exhausted within seconds, for the ladder to relaunch, instead of waiting
+    out the rendezvous' join_timeout (600 s). The relaunch (what the ladder starts: a new launch of
+    the same run) resumes from the newest committed checkpoint and finishes."""
+    cfg = two_losses_one_spare(tmp_path, dataset, "usedup")
     codes, logs = run_nodes(tmp_path, cfg, 3, timeout=300)
     assert codes == [75, -9, -9], logs
     run = Run(cfg, 0, logs)
@@ -189,19 +195,7 @@ def test_a_replacement_announced_for_a_loss_no_spare_covers_joins_and_training_g
     keeper, starts it (node 3) once the second loss happened. It joins, training goes on in the
     same launch and succeeds; nothing ends early. (Started before node 0 looks, node 3 would be a
     parked spare like any other, and node 0 would not wait at all.)"""
-    cfg = write_config(
-        tmp_path,
-        dataset,
-        "announced",
-        steps=12,
-        nodes=2,
-        procs_per_node=1,
-        spare_nodes=1,
-        faults=[
-            {"kind": "node_loss", "step": 4, "node": None, "attempt": None, "once": True},
-            {"kind": "node_loss", "step": 8, "node": None, "attempt": None, "once": True},
-        ],
-    )
+    cfg = two_losses_one_spare(tmp_path, dataset, "announced")
     cfg_path = tmp_path / f"{cfg.run_id}.json"
     nodes = [launch(cfg, cfg_path, node_rank=i) for i in range(3)]
     try:
